@@ -1,0 +1,263 @@
+"""The local capsule store: an OCI image layout (oci-layout, index.json, blobs/sha256/<hex>).
+
+Writes are atomic (temp file + fsync + rename; index.json replaced under a lock), so a capsule is either
+wholly visible or not at all. Every digest is verified before a blob is used. Files are 0600, dirs 0700:
+capsules hold process memory.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Iterator
+
+from ..config import private_dir
+from ..contracts import CapsuleProfile, ColdSnapError, ErrorCode
+from ..contracts import capsule as mt
+
+CHUNK = 4 << 20
+DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True)
+class Descriptor:
+    media_type: str
+    digest: str
+    size: int
+    annotations: dict[str, str] | None = None
+
+    def to_json(self) -> dict:
+        d = {"mediaType": self.media_type, "digest": self.digest, "size": self.size}
+        if self.annotations:
+            d["annotations"] = dict(self.annotations)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Descriptor":
+        return cls(d["mediaType"], d["digest"], int(d["size"]), d.get("annotations"))
+
+
+@dataclass(frozen=True)
+class LoadedCapsule:
+    digest: str  # manifest digest: the capsule's identity
+    manifest: dict
+    profile: CapsuleProfile
+    layers: list[Descriptor]
+
+    def layer(self, media_type: str) -> Descriptor | None:
+        return next((d for d in self.layers if d.media_type == media_type), None)
+
+
+def parse_reference(ref: str) -> tuple[str | None, str | None]:
+    """(name, digest). Pinned forms: 'sha256:…' and 'NAME@sha256:…'; 'NAME' or 'NAME:TAG' are unpinned."""
+    if DIGEST_RE.match(ref):
+        return None, ref
+    if "@" in ref:
+        name, digest = ref.rsplit("@", 1)
+        if not DIGEST_RE.match(digest):
+            raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"capsule reference {ref!r}: digest must be sha256:<64 hex>")
+        return name, digest
+    return ref, None
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_file(path: Path) -> tuple[str, int]:
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return "sha256:" + h.hexdigest(), size
+
+
+class CapsuleStore:
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.blobs = self.root / "blobs" / "sha256"
+
+    # --- layout ---------------------------------------------------------------------------------------------
+    def init(self) -> "CapsuleStore":
+        private_dir(self.root)
+        private_dir(self.root / "blobs")
+        private_dir(self.blobs)
+        private_dir(self.root / "tmp")
+        layout = self.root / "oci-layout"
+        if not layout.exists():
+            self._atomic_write(layout, json.dumps({"imageLayoutVersion": "1.0.0"}).encode())
+        if not (self.root / "index.json").exists():
+            self._atomic_write(self.root / "index.json", self._index_bytes([]))
+        return self
+
+    @staticmethod
+    def _index_bytes(manifests: list[dict]) -> bytes:
+        return json.dumps({"schemaVersion": 2, "mediaType": mt.INDEX_MEDIA_TYPE, "manifests": manifests},
+                          indent=1, sort_keys=True).encode()
+
+    def _atomic_write(self, dest: Path, data: bytes) -> None:
+        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o600)
+            os.replace(tmp, dest)
+            _fsync_dir(dest.parent)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        lock = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(lock)
+
+    def index(self) -> list[dict]:
+        try:
+            return json.loads((self.root / "index.json").read_text())["manifests"]
+        except FileNotFoundError:
+            return []
+
+    # --- blobs ----------------------------------------------------------------------------------------------
+    def blob_path(self, digest: str) -> Path:
+        if not DIGEST_RE.match(digest):
+            raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"not a sha256 digest: {digest!r}")
+        return self.blobs / digest.split(":", 1)[1]
+
+    def has_blob(self, digest: str) -> bool:
+        return self.blob_path(digest).exists()
+
+    def put_bytes(self, data: bytes, media_type: str, annotations: dict | None = None) -> Descriptor:
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        dest = self.blob_path(digest)
+        if not dest.exists():
+            self._atomic_write(dest, data)
+        return Descriptor(media_type, digest, len(data), annotations)
+
+    def put_file(self, src: Path, media_type: str, annotations: dict | None = None, move: bool = False) -> Descriptor:
+        """Hash then move/copy into the store; the blob appears under its digest only when complete."""
+        digest, size = sha256_file(src)
+        dest = self.blob_path(digest)
+        if not dest.exists():
+            tmp = self.root / "tmp" / f"{digest.split(':')[1]}.{os.getpid()}"
+            if move:
+                os.replace(src, tmp) if src.stat().st_dev == tmp.parent.stat().st_dev else shutil.move(src, tmp)
+            else:
+                shutil.copyfile(src, tmp)
+            os.chmod(tmp, 0o600)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, dest)
+        elif move:
+            src.unlink()
+        return Descriptor(media_type, digest, size, annotations)
+
+    def verify_blob(self, desc: Descriptor) -> Path:
+        path = self.blob_path(desc.digest)
+        if not path.exists():
+            raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"blob {desc.digest} ({desc.media_type}) is missing")
+        digest, size = sha256_file(path)
+        if digest != desc.digest or size != desc.size:
+            raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT,
+                                f"blob {desc.digest} ({desc.media_type}) fails verification: content hashes to {digest}, "
+                                f"{size} bytes (expected {desc.size})")
+        return path
+
+    def read_verified(self, desc: Descriptor) -> bytes:
+        data = self.verify_blob(desc).read_bytes()
+        return data
+
+    # --- capsules -------------------------------------------------------------------------------------------
+    def write_capsule(self, profile: CapsuleProfile, layers: list[Descriptor], annotations: dict[str, str],
+                      tag: str | None = None) -> str:
+        """Write config + manifest and add it to index.json. Layers must already be in the store."""
+        config = self.put_bytes(profile.model_dump_json(indent=1).encode(), mt.CONFIG_MEDIA_TYPE)
+        manifest = {
+            "schemaVersion": 2,
+            "mediaType": mt.MANIFEST_MEDIA_TYPE,
+            "artifactType": mt.ARTIFACT_TYPE,
+            "config": config.to_json(),
+            "layers": [d.to_json() for d in layers],
+            "annotations": {mt.ANNOTATION_CREATED: datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                            **annotations},
+        }
+        mdesc = self.put_bytes(json.dumps(manifest, indent=1, sort_keys=True).encode(), mt.MANIFEST_MEDIA_TYPE)
+        self.add_to_index(mdesc, tag)
+        return mdesc.digest
+
+    def add_to_index(self, mdesc: Descriptor, tag: str | None) -> None:
+        entry = {"mediaType": mt.MANIFEST_MEDIA_TYPE, "digest": mdesc.digest, "size": mdesc.size,
+                 "artifactType": mt.ARTIFACT_TYPE}
+        if tag:
+            entry["annotations"] = {mt.ANNOTATION_REF_NAME: tag}
+        with self._locked():
+            manifests = [m for m in self.index() if not (
+                m["digest"] == mdesc.digest and m.get("annotations", {}).get(mt.ANNOTATION_REF_NAME) == tag)]
+            if tag:  # a tag names one capsule: move it
+                manifests = [m for m in manifests if m.get("annotations", {}).get(mt.ANNOTATION_REF_NAME) != tag]
+            manifests.append(entry)
+            self._atomic_write(self.root / "index.json", self._index_bytes(manifests))
+
+    def resolve(self, ref: str, allow_unpinned: bool = False) -> str:
+        """Reference → manifest digest. Unpinned references (a tag) are refused unless asked for."""
+        name, digest = parse_reference(ref)
+        if digest:
+            if not self.has_blob(digest):
+                raise ColdSnapError(ErrorCode.CAPSULE_NOT_FOUND, f"capsule {digest} is not in the store {self.root}")
+            return digest
+        if not allow_unpinned:
+            raise ColdSnapError(ErrorCode.CAPSULE_UNPINNED,
+                                f"capsule reference {ref!r} is not pinned by digest; use NAME@sha256:… "
+                                f"or pass --allow-unpinned")
+        for m in reversed(self.index()):
+            if m.get("annotations", {}).get(mt.ANNOTATION_REF_NAME) == name:
+                return m["digest"]
+        raise ColdSnapError(ErrorCode.CAPSULE_NOT_FOUND, f"no capsule tagged {name!r} in the store {self.root}")
+
+    def load(self, digest: str) -> LoadedCapsule:
+        """Manifest and profile, both verified against their digests."""
+        mpath = self.blob_path(digest)
+        if not mpath.exists():
+            raise ColdSnapError(ErrorCode.CAPSULE_NOT_FOUND, f"capsule {digest} is not in the store {self.root}")
+        raw = mpath.read_bytes()
+        actual = "sha256:" + hashlib.sha256(raw).hexdigest()
+        if actual != digest:
+            raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"manifest {digest} fails verification (hashes to {actual})")
+        manifest = json.loads(raw)
+        if manifest.get("artifactType") != mt.ARTIFACT_TYPE:
+            raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"{digest} is not a ColdSnap capsule "
+                                f"(artifactType {manifest.get('artifactType')!r})")
+        config = Descriptor.from_json(manifest["config"])
+        try:
+            profile = CapsuleProfile.model_validate_json(self.read_verified(config))
+        except ValueError as e:
+            raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"capsule profile does not validate: {e}") from None
+        return LoadedCapsule(digest, manifest, profile, [Descriptor.from_json(d) for d in manifest["layers"]])
+
+    def verify(self, capsule: LoadedCapsule) -> None:
+        for desc in capsule.layers:
+            self.verify_blob(desc)
+
+    def list(self) -> list[dict]:
+        return self.index()

@@ -1,0 +1,293 @@
+"""`coldsnap`: the command-line entry point. Parses arguments, calls one flow, prints the result.
+Errors become one line on stderr and a stable exit code (see contracts/errors.py); never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from . import __version__
+from .contracts import EXIT_CODES, SCHEMAS, ColdSnapError, ErrorCode, parse_request
+
+EPILOG = """exit codes: 0 ok, 2 invalid request, 3 capsule not found, 4 capsule corrupt/unpinned, 5 incompatible,
+6 resource busy, 7 CRIU failed, 8 GPU failed, 9 workload failed, 10 validation failed, 11 validation timeout,
+12 environment, 13 registry, 14 runtime, 70 internal. Paths: COLDSNAP_HOME (/var/lib/coldsnap), COLDSNAP_STORE,
+COLDSNAP_RUN (/run/coldsnap), COLDSNAP_CRIU_PREFIX, COLDSNAP_CRIU."""
+
+
+def _progress(args) -> Any:
+    if getattr(args, "json", False) or getattr(args, "quiet", False):
+        return lambda msg: None
+    return lambda msg: print(f"coldsnap: {msg}", file=sys.stderr, flush=True)
+
+
+def _emit(args, data: dict, human: str | None = None) -> None:
+    if getattr(args, "json", False) or human is None:
+        print(json.dumps(data, indent=1, sort_keys=True))
+    else:
+        print(human)
+
+
+def _read_request(path: str) -> Any:
+    try:
+        text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()
+    except OSError as e:
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"cannot read request {path}: {e.strerror}") from None
+    return parse_request(text)
+
+
+# --- commands ----------------------------------------------------------------------------------------------------
+def cmd_schema(args) -> int:
+    if args.name:
+        if args.name not in SCHEMAS:
+            raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"no schema {args.name!r}; one of: {', '.join(SCHEMAS)}")
+        print(json.dumps(SCHEMAS[args.name].model_json_schema(), indent=1))
+    else:
+        print(json.dumps({name: m.model_json_schema() for name, m in SCHEMAS.items()}, indent=1))
+    return 0
+
+
+def cmd_validate_request(args) -> int:
+    req = _read_request(args.file)
+    _emit(args, {"valid": True, "operation": req.operation}, f"valid {req.operation} request")
+    return 0
+
+
+def cmd_doctor(args) -> int:
+    from .doctor import doctor_json, render_table, run_doctor
+
+    checks = run_doctor()
+    data = doctor_json(checks)
+    _emit(args, data, render_table(checks))
+    return 0 if data["ok"] else EXIT_CODES[ErrorCode.ENVIRONMENT]
+
+
+def cmd_capabilities(args) -> int:
+    from .doctor import capabilities
+
+    print(capabilities().model_dump_json(indent=1))
+    return 0
+
+
+def _capture_request(args):
+    from .contracts import CaptureRequest
+
+    if args.request:
+        req = _read_request(args.request)
+        if req.operation != "capture":
+            raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"operation: expected capture, got {req.operation}")
+    else:
+        req = CaptureRequest(operation="capture")
+    updates: dict[str, Any] = {}
+    if args.engine:
+        updates["engine"] = req.engine.model_copy(update={"name": args.engine})
+    if args.tag:
+        updates["tag"] = args.tag
+    policy = {}
+    if args.weights_mode:
+        policy["weights_mode"] = args.weights_mode
+    if policy:
+        updates["policy"] = req.policy.model_copy(update=policy)
+    life = {}
+    if args.leave_running:
+        life["leave_running"] = True
+    if args.name:
+        life["name"] = args.name
+    if life:
+        updates["lifecycle"] = req.lifecycle.model_copy(update=life)
+    if args.device:
+        updates["launch"] = req.launch.model_copy(update={"devices": [] if args.device == "cpu" else [args.device]})
+    # Re-validate the combined request (model_copy does not validate).
+    return type(req).model_validate({**req.model_dump(), **{k: (v.model_dump() if hasattr(v, "model_dump") else v)
+                                                             for k, v in updates.items()}})
+
+
+def cmd_capture(args) -> int:
+    from .flows.capture import capture
+
+    req = _capture_request(args)
+    res = capture(req, progress=_progress(args))
+    r = res.receipt
+    _emit(args, r, f"captured {r['result']['capsule']} ({r['result']['capsule_bytes'] / 2**20:.1f} MiB); "
+                   f"receipt {r['_path']}")
+    return 0
+
+
+def cmd_restore(args) -> int:
+    from .contracts import Policy, RestoreRequest
+    from .flows.restore import restore
+
+    if args.request:
+        req = _read_request(args.request)
+        if req.operation not in ("restore", "prepare"):
+            raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"operation: expected restore, got {req.operation}")
+    else:
+        if not args.capsule:
+            raise ColdSnapError(ErrorCode.INVALID_REQUEST, "restore needs --capsule REF (or --request FILE)")
+        req = RestoreRequest(operation="prepare" if args.prepare_only else "restore", capsule=args.capsule,
+                             policy=Policy(fallback_to_cold=not args.no_fallback, allow_unpinned=args.allow_unpinned,
+                                           compatibility="relaxed" if args.relaxed else "strict"))
+    r = restore(req, progress=_progress(args))
+    res = r["result"]
+    if r["state"] == "fell-back":
+        human = f"fell back to a cold start ({res['fallback_reason']}); serving at {res['url']}"
+    elif r["operation"] == "prepare":
+        human = f"prepared {res['capsule']} (admitted, verified, staged)"
+    else:
+        human = f"restored {res['workload']} at {res['url']}: first token {res['time_to_first_token_s']:.3f} s"
+    _emit(args, r, human + f"; receipt {r['_path']}")
+    return 0
+
+
+def cmd_status(args) -> int:
+    from .workload import alive, list_states
+
+    rows = []
+    for ws in list_states():
+        if args.name and ws.name != args.name:
+            continue
+        rows.append({"name": ws.name, "state": ws.state if alive(ws.pid) else "dead", "origin": ws.origin,
+                     "pid": ws.pid, "url": ws.url, "capsule": ws.capsule})
+    if args.name and not rows:
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"no workload named {args.name!r} on this host")
+    human = "\n".join(f"{r['name']:<24} {r['state']:<9} {r['origin']:<9} pid {r['pid']:<8} {r['url']}"
+                      for r in rows) or "no workloads"
+    _emit(args, {"workloads": rows}, human)
+    return 0
+
+
+def cmd_stop(args) -> int:
+    from .workload import load_state, stop_workload
+
+    ws = load_state(args.name)
+    stop_workload(ws)
+    _emit(args, {"stopped": ws.name}, f"stopped {ws.name}")
+    return 0
+
+
+def cmd_ls(args) -> int:
+    from .capsule import CapsuleStore
+    from .config import settings
+    from .contracts import capsule as mt
+
+    store = CapsuleStore(settings().store)
+    rows = [{"digest": m["digest"], "tag": m.get("annotations", {}).get(mt.ANNOTATION_REF_NAME)} for m in store.list()]
+    _emit(args, {"capsules": rows}, "\n".join(f"{r['digest']}  {r['tag'] or ''}" for r in rows) or "no capsules")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from .capsule import CapsuleStore
+    from .config import settings
+
+    store = CapsuleStore(settings().store)
+    cap = store.load(store.resolve(args.ref, allow_unpinned=args.allow_unpinned))
+    print(json.dumps({"digest": cap.digest, "manifest": cap.manifest,
+                      "profile": cap.profile.model_dump(mode="json", exclude={"launch": {"env"}})}, indent=1))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench.run import run_bench
+
+    data = run_bench(args, progress=_progress(args))
+    _emit(args, data, data.get("_summary"))
+    return 0
+
+
+# --- parser ------------------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="coldsnap",
+        description="Capture an initialized inference server once (CRIU + CUDA checkpoint) and restore it instead "
+                    "of cold-starting: admit → stage → restore → hydrate → validate → receipt.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"coldsnap {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    def add(name, fn, help_):
+        sp = sub.add_parser(name, help=help_, description=help_)
+        sp.set_defaults(fn=fn)
+        return sp
+
+    sp = add("schema", cmd_schema, "print the JSON Schema of a contract (all when NAME is omitted)")
+    sp.add_argument("name", nargs="?", help=f"one of: {', '.join(SCHEMAS)}")
+    sp = add("validate-request", cmd_validate_request, "check a request document; exit 2 with the field on error")
+    sp.add_argument("file", help="request file, or - for standard input")
+    sp.add_argument("--json", action="store_true")
+    sp = add("doctor", cmd_doctor, "check this host: CRIU, pycriu, runtimes, capabilities, GPUs")
+    sp.add_argument("--json", action="store_true", help="machine-readable output")
+    sp = add("capabilities", cmd_capabilities, "what this ColdSnap supports (JSON)")
+    sp.add_argument("--json", action="store_true", help="accepted for symmetry; output is always JSON")
+
+    sp = add("capture", cmd_capture, "start a workload, validate it, capture it into a capsule")
+    sp.add_argument("--request", help="capture request file (JSON), or - for stdin")
+    sp.add_argument("--engine", choices=["reference", "vllm", "sglang"], help="engine (default: reference)")
+    sp.add_argument("--tag", help="name the capsule in the local store")
+    sp.add_argument("--name", help="workload name (default: ENGINE-xxxxxx)")
+    sp.add_argument("--weights-mode", choices=["native", "recovery", "auto"])
+    sp.add_argument("--device", help="cpu (default) or cuda / cuda:N")
+    sp.add_argument("--leave-running", action="store_true", help="keep the captured workload running")
+    sp.add_argument("--json", action="store_true", help="print the receipt as JSON, no progress")
+
+    sp = add("restore", cmd_restore, "restore a workload from a capsule (falls back to a cold start if refused)")
+    sp.add_argument("--capsule", help="capsule reference pinned by digest: sha256:… or NAME@sha256:…")
+    sp.add_argument("--request", help="restore request file (JSON)")
+    sp.add_argument("--prepare-only", action="store_true", help="admit, verify and stage only; touch no workload")
+    sp.add_argument("--no-fallback", action="store_true", help="fail instead of starting cold")
+    sp.add_argument("--allow-unpinned", action="store_true", help="accept a tag instead of a digest")
+    sp.add_argument("--relaxed", action="store_true", help="relaxed compatibility (only what breaks a restore)")
+    sp.add_argument("--json", action="store_true")
+
+    sp = add("status", cmd_status, "workloads on this host (active/sleeping)")
+    sp.add_argument("name", nargs="?")
+    sp.add_argument("--json", action="store_true")
+    sp = add("stop", cmd_stop, "stop a workload and remove its network namespace")
+    sp.add_argument("name")
+    sp.add_argument("--json", action="store_true")
+    sp = add("ls", cmd_ls, "capsules in the local store")
+    sp.add_argument("--json", action="store_true")
+    sp = add("inspect", cmd_inspect, "a capsule's manifest and profile (environment values omitted)")
+    sp.add_argument("ref")
+    sp.add_argument("--allow-unpinned", action="store_true")
+
+    sp = add("bench", cmd_bench, "vanilla start vs restore, N samples each; JSON + PNG under bench/results/")
+    sp.add_argument("--engine", default="reference", choices=["reference", "vllm", "sglang"])
+    sp.add_argument("--samples", "-n", type=int, default=5)
+    sp.add_argument("--device", default="cpu")
+    sp.add_argument("--weights-mode", default="auto", choices=["native", "recovery", "auto"])
+    sp.add_argument("--out", default="bench/results", help="directory for the JSON and PNG")
+    sp.add_argument("--json", action="store_true", help="print the result JSON, no progress")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "fn", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.fn(args)
+    except ColdSnapError as e:
+        print(f"coldsnap: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except BrokenPipeError:  # e.g. `coldsnap schema | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except KeyboardInterrupt:
+        print("coldsnap: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # a bug: still one line, with the traceback only on request
+        if os.environ.get("COLDSNAP_DEBUG"):
+            raise
+        print(f"coldsnap: internal error: {type(e).__name__}: {e} (set COLDSNAP_DEBUG=1 for a traceback)",
+              file=sys.stderr)
+        return EXIT_CODES[ErrorCode.INTERNAL]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

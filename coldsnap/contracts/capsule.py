@@ -1,0 +1,18 @@
+"""Capsule media types and annotation keys (OCI conventions, reverse-DNS keys)."""
+
+ARTIFACT_TYPE = "application/vnd.coldsnap.capsule.v1+json"
+CONFIG_MEDIA_TYPE = "application/vnd.coldsnap.capsule.profile.v1+json"
+LAYER_CRIU = "application/vnd.coldsnap.criu.images.v1.tar+zstd"
+LAYER_FILES = "application/vnd.coldsnap.files.v1.tar+zstd"
+LAYER_WEIGHTS_MANIFEST = "application/vnd.coldsnap.weights.manifest.v1+json"
+MANIFEST_MEDIA_TYPE = "application/vnd.oci.image.manifest.v1+json"
+INDEX_MEDIA_TYPE = "application/vnd.oci.image.index.v1+json"
+
+ANNOTATION_CAPSULE = "io.coldsnap.capsule"
+ANNOTATION_POLICY = "io.coldsnap.policy"
+ANNOTATION_VALIDATION = "io.coldsnap.validation"
+ANNOTATION_ENGINE = "io.coldsnap.engine"
+ANNOTATION_MODEL = "io.coldsnap.model"
+ANNOTATION_REF_NAME = "org.opencontainers.image.ref.name"
+ANNOTATION_CREATED = "org.opencontainers.image.created"
+ANNOTATION_TITLE = "org.opencontainers.image.title"

@@ -1,0 +1,86 @@
+"""Compatibility profile (a capsule's config blob) and capabilities."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from .base import FORMAT_VERSION, Strict
+from .request import Engine, Launch, Model, Validation
+
+
+class GpuInfo(Strict):
+    index: int
+    name: str
+    uuid: str
+    memory_mib: int
+    compute_capability: str
+
+
+class HostProfile(Strict):
+    """What a restore depends on. Compared field by field at admission."""
+
+    arch: str
+    cpu_model: str
+    cpu_flags: list[str] = Field(description="Flags a restored process may have probed (a subset must be present).")
+    kernel: str
+    criu_version: str
+    driver_version: str | None = None
+    cuda_version: str | None = None
+    gpus: list[GpuInfo] = Field(default_factory=list)
+
+
+class NetworkPlan(Strict):
+    """Addresses fixed at capture; recreated exactly at restore (sockets remember them)."""
+
+    netns: str
+    host_veth: str
+    workload_veth: str
+    host_address: str
+    workload_address: str
+    prefix_len: int = 30
+    port: int
+
+
+class CapturedFile(Strict):
+    """A file the restored process holds open and expects to find as it was at the dump."""
+
+    path: str
+    size: int
+    mode: int
+
+
+class CapsuleProfile(Strict):
+    format: Literal[1] = FORMAT_VERSION
+    kind: Literal["coldsnap.capsule.profile"] = "coldsnap.capsule.profile"
+    created: str
+    snapshot_driver: Literal["criu-process", "criu-runc"]
+    host: HostProfile
+    engine: Engine
+    engine_version: str | None = None
+    model: Model | None = None
+    weights_mode: Literal["native", "recovery"]
+    kv_discarded: bool
+    launch: Launch
+    validation: Validation
+    expected_text: str = Field(description="The validated completion at capture; restores must reproduce it.")
+    network: NetworkPlan
+    files: list[CapturedFile] = Field(default_factory=list)
+    cuda_pids: int = 0
+    criu_options: list[str] = Field(default_factory=list, description="The CRIU options used, replayable by hand.")
+    image_digest: str | None = None
+
+
+class Capabilities(Strict):
+    format: Literal[1] = FORMAT_VERSION
+    kind: Literal["coldsnap.capabilities"] = "coldsnap.capabilities"
+    coldsnap_version: str
+    request_formats: list[int]
+    receipt_formats: list[int]
+    capsule_formats: list[int]
+    operations: list[str]
+    engines: list[str]
+    snapshot_drivers: list[str]
+    weights_modes: list[str]
+    qualified: dict[str, str] = Field(description="What was qualified on which kind of machine, with the evidence.")

@@ -1,0 +1,195 @@
+"""One CRIU driver for every entry point: pycriu over `criu swrk`, options from one table."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..config import settings
+from ..contracts import ColdSnapError, ErrorCode
+
+NETNS_KEY = "coldsnap-netns"
+
+
+def _pycriu():
+    """Import pycriu, from the provisioned CRIU prefix if it is not on sys.path already."""
+    try:
+        import pycriu  # noqa: F401
+    except ImportError:
+        path = str(settings().pycriu_path)
+        if path not in sys.path:
+            sys.path.append(path)
+        try:
+            import pycriu  # noqa: F401
+        except ImportError as e:
+            raise ColdSnapError(
+                ErrorCode.ENVIRONMENT, f"pycriu not importable ({e}); run `make setup` (packaging/criu/provision.sh)"
+            ) from None
+    import pycriu
+
+    return pycriu
+
+
+@dataclass
+class CriuOptions:
+    """The CRIU option set, derived once and recorded in the capsule and receipt so a failure can be replayed."""
+
+    tcp_established: bool = True  # a connection racing the dump must not fail it
+    ext_unix_sk: bool = True
+    file_locks: bool = True
+    link_remap: bool = True  # POSIX semaphores / files mapped under unlinked names
+    shell_job: bool = False  # the workload's root is a session leader (setsid), so not needed
+    ghost_limit_mib: int = 1024
+    network_lock: str = "nftables"  # the GPU image has no iptables; libnftables ships in the CRIU prefix
+    leave_running: bool = False
+    log_level: int = 4
+    external: list[str] = field(default_factory=list)
+
+    def cli_flags(self) -> list[str]:
+        """The same options as `criu` command-line flags (for receipts and by-hand replay)."""
+        flags = []
+        table = [
+            (self.tcp_established, "--tcp-established"),
+            (self.ext_unix_sk, "--ext-unix-sk"),
+            (self.file_locks, "--file-locks"),
+            (self.link_remap, "--link-remap"),
+            (self.shell_job, "--shell-job"),
+            (self.leave_running, "--leave-running"),
+        ]
+        flags += [flag for on, flag in table if on]
+        flags += [f"--ghost-limit={self.ghost_limit_mib}M", f"--network-lock={self.network_lock}"]
+        flags += [f"--external={e}" for e in self.external]
+        return flags
+
+    def apply(self, opts, pycriu) -> None:
+        opts.tcp_established = self.tcp_established
+        opts.ext_unix_sk = self.ext_unix_sk
+        opts.file_locks = self.file_locks
+        opts.link_remap = self.link_remap
+        opts.shell_job = self.shell_job
+        opts.ghost_limit = self.ghost_limit_mib << 20
+        opts.network_lock = {"iptables": pycriu.rpc.IPTABLES, "nftables": pycriu.rpc.NFTABLES, "skip": pycriu.rpc.SKIP}[
+            self.network_lock
+        ]
+        opts.log_level = self.log_level
+
+
+def _first_error(log: Path) -> str:
+    """The first meaningful CRIU error line (the RLIMIT_NOFILE one is noise on hosts without CAP_SYS_RESOURCE)."""
+    try:
+        for line in log.read_text(errors="replace").splitlines():
+            if "Error" in line and "RLIMIT_NOFILE" not in line:
+                return re.sub(r"^\(\s*[\d.]+\)\s*", "", line).strip()
+    except OSError:
+        pass
+    return "no error line in the log"
+
+
+class CriuDriver:
+    def __init__(self, binary: str | None = None):
+        self.binary = binary or settings().criu
+        if not os.access(self.binary, os.X_OK):
+            raise ColdSnapError(
+                ErrorCode.ENVIRONMENT, f"CRIU not found at {self.binary}; run `make setup` or set COLDSNAP_CRIU"
+            )
+        self.pycriu = _pycriu()
+
+    def _client(self):
+        client = self.pycriu.criu()
+        client.use_binary(self.binary)
+        return client
+
+    def version(self) -> str:
+        req = self.pycriu.rpc.criu_req()
+        req.type = self.pycriu.rpc.VERSION
+        fd = os.open("/", os.O_DIRECTORY)
+        try:
+            req.opts.images_dir_fd = fd
+            resp = self._client()._send_req_and_recv_resp(req)
+        finally:
+            os.close(fd)
+        v = resp.version
+        return f"{v.major_number}.{v.minor_number}" + (f".{v.sublevel}" if v.HasField("sublevel") else "")
+
+    def dump(self, pid: int, images_dir: Path, options: CriuOptions, netns_inode: int | None) -> float:
+        """Dump the tree rooted at pid (the init of its PID namespace). Returns seconds taken."""
+        images_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        client = self._client()
+        fd = os.open(images_dir, os.O_DIRECTORY)
+        try:
+            options.apply(client.opts, self.pycriu)
+            client.opts.images_dir_fd = fd
+            client.opts.pid = pid
+            client.opts.log_file = "dump.log"
+            client.opts.leave_running = options.leave_running
+            # The network namespace is ColdSnap's (netns + veth), recreated at restore: never dump its contents.
+            if netns_inode is not None:
+                client.opts.external.append(f"net[{netns_inode}]:{NETNS_KEY}")
+            for e in options.external:
+                client.opts.external.append(e)
+            t0 = time.monotonic()
+            try:
+                client.dump()
+            except self.pycriu.CRIUException as e:
+                raise ColdSnapError(
+                    ErrorCode.CRIU_FAILED, f"criu dump of pid {pid} failed: {_first_error(images_dir / 'dump.log')} "
+                    f"(log: {images_dir / 'dump.log'}; {e})"
+                ) from None
+            return time.monotonic() - t0
+        finally:
+            os.close(fd)
+
+    def restore(self, images_dir: Path, work_dir: Path, options: CriuOptions, netns_path: str | None) -> int:
+        """Restore the tree as a child of this process (rst_sibling). Returns the host PID of its root."""
+        work_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        client = self._client()
+        fd = os.open(images_dir, os.O_DIRECTORY)
+        wfd = os.open(work_dir, os.O_DIRECTORY)
+        nsfd = None
+        try:
+            options.apply(client.opts, self.pycriu)
+            client.opts.images_dir_fd = fd
+            client.opts.work_dir_fd = wfd
+            client.opts.log_file = "restore.log"
+            client.opts.rst_sibling = True
+            if netns_path:
+                # criu swrk is forked from us, so an inheritable fd reaches it under the same number.
+                nsfd = os.open(netns_path, os.O_RDONLY)
+                os.set_inheritable(nsfd, True)
+                inh = client.opts.inherit_fd.add()
+                inh.key = NETNS_KEY
+                inh.fd = nsfd
+            try:
+                resp = client.restore()
+            except self.pycriu.CRIUException as e:
+                raise ColdSnapError(
+                    ErrorCode.CRIU_FAILED, f"criu restore failed: {_first_error(work_dir / 'restore.log')} "
+                    f"(log: {work_dir / 'restore.log'}; {e})"
+                ) from None
+            return resp.pid
+        finally:
+            os.close(fd)
+            os.close(wfd)
+            if nsfd is not None:
+                os.close(nsfd)
+
+
+def criu_images_open_files(images_dir: Path) -> list[dict]:
+    """Regular files the dumped tree held open, with the size CRIU recorded (restore insists on it)."""
+    pycriu = _pycriu()
+    path = images_dir / "files.img"
+    if not path.exists():
+        return []
+    with open(path, "rb") as f:
+        entries = pycriu.images.load(f)["entries"]
+    files = []
+    for e in entries:
+        reg = e.get("reg")
+        if e.get("type") == "REG" and reg:
+            files.append({"path": reg["name"], "size": int(reg.get("size", 0)), "flags": int(reg.get("flags", 0), 0)
+                          if isinstance(reg.get("flags"), str) else int(reg.get("flags", 0))})
+    return files

@@ -1,0 +1,71 @@
+"""The engine adapter contract. Engine-specific knowledge (how to launch, what makes it safe to capture,
+how to release and resume memory) lives only in adapters; flows speak to this interface."""
+
+from __future__ import annotations
+
+import http.client
+import json
+from dataclasses import dataclass, field
+
+from ..contracts import CaptureRequest, ColdSnapError, ErrorCode, Model
+
+
+@dataclass
+class PreparedLaunch:
+    argv: list[str]
+    env: dict[str, str]
+    weights_mode: str  # native | recovery (auto resolved)
+    model: Model | None
+    cwd: str | None = None
+    engine_version: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+class EngineAdapter:
+    name = "base"
+    supports_recovery = False
+
+    def prepare(self, request: CaptureRequest) -> PreparedLaunch:
+        raise NotImplementedError
+
+    def resolve_weights_mode(self, requested: str) -> str:
+        if requested == "auto":
+            return "recovery" if self.supports_recovery else "native"
+        if requested == "recovery" and not self.supports_recovery:
+            raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"engine {self.name} cannot release its weights: "
+                                "use weights_mode native")
+        return requested
+
+    # Hooks around capture and restore; default: nothing to release.
+    def before_capture(self, host: str, port: int, kv_discard: bool, weights_mode: str) -> dict:
+        return {}
+
+    def after_restore(self, host: str, port: int, kv_discarded: bool, weights_mode: str) -> dict:
+        return {}
+
+    def after_capture_left_running(self, host: str, port: int, kv_discarded: bool, weights_mode: str) -> dict:
+        return self.after_restore(host, port, kv_discarded, weights_mode)
+
+
+def post_json(host: str, port: int, path: str, body: dict | None = None, timeout: float = 120.0) -> dict:
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request("POST", path, body=json.dumps(body or {}),
+                     headers={"Content-Type": "application/json", "Connection": "close"})
+        resp = conn.getresponse()
+        data = resp.read()
+        if resp.status != 200:
+            raise ColdSnapError(ErrorCode.WORKLOAD_FAILED, f"POST {path} answered HTTP {resp.status}: {data[:200]!r}")
+        return json.loads(data or b"{}")
+    except OSError as e:
+        raise ColdSnapError(ErrorCode.WORKLOAD_FAILED, f"POST {path} failed: {e}") from None
+    finally:
+        conn.close()
+
+
+def get_adapter(name: str) -> EngineAdapter:
+    if name == "reference":
+        from .reference.adapter import ReferenceAdapter
+
+        return ReferenceAdapter()
+    raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"engine {name!r} has no adapter in this ColdSnap yet")

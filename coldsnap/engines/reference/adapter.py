@@ -1,0 +1,60 @@
+"""Adapter for the embedded reference engine (coldsnap.engines.reference.server)."""
+
+from __future__ import annotations
+
+import sys
+
+from ...config import settings
+from ...contracts import CaptureRequest, Model, WeightFile
+from ...weights import file_sha256
+from ..base import EngineAdapter, PreparedLaunch, post_json
+
+MODEL_ID = "coldsnap/reference-tiny"
+
+
+def default_weights_path() -> str:
+    return str(settings().home / "models" / "reference" / "model.safetensors")
+
+
+class ReferenceAdapter(EngineAdapter):
+    name = "reference"
+    supports_recovery = True
+
+    def prepare(self, request: CaptureRequest) -> PreparedLaunch:
+        from coldsnap import __version__
+
+        mode = self.resolve_weights_mode(request.policy.weights_mode)
+        opts = dict(request.engine.options)
+        weights = str(opts.pop("weights", None) or (request.model.weights[0].path if request.model and
+                                                    request.model.weights else default_weights_path()))
+        device = "cuda" if any(d.startswith("cuda") for d in request.launch.devices) else "cpu"
+        argv = request.launch.command or [
+            sys.executable, "-m", "coldsnap.engines.reference.server",
+            "--weights", weights, "--host", "0.0.0.0", "--port", str(request.launch.port),
+            "--device", device, "--model-id", MODEL_ID,
+            # recovery: weights stay file-backed (mmap), so CRIU images exclude them; native: anonymous copies.
+            "--weights-load", "mmap" if mode == "recovery" else "copy",
+        ]
+        for key, value in opts.items():
+            flag = "--" + key.replace("_", "-")
+            if value is True:
+                argv.append(flag)
+            elif value is False:
+                argv.append("--no-" + key.replace("_", "-"))
+            else:
+                argv += [flag, str(value)]
+        env = {"TORCHINDUCTOR_COMPILE_THREADS": "1", **request.launch.env}
+        model = request.model
+        return PreparedLaunch(argv=argv, env=env, weights_mode=mode, model=model, engine_version=__version__,
+                              cwd=request.launch.workdir)
+
+    def describe_model(self, weights_path: str) -> Model:
+        """Called once the engine has started (it writes its seeded weights on first use)."""
+        digest = file_sha256(weights_path)
+        return Model(id=MODEL_ID, revision=f"sha256:{digest}", weights=[WeightFile(path=weights_path, sha256=digest)])
+
+    def before_capture(self, host: str, port: int, kv_discard: bool, weights_mode: str) -> dict:
+        return post_json(host, port, "/coldsnap/release") if kv_discard else {}
+
+    def after_restore(self, host: str, port: int, kv_discarded: bool, weights_mode: str) -> dict:
+        return post_json(host, port, "/coldsnap/resume") if kv_discarded else {}

@@ -1,0 +1,334 @@
+"""A tiny Llama-like decoder (RMSNorm, rotary positions, causal attention, SwiGLU MLP) and its runner.
+
+Decoding has static shapes so torch.compile compiles each step once and CUDA graphs can capture it:
+the KV cache is one preallocated buffer of max_seq positions, the prompt is prefilled in fixed-size
+padded chunks (shape [1, prefill_chunk]) and every decode step has shape [1, 1]. The position is
+passed as a tensor, never as a Python int (an int would be specialized and recompiled per position).
+Each step returns the greedy next token of every position (argmax over printable ASCII only), so the
+logits never leave the graph.
+
+The tokenizer is byte-level: token = UTF-8 byte, plus BOS/EOS/PAD; no training is needed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+BOS = 256
+EOS = 257
+PAD = 258
+PRINTABLE = range(32, 127)  # tokens the decoder may emit: printable ASCII
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 260  # 256 bytes + BOS, EOS, PAD, one spare
+    hidden: int = 256
+    layers: int = 4
+    heads: int = 4
+    intermediate: int = 688
+    max_seq: int = 256
+    prefill_chunk: int = 32
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        if self.vocab_size < PAD + 1:
+            raise ValueError(f"vocab_size must be at least {PAD + 1}")
+        for name in ("hidden", "layers", "heads", "intermediate", "max_seq", "prefill_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive")
+        if self.hidden % self.heads or (self.hidden // self.heads) % 2:
+            raise ValueError("hidden must be a multiple of heads with an even head size")
+        if self.max_seq % self.prefill_chunk:
+            raise ValueError("max_seq must be a multiple of prefill_chunk")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown model config fields: {sorted(unknown)}")
+        return cls(**d)
+
+    def kv_bytes(self, itemsize: int = 4) -> int:
+        """Bytes of the KV cache of one sequence of max_seq positions."""
+        return self.layers * 2 * self.max_seq * self.hidden * itemsize
+
+
+def param_specs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], float]]:
+    """(name, shape, init std) of every weight, in a fixed order; std 0 means all ones (norm gains)."""
+    h, i, v = cfg.hidden, cfg.intermediate, cfg.vocab_size
+    specs: list[tuple[str, tuple[int, ...], float]] = [("embed.weight", (v, h), 1.0)]
+    for n in range(cfg.layers):
+        p = f"layers.{n}."
+        specs += [
+            (p + "attn_norm.weight", (h,), 0.0),
+            (p + "attn.wq.weight", (h, h), 1 / math.sqrt(h)),
+            (p + "attn.wk.weight", (h, h), 1 / math.sqrt(h)),
+            (p + "attn.wv.weight", (h, h), 1 / math.sqrt(h)),
+            (p + "attn.wo.weight", (h, h), 1 / math.sqrt(h) / math.sqrt(2 * cfg.layers)),
+            (p + "mlp_norm.weight", (h,), 0.0),
+            (p + "mlp.w1.weight", (i, h), 1 / math.sqrt(h)),
+            (p + "mlp.w3.weight", (i, h), 1 / math.sqrt(h)),
+            (p + "mlp.w2.weight", (h, i), 1 / math.sqrt(i) / math.sqrt(2 * cfg.layers)),
+        ]
+    specs += [("norm.weight", (h,), 0.0), ("lm_head.weight", (v, h), 1 / math.sqrt(h))]
+    return specs
+
+
+# --- tokenizer ---------------------------------------------------------------------------------
+
+
+def encode(text: str) -> list[int]:
+    return [BOS, *text.encode("utf-8")]
+
+
+def decode(ids: list[int]) -> str:
+    return bytes(t for t in ids if t < 256).decode("utf-8", errors="replace")
+
+
+# --- model -------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.heads, self.head_dim = cfg.heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
+        self.wk = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
+        self.wv = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
+        self.wo = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
+
+    def forward(self, x, cos, sin, positions, mask, cache):  # cache: [2, 1, heads, max_seq, head_dim]
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        cache[0].index_copy_(2, positions, k)
+        cache[1].index_copy_(2, positions, v)
+        out = F.scaled_dot_product_attention(q, cache[0], cache[1], attn_mask=mask)
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.hidden, cfg.intermediate, bias=False)
+        self.w3 = nn.Linear(cfg.hidden, cfg.intermediate, bias=False)
+        self.w2 = nn.Linear(cfg.intermediate, cfg.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, positions, mask, cache):
+        x = x + self.attn(self.attn_norm(x), cos, sin, positions, mask, cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+def _buffers(cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+    ang = torch.outer(torch.arange(cfg.max_seq, dtype=torch.float64), inv)
+    allowed = torch.full((cfg.vocab_size,), float("-inf"))
+    allowed[PRINTABLE.start : PRINTABLE.stop] = 0.0
+    return {"rope_cos": ang.cos().float(), "rope_sin": ang.sin().float(), "logit_mask": allowed, "kv": torch.zeros(0)}
+
+
+class Transformer(nn.Module):
+    """forward(tokens [1, T] int64, start_pos [1] int64) -> greedy next token of each position [1, T].
+
+    Writes the keys and values of positions start_pos .. start_pos+T-1 into the KV cache buffer `kv`
+    ([layers, 2, 1, heads, max_seq, head_dim]), which the owner attaches with set_kv().
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
+        for name, value in _buffers(cfg).items():
+            self.register_buffer(name, value, persistent=False)
+
+    def kv_shape(self) -> tuple[int, ...]:
+        c = self.cfg
+        return (c.layers, 2, 1, c.heads, c.max_seq, c.head_dim)
+
+    def forward(self, tokens: torch.Tensor, start_pos: torch.Tensor) -> torch.Tensor:
+        t = tokens.shape[1]
+        positions = start_pos + torch.arange(t, device=tokens.device)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        keys = torch.arange(self.cfg.max_seq, device=tokens.device)
+        mask = keys[None, :] <= positions[:, None]
+        x = self.embed(tokens)
+        for n, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, positions, mask, self.kv[n])
+        logits = self.lm_head(self.norm(x)) + self.logit_mask
+        return logits.argmax(dim=-1)
+
+
+# --- runner ------------------------------------------------------------------------------------
+
+
+class Runner:
+    """Owns the model, its KV cache buffer and the (optionally compiled) step; not thread-safe.
+
+    The KV buffer is a pool of kv_bytes (at least one sequence's worth), zero-filled so its pages are
+    really there, as a serving engine's preallocated KV cache is; the model uses its first sequence.
+    release() frees the pool's memory (and on CUDA the weights' memory), resume() brings both back.
+    The tensors themselves stay the same Python objects with the same shapes (their storage is
+    resized to 0 and back), so compiled code keeps its guards and does not recompile; CUDA graphs
+    whose static inputs moved are re-recorded by torch on their next call.
+    """
+
+    def __init__(self, model: Transformer, device: torch.device, kv_bytes: int = 0, reload=None) -> None:
+        self.model = model
+        self.cfg = model.cfg
+        self.device = torch.device(device)
+        need = self.cfg.kv_bytes()
+        self.kv_bytes = max(int(kv_bytes), need)
+        self._reload = reload  # () -> dict[name, tensor]: the weights again, for resume() on CUDA
+        self.step = model
+        self.compile_mode: str | None = None
+        self.released = False
+        self.weights_released = False
+        with torch.no_grad():
+            self._pool = torch.zeros(self.kv_bytes // 4, dtype=torch.float32, device=self.device)
+            model.kv = self._pool[: need // 4].view(model.kv_shape())
+
+    @property
+    def cudagraphs(self) -> bool:
+        return self.compile_mode in ("reduce-overhead", "max-autotune")
+
+    def compile(self, mode: str = "default") -> None:
+        self.step = torch.compile(self.model, mode=mode, dynamic=False, fullgraph=True)
+        self.compile_mode = mode
+
+    def _run(self, ids: list[int], start: int) -> torch.Tensor:
+        tokens = torch.tensor([ids], dtype=torch.long, device=self.device)
+        pos = torch.tensor([start], dtype=torch.long, device=self.device)
+        if self.cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        return self.step(tokens, pos)
+
+    def check_fits(self, prompt_len: int, max_tokens: int) -> None:
+        if prompt_len + max_tokens > self.cfg.max_seq:
+            raise ValueError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context of {self.cfg.max_seq}"
+            )
+
+    def generate(self, prompt: list[int], max_tokens: int) -> Iterator[int]:
+        """Greedy decode; yields max_tokens token ids. The caller holds the model lock meanwhile."""
+        if self.released:
+            raise RuntimeError("engine is released; POST /coldsnap/resume first")
+        self.check_fits(len(prompt), max_tokens)
+        if max_tokens < 1 or not prompt:
+            return
+        chunk = self.cfg.prefill_chunk
+        with torch.no_grad():
+            for start in range(0, len(prompt), chunk):
+                part = prompt[start : start + chunk]
+                out = self._run(part + [PAD] * (chunk - len(part)), start)
+            tok = int(out[0, len(part) - 1])
+            yield tok
+            pos = len(prompt)
+            for _ in range(max_tokens - 1):
+                tok = int(self._run([tok], pos)[0, 0])
+                pos += 1
+                yield tok
+
+    def release(self) -> dict[str, Any]:
+        """Drop the KV cache buffer (and, on CUDA, the weights). Idempotent."""
+        freed = 0
+        with torch.no_grad():
+            if not self.released:
+                freed += self._pool.untyped_storage().nbytes()
+                self._pool.untyped_storage().resize_(0)
+                self.released = True
+            if self.device.type == "cuda" and not self.weights_released:
+                for p in self.model.parameters():
+                    freed += p.untyped_storage().nbytes()
+                    p.untyped_storage().resize_(0)
+                self.weights_released = True
+                torch.cuda.synchronize(self.device)
+                torch.cuda.empty_cache()
+        return {"freed_bytes": freed}
+
+    def resume(self) -> dict[str, Any]:
+        """Re-allocate (and zero) the KV cache buffer; on CUDA reload the weights. Idempotent."""
+        with torch.no_grad():
+            if self.weights_released:
+                weights = self._reload()
+                for name, p in self.model.named_parameters():
+                    src = weights[name]
+                    p.untyped_storage().resize_(p.numel() * p.element_size())
+                    p.copy_(src)
+                del weights
+                self.weights_released = False
+            if self.released:
+                self._pool.untyped_storage().resize_(self.kv_bytes // 4 * 4)
+                self._pool.zero_()
+                self.released = False
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        return {"kv_bytes": self.kv_bytes}
+
+
+def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device) -> Transformer:
+    """Build the model around the given tensors without copying them (mmap views stay mmap views)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    missing = {n for n, _, _ in param_specs(cfg)} - set(weights)
+    if missing:
+        raise ValueError(f"weights lack {sorted(missing)[:5]}")
+    for name, shape, _ in param_specs(cfg):
+        if tuple(weights[name].shape) != shape:
+            raise ValueError(f"weight {name} has shape {tuple(weights[name].shape)}, config wants {shape}")
+    model.load_state_dict({n: weights[n] for n, _, _ in param_specs(cfg)}, strict=False, assign=True)
+    with torch.device(device):  # the non-persistent buffers were built on meta: make them for real
+        for name, value in _buffers(cfg).items():
+            setattr(model, name, value)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.eval()

@@ -1,0 +1,197 @@
+"""Weights of the reference model: seeded generation into a safetensors file, and loading.
+
+Generation is deterministic and portable: the same config and seed give a byte-identical file on any
+machine, since the values come from numpy's PCG64 raw stream (whose output numpy keeps stable) mapped
+to uniform floats, not from a library's normal sampler.
+
+load_weights(mode="mmap") maps the file MAP_PRIVATE and hands out tensors that are views over it, so
+the weights stay clean file-backed pages: CRIU leaves such pages out of its images and the restored
+process maps the file again. mode="copy" puts them in ordinary anonymous memory instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import struct
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .model import ModelConfig, param_specs
+
+_DTYPES = {
+    "F64": ("float64", 8),
+    "F32": ("float32", 4),
+    "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2),
+    "I64": ("int64", 8),
+    "I32": ("int32", 4),
+    "I16": ("int16", 2),
+    "I8": ("int8", 1),
+    "U8": ("uint8", 1),
+    "BOOL": ("bool", 1),
+}
+
+# Kept alive for as long as the process runs: the tensors of load_weights(mode="mmap") point into them.
+_MAPS: list[mmap.mmap] = []
+
+
+def sidecar(path: str | os.PathLike) -> Path:
+    """The JSON file next to the weights that holds the model config."""
+    return Path(f"{os.fspath(path)}.json")
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def generate_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """Seeded weights for config: uniform with each layer's std, norm gains at 1."""
+    bits = np.random.PCG64(seed)
+    out: dict[str, np.ndarray] = {}
+    for name, shape, std in param_specs(config):
+        n = int(np.prod(shape))
+        if std == 0.0:
+            out[name] = np.ones(shape, dtype=np.float32)
+            continue
+        u = (bits.random_raw(n) >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))  # [0, 1)
+        out[name] = ((u * 2.0 - 1.0) * (std * np.sqrt(3.0))).astype(np.float32).reshape(shape)
+    return out
+
+
+def serialize(config: ModelConfig, seed: int = 0) -> bytes:
+    from safetensors.numpy import save
+
+    meta = {"format": "pt", "generator": "coldsnap.reference", "seed": str(seed), "config": json.dumps(config.to_dict(), sort_keys=True)}
+    return save(generate_weights(config, seed), metadata=meta)
+
+
+def read_header(path: str | os.PathLike) -> tuple[int, dict[str, Any]]:
+    """(offset of the data section, header) of a safetensors file."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError(f"{path}: not a safetensors file (too short)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > 100 << 20:
+            raise ValueError(f"{path}: implausible safetensors header length {n}")
+        header = json.loads(f.read(n))
+    return 8 + n, header
+
+
+def check_shapes(path: str | os.PathLike, config: ModelConfig) -> None:
+    _, header = read_header(path)
+    for name, shape, _ in param_specs(config):
+        info = header.get(name)
+        if info is None:
+            raise ValueError(f"{path}: no tensor {name}; the file was made for another model config")
+        if tuple(info["shape"]) != shape:
+            raise ValueError(
+                f"{path}: tensor {name} has shape {tuple(info['shape'])}, the config wants {shape}; "
+                f"the file was made for another model config"
+            )
+
+
+def read_config(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The config in the sidecar JSON, or None when there is none."""
+    try:
+        return json.loads(sidecar(path).read_text())["config"]
+    except FileNotFoundError:
+        return None
+
+
+def ensure_weights(path: str | os.PathLike, config: ModelConfig, seed: int = 0) -> tuple[str, str]:
+    """Make sure the weights file exists (generating it if missing); return (path, sha256 hex).
+
+    An existing file is not rewritten, but must fit the config. The sidecar <path>.json holds the config.
+    """
+    p = Path(os.path.abspath(os.fspath(path)))
+    if p.exists():
+        check_shapes(p, config)
+    else:
+        _atomic_write(p, serialize(config, seed))
+    digest = sha256_file(p)
+    side = {"config": config.to_dict(), "seed": seed, "sha256": digest, "size": p.stat().st_size}
+    s = sidecar(p)
+    try:
+        current = json.loads(s.read_text())
+    except (FileNotFoundError, ValueError):
+        current = None
+    if current != side:
+        _atomic_write(s, (json.dumps(side, indent=2, sort_keys=True) + "\n").encode())
+    return str(p), digest
+
+
+def load_weights(path: str | os.PathLike, device: str = "cpu", mode: str = "mmap") -> dict[str, "torch.Tensor"]:
+    """Tensors of a safetensors file.
+
+    mode "mmap" on CPU: views over a private (copy-on-write) mapping of the file, no copy made.
+    mode "copy" on CPU: the same values in anonymous memory.
+    device cuda: tensors on the GPU (read through the mapping either way).
+    """
+    import torch
+
+    if mode not in ("mmap", "copy"):
+        raise ValueError(f"weights load mode must be mmap or copy, not {mode!r}")
+    dev = torch.device(device)
+    base, header = read_header(path)
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    size = len(mm)
+    out: dict[str, torch.Tensor] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype_name, itemsize = _DTYPES[info["dtype"]]
+        dtype = getattr(torch, dtype_name)
+        start, end = info["data_offsets"]
+        shape = tuple(info["shape"])
+        count = (end - start) // itemsize
+        if base + end > size or count != int(np.prod(shape, dtype=np.int64)):
+            raise ValueError(f"{path}: tensor {name} lies outside the file or has the wrong size")
+        if count == 0:
+            t = torch.empty(shape, dtype=dtype)
+        else:
+            t = torch.frombuffer(mm, dtype=dtype, count=count, offset=base + start).view(shape)
+        if dev.type != "cpu":
+            t = t.to(dev)
+        elif mode == "copy":
+            t = t.clone()
+        out[name] = t
+    if dev.type == "cpu" and mode == "mmap":
+        _MAPS.append(mm)
+    else:
+        del mm  # the tensors were copied; the mapping goes once nothing points into it
+    return out

@@ -1,0 +1,56 @@
+"""Admission: compare a capsule's compatibility profile with this host; admit or refuse with reasons."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..contracts import HostProfile
+
+
+@dataclass
+class Admission:
+    admitted: bool
+    differences: list[str] = field(default_factory=list)  # each one a sentence saying what differs
+    warnings: list[str] = field(default_factory=list)
+
+    def sentence(self) -> str:
+        return "; ".join(self.differences) or "compatible"
+
+
+def _major_minor(v: str | None) -> str:
+    return ".".join((v or "").split(".")[:2])
+
+
+def admit(captured: HostProfile, host: HostProfile, strictness: str = "strict") -> Admission:
+    """strict: everything the capsule recorded must match. relaxed: only what is known to break a restore."""
+    blocking: list[str] = []
+    soft: list[str] = []
+
+    def check(ok: bool, what: str, strict_only: bool) -> None:
+        if ok:
+            return
+        (soft if strict_only and strictness == "relaxed" else blocking).append(what)
+
+    check(captured.arch == host.arch, f"architecture {captured.arch} vs {host.arch} here", False)
+    missing = sorted(set(captured.cpu_flags) - set(host.cpu_flags))
+    check(not missing, f"CPU lacks flags the captured process may use: {', '.join(missing[:8])}"
+          + ("…" if len(missing) > 8 else ""), False)
+    check(captured.cpu_model == host.cpu_model, f"CPU {captured.cpu_model!r} vs {host.cpu_model!r} here", True)
+    check(captured.kernel == host.kernel, f"kernel {captured.kernel} vs {host.kernel} here", True)
+    check(_major_minor(captured.criu_version) == _major_minor(host.criu_version),
+          f"CRIU {captured.criu_version} vs {host.criu_version} here", True)
+    if captured.gpus or host.gpus:
+        check(len(captured.gpus) <= len(host.gpus),
+              f"{len(captured.gpus)} GPU(s) captured, {len(host.gpus)} here", False)
+        for cg, hg in zip(captured.gpus, host.gpus):
+            check(cg.name == hg.name, f"GPU {cg.index} {cg.name} vs {hg.name} here", False)
+            check(cg.compute_capability == hg.compute_capability,
+                  f"GPU {cg.index} compute capability {cg.compute_capability} vs {hg.compute_capability}", False)
+        if captured.gpus:
+            check(captured.driver_version == host.driver_version,
+                  f"NVIDIA driver {captured.driver_version} vs {host.driver_version} here", True)
+            check(_major_minor(captured.driver_version) .split(".")[0] == _major_minor(host.driver_version).split(".")[0],
+                  f"NVIDIA driver branch {captured.driver_version} vs {host.driver_version} here", False)
+            check(captured.cuda_version == host.cuda_version,
+                  f"CUDA {captured.cuda_version} vs {host.cuda_version} here", False)
+    return Admission(admitted=not blocking, differences=blocking, warnings=soft)

@@ -1,0 +1,222 @@
+"""capture: start the workload, validate it with a real completion, quiesce, checkpoint GPU state, dump with CRIU,
+and write a capsule. Any failure stops the workload and leaves no capsule, process or namespace behind."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+from .. import gpu_support
+from ..capsule import CapsuleStore, pack_dir
+from ..config import private_dir, settings
+from ..contracts import (
+    CapsuleProfile,
+    CaptureRequest,
+    CapturedFile,
+    ColdSnapError,
+    ErrorCode,
+    Validation,
+)
+from ..contracts import capsule as mt
+from ..criu import CriuDriver, CriuOptions, criu_images_open_files
+from ..engines.base import get_adapter
+from ..host import host_profile
+from ..net import allocate_plan, create_network, destroy_network, netns_inode
+from ..probe import ValidationProbe
+from ..spans import Timeline
+from ..workload import WorkloadState, alive, kill_tree, run_dir, save_state, start_in_namespaces, workload_env
+from .quiesce import wait_no_connections
+from .receipts import finish_receipt
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class CaptureResult:
+    capsule: str
+    profile: CapsuleProfile
+    receipt: dict
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+def capture(request: CaptureRequest, progress: Progress = _quiet) -> CaptureResult:
+    tl = Timeline()
+    op_id = request.id or f"capture-{uuid.uuid4().hex[:12]}"
+    try:
+        result = _capture(request, tl, progress)
+    except ColdSnapError as e:
+        finish_receipt(request, op_id, "capture", tl, "failed", error=e)
+        raise
+    receipt = finish_receipt(request, op_id, "capture", tl, "succeeded", result=result)
+    return CaptureResult(capsule=result["capsule"], profile=result.pop("_profile"), receipt=receipt)
+
+
+def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> dict:
+    cfg = settings()
+    criu = CriuDriver()
+    adapter = get_adapter(request.engine.name)
+    launch = adapter.prepare(request)
+    name = request.lifecycle.name or f"{request.engine.name}-{uuid.uuid4().hex[:6]}"
+    wdir = run_dir(name)
+    log = wdir / "engine.log"
+    log.unlink(missing_ok=True)
+    plan = allocate_plan(name, request.launch.port)
+    images = private_dir(cfg.run / "capture" / uuid.uuid4().hex) / "images"
+    pid = None
+    workload_kept = False
+    try:
+        progress(f"network {plan.netns}: {plan.workload_address}:{plan.port} (host side {plan.host_address})")
+        with tl.span("network"):
+            create_network(plan)
+        progress(f"starting {request.engine.name} engine (weights mode {launch.weights_mode})")
+        t_start = time.monotonic()
+        with tl.span("start"):
+            pid = start_in_namespaces(launch.argv, workload_env(launch.env), plan, log, cwd=launch.cwd)
+        probe = ValidationProbe(plan.workload_address, plan.port, request.validation)
+        with tl.span("ready"):
+            ready = probe.wait_ready(alive=lambda: alive(pid))
+        progress(f"ready after {ready - t_start:.1f} s; validating with a real completion")
+        with tl.span("validate"):
+            first = probe.complete()
+            second = probe.complete(expected=first.text)  # determinism: a restore will be held to this text
+        progress(f"validated: {first.text!r}")
+
+        model = request.model
+        info = _engine_info(plan.workload_address, plan.port)
+        if model is None and hasattr(adapter, "describe_model") and info.get("weights", {}).get("path"):
+            model = adapter.describe_model(info["weights"]["path"])
+
+        with tl.span("release"):
+            released = adapter.before_capture(plan.workload_address, plan.port, request.policy.kv_discard,
+                                              launch.weights_mode)
+        with tl.span("quiesce"):
+            wait_no_connections(pid, plan.port)
+
+        with tl.span("gpu-checkpoint"):
+            gpu = gpu_support.checkpoint_tree(pid)
+        progress(gpu.summary)
+
+        options = CriuOptions(leave_running=request.lifecycle.leave_running)
+        progress("dumping with CRIU")
+        with tl.span("criu-dump"):
+            criu.dump(pid, images, options, netns_inode(plan.netns))
+
+        if request.lifecycle.leave_running:
+            with tl.span("resume"):
+                gpu_support.restore_tree(gpu)
+                adapter.after_capture_left_running(plan.workload_address, plan.port, request.policy.kv_discard,
+                                                   launch.weights_mode)
+                probe.complete(expected=first.text)
+        files = _captured_files(images, wdir)
+        with tl.span("pack"):
+            progress("packing the capsule")
+            profile = CapsuleProfile(
+                created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                snapshot_driver="criu-process",
+                host=host_profile(criu.version()),
+                engine=request.engine,
+                engine_version=info.get("version") or launch.engine_version,
+                model=model,
+                weights_mode=launch.weights_mode,
+                kv_discarded=bool(request.policy.kv_discard and released is not None),
+                launch=request.launch.model_copy(update={"command": launch.argv, "env": launch.env,
+                                                         "workdir": launch.cwd}),
+                validation=Validation(**{**request.validation.model_dump(), "expected_text": first.text}),
+                expected_text=first.text,
+                network=plan,
+                files=files,
+                cuda_pids=len(gpu.pids),
+                criu_options=options.cli_flags(),
+            )
+            digest = _write_capsule(images, wdir, files, profile, request.tag)
+        size = sum(int(layer["size"]) for layer in json.loads(
+            CapsuleStore(cfg.store).blob_path(digest).read_text())["layers"])
+        progress(f"capsule {digest} ({size / 2**20:.1f} MiB)")
+        if request.lifecycle.leave_running:
+            save_state(WorkloadState(name=name, pid=pid, network=plan.model_dump(), origin="cold",
+                                     run_dir=str(wdir), log=str(log),
+                                     url=f"http://{plan.workload_address}:{plan.port}"))
+            workload_kept = True
+        return {
+            "capsule": digest,
+            "capsule_bytes": size,
+            "tag": request.tag,
+            "workload": name,
+            "left_running": request.lifecycle.leave_running,
+            "cold_start_to_ready_s": round(ready - t_start, 3),
+            "validated_text": first.text,
+            "weights_mode": launch.weights_mode,
+            "cuda_processes": len(gpu.pids),
+            "criu_options": options.cli_flags(),
+            "_profile": profile,
+        }
+    finally:
+        if not workload_kept:
+            if pid is not None:
+                kill_tree(pid)
+            destroy_network(plan)
+            shutil.rmtree(wdir, ignore_errors=True)
+        shutil.rmtree(images.parent, ignore_errors=True)
+
+
+def _engine_info(host: str, port: int) -> dict:
+    import http.client
+
+    try:
+        conn = http.client.HTTPConnection(host, port, timeout=10)
+        conn.request("GET", "/coldsnap/info", headers={"Connection": "close"})
+        resp = conn.getresponse()
+        data = resp.read()
+        conn.close()
+        return json.loads(data) if resp.status == 200 else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _captured_files(images: Path, wdir: Path) -> list[CapturedFile]:
+    """Files in the workload's run dir that the tree holds open: restore needs them back at their dump-time size."""
+    out = []
+    for f in criu_images_open_files(images):
+        if f["path"].startswith(str(wdir) + "/"):
+            out.append(CapturedFile(path=f["path"], size=f["size"], mode=0o600))
+    return out
+
+
+def _write_capsule(images: Path, wdir: Path, files: list[CapturedFile], profile: CapsuleProfile,
+                   tag: str | None) -> str:
+    store = CapsuleStore(settings().store).init()
+    tmp = private_dir(store.root / "tmp")
+    layers = []
+    criu_tar = tmp / f"criu-{uuid.uuid4().hex}.tar.zst"
+    pack_dir(images, criu_tar, skip=("dump.log",))
+    layers.append(store.put_file(criu_tar, mt.LAYER_CRIU, {mt.ANNOTATION_TITLE: "criu-images"}, move=True))
+    if files:
+        staging = private_dir(tmp / f"files-{uuid.uuid4().hex}")
+        try:
+            for i, f in enumerate(files):
+                # Only the bytes that existed at the dump: restore truncates to this size anyway.
+                with open(f.path, "rb") as src, open(staging / str(i), "wb") as dst:
+                    dst.write(src.read(f.size))
+            files_tar = tmp / f"files-{uuid.uuid4().hex}.tar.zst"
+            pack_dir(staging, files_tar)
+            layers.append(store.put_file(files_tar, mt.LAYER_FILES, {mt.ANNOTATION_TITLE: "captured-files"},
+                                         move=True))
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    weights_manifest = {"mode": profile.weights_mode,
+                        "files": [w.model_dump() for w in (profile.model.weights if profile.model else [])]}
+    layers.append(store.put_bytes(json.dumps(weights_manifest, sort_keys=True).encode(), mt.LAYER_WEIGHTS_MANIFEST,
+                                  {mt.ANNOTATION_TITLE: "weights-manifest"}))
+    annotations = {mt.ANNOTATION_ENGINE: profile.engine.name}
+    if profile.model:
+        annotations[mt.ANNOTATION_MODEL] = f"{profile.model.id}@{profile.model.revision}"
+    return store.write_capsule(profile, layers, annotations, tag)

@@ -1,0 +1,35 @@
+"""Quiesce: capture only when no client connection is open (a restored server must not owe anyone a reply)."""
+
+from __future__ import annotations
+
+import time
+
+from ..contracts import ColdSnapError, ErrorCode
+
+# /proc/net/tcp states that mean a live connection (not LISTEN 0A, not TIME_WAIT 06 / CLOSE 07, which no fd holds).
+LIVE_STATES = {"01", "02", "03", "04", "05", "08", "09", "0B"}
+
+
+def open_connections(pid: int) -> int:
+    count = 0
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{table}") as f:
+                next(f)
+                count += sum(1 for line in f if line.split()[3] in LIVE_STATES)
+        except FileNotFoundError:
+            continue
+    return count
+
+
+def wait_no_connections(pid: int, port: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        n = open_connections(pid)
+        if n == 0:
+            return
+        if time.monotonic() > deadline:
+            raise ColdSnapError(ErrorCode.RESOURCE_BUSY,
+                                f"{n} client connection(s) still open to the workload after {timeout:.0f} s; "
+                                "capture needs it idle")
+        time.sleep(0.02)

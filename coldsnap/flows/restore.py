@@ -1,0 +1,229 @@
+"""restore: admit → stage → restore → hydrate → validate → receipt.
+
+A refused or failed restore falls back to a cold start when the policy allows it: never worse than vanilla.
+`prepare` (restore --prepare-only) runs admit and stage only and touches no workload."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from .. import gpu_support
+from ..capsule import CapsuleStore, LoadedCapsule, unpack_layer
+from ..config import private_dir, settings
+from ..contracts import ColdSnapError, ErrorCode, RestoreRequest, Validation
+from ..contracts import capsule as mt
+from ..criu import CriuDriver, CriuOptions
+from ..engines.base import get_adapter
+from ..host import host_profile
+from ..net import create_network, destroy_network, netns_path
+from ..probe import ValidationProbe
+from ..spans import Timeline
+from ..weights import verify_weights
+from ..workload import WorkloadState, alive, kill_tree, run_dir, save_state, start_in_namespaces, workload_env
+from .admission import admit
+from .receipts import finish_receipt
+
+Progress = Callable[[str], None]
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+@dataclass
+class Staged:
+    capsule: LoadedCapsule
+    images: Path
+    files: Path | None
+
+
+# --- admit -------------------------------------------------------------------------------------------------------
+def load_capsule(ref: str, allow_unpinned: bool) -> LoadedCapsule:
+    store = CapsuleStore(settings().store)
+    return store.load(store.resolve(ref, allow_unpinned=allow_unpinned))
+
+
+def admission_for(capsule: LoadedCapsule, strictness: str):
+    criu = CriuDriver()
+    return admit(capsule.profile.host, host_profile(criu.version()), strictness)
+
+
+# --- stage -------------------------------------------------------------------------------------------------------
+def stage(capsule: LoadedCapsule) -> Staged:
+    """Verify every blob digest, check pinned weights, unpack CRIU images (cached per capsule digest)."""
+    store = CapsuleStore(settings().store)
+    store.verify(capsule)
+    profile = capsule.profile
+    if profile.weights_mode == "recovery" and profile.model:
+        verify_weights(profile.model.weights)
+    root = private_dir(settings().run / "staged") / capsule.digest.split(":")[1]
+    done = root / ".complete"
+    if not done.exists():
+        shutil.rmtree(root, ignore_errors=True)
+        tmp = private_dir(root.with_name(root.name + f".tmp{os.getpid()}"))
+        try:
+            unpack_layer(store.blob_path(capsule.layer(mt.LAYER_CRIU).digest), tmp / "images")
+            files_layer = capsule.layer(mt.LAYER_FILES)
+            if files_layer:
+                unpack_layer(store.blob_path(files_layer.digest), tmp / "files")
+            (tmp / ".complete").write_text(capsule.digest)
+            os.replace(tmp, root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    files = root / "files"
+    return Staged(capsule=capsule, images=root / "images", files=files if files.exists() else None)
+
+
+def _put_back_files(staged: Staged) -> None:
+    """Files the process held open must look as they did at the dump (CRIU checks their size)."""
+    for i, f in enumerate(staged.capsule.profile.files):
+        Path(f.path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        src = staged.files / str(i) if staged.files else None
+        tmp = f.path + ".restore-tmp"
+        if src and src.exists():
+            shutil.copyfile(src, tmp)
+        else:
+            Path(tmp).write_bytes(b"")
+        os.truncate(tmp, f.size)
+        os.chmod(tmp, f.mode)
+        os.replace(tmp, f.path)
+
+
+# --- the whole restore -------------------------------------------------------------------------------------------
+def restore(request: RestoreRequest, progress: Progress = _quiet) -> dict:
+    tl = Timeline()
+    op = "prepare" if request.operation == "prepare" else "restore"
+    op_id = request.id or f"{op}-{uuid.uuid4().hex[:12]}"
+    try:
+        with tl.span("admit"):
+            capsule = load_capsule(request.capsule, request.policy.allow_unpinned)
+            verdict = admission_for(capsule, request.policy.compatibility)
+        for w in verdict.warnings:
+            progress(f"note: {w} (relaxed compatibility)")
+        if not verdict.admitted:
+            refusal = ColdSnapError(ErrorCode.INCOMPATIBLE, f"capsule refused on this host: {verdict.sentence()}")
+            return _fallback_or_raise(request, capsule, tl, op_id, refusal, "refused", progress)
+        with tl.span("stage"):
+            staged = stage(capsule)
+        progress(f"staged {capsule.digest[:19]}… (all digests verified)")
+        if op == "prepare":
+            return finish_receipt(request, op_id, op, tl, "succeeded",
+                                  result={"capsule": capsule.digest, "staged": str(staged.images.parent),
+                                          "admission": "admitted"})
+        try:
+            result = _restore_staged(request, staged, tl, progress)
+        except ColdSnapError as e:
+            if e.code in (ErrorCode.CRIU_FAILED, ErrorCode.GPU_FAILED, ErrorCode.VALIDATION_FAILED,
+                          ErrorCode.VALIDATION_TIMEOUT, ErrorCode.WORKLOAD_FAILED):
+                return _fallback_or_raise(request, capsule, tl, op_id, e, "failed", progress)
+            raise
+        return finish_receipt(request, op_id, op, tl, "succeeded", result=result)
+    except ColdSnapError as e:
+        if getattr(e, "receipt", None) is None:
+            finish_receipt(request, op_id, op, tl, "refused" if e.code == ErrorCode.INCOMPATIBLE else "failed",
+                           error=e)
+        raise
+
+
+def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progress: Progress) -> dict:
+    profile = staged.capsule.profile
+    plan = profile.network
+    name = plan.netns.removeprefix("coldsnap-")
+    validation = _validation(request, profile)
+    criu = CriuDriver()
+    adapter = get_adapter(profile.engine.name)
+    pid = None
+    ok = False
+    t0 = time.monotonic()  # the restore clock: staging is excluded, as for a vanilla start
+    try:
+        with tl.span("network"):
+            create_network(plan)
+            _put_back_files(staged)
+        progress("restoring with CRIU")
+        work = private_dir(settings().run / "restore-work" / uuid.uuid4().hex)
+        with tl.span("criu-restore"):
+            options = CriuOptions()
+            pid = criu.restore(staged.images, work, options, netns_path(plan.netns))
+        with tl.span("hydrate"):
+            gpu = gpu_support.restore_restored_tree(pid)
+            adapter.after_restore(plan.workload_address, plan.port, profile.kv_discarded, profile.weights_mode)
+        probe = ValidationProbe(plan.workload_address, plan.port, validation)
+        with tl.span("validate"):
+            probe.wait_ready(alive=lambda: alive(pid), timeout=validation.ready_timeout_s)
+            res = probe.complete(expected=profile.expected_text)
+        ttft = res.first_token_s - t0
+        progress(f"restored and validated: first token {ttft:.3f} s after restore began")
+        wdir = run_dir(name)
+        save_state(WorkloadState(name=name, pid=pid, network=plan.model_dump(), origin="restored",
+                                 capsule=staged.capsule.digest, run_dir=str(wdir),
+                                 log=profile.files[0].path if profile.files else "",
+                                 url=f"http://{plan.workload_address}:{plan.port}", cuda_pids=gpu.pids))
+        ok = True
+        shutil.rmtree(work, ignore_errors=True)
+        return {"capsule": staged.capsule.digest, "workload": name, "pid": pid,
+                "url": f"http://{plan.workload_address}:{plan.port}",
+                "time_to_first_token_s": round(ttft, 4), "validated_text": res.text,
+                "cuda_processes": len(gpu.pids), "criu_options": options.cli_flags(),
+                "weights_mode": profile.weights_mode}
+    finally:
+        if not ok:
+            if pid is not None:
+                kill_tree(pid)
+            destroy_network(plan)
+
+
+def _validation(request: RestoreRequest, profile) -> Validation:
+    return request.validation or profile.validation
+
+
+# --- cold fallback -----------------------------------------------------------------------------------------------
+def _fallback_or_raise(request: RestoreRequest, capsule: LoadedCapsule, tl: Timeline, op_id: str,
+                       cause: ColdSnapError, why: str, progress: Progress) -> dict:
+    op = "prepare" if request.operation == "prepare" else "restore"
+    if op == "prepare" or not request.policy.fallback_to_cold:
+        finish_receipt(request, op_id, op, tl, "refused" if why == "refused" else "failed", error=cause)
+        raise cause
+    progress(f"{cause.message}; falling back to a cold start")
+    with tl.span("cold-start"):
+        result = cold_start(capsule.profile, request, progress)
+    result.update({"fallback_reason": f"{cause.code.value}: {cause.message}", "capsule": capsule.digest})
+    return finish_receipt(request, op_id, op, tl, "fell-back", result=result)
+
+
+def cold_start(profile, request: RestoreRequest, progress: Progress) -> dict:
+    """Start the captured workload's launch cold, in the same network plan, and validate it."""
+    plan = profile.network
+    name = plan.netns.removeprefix("coldsnap-")
+    wdir = run_dir(name)
+    log = wdir / "engine.log"
+    validation = _validation(request, profile)
+    pid = None
+    ok = False
+    t0 = time.monotonic()
+    try:
+        create_network(plan)
+        pid = start_in_namespaces(profile.launch.command, workload_env(profile.launch.env), plan, log,
+                                  cwd=profile.launch.workdir)
+        probe = ValidationProbe(plan.workload_address, plan.port, validation)
+        probe.wait_ready(alive=lambda: alive(pid))
+        res = probe.complete(expected=profile.expected_text)
+        save_state(WorkloadState(name=name, pid=pid, network=plan.model_dump(), origin="cold",
+                                 run_dir=str(wdir), log=str(log), url=f"http://{plan.workload_address}:{plan.port}"))
+        ok = True
+        progress(f"cold start validated: first token {res.first_token_s - t0:.2f} s after start")
+        return {"workload": name, "pid": pid, "url": f"http://{plan.workload_address}:{plan.port}",
+                "time_to_first_token_s": round(res.first_token_s - t0, 4), "validated_text": res.text,
+                "started": "cold"}
+    finally:
+        if not ok:
+            if pid is not None:
+                kill_tree(pid)
+            destroy_network(plan)

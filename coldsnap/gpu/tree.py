@@ -1,0 +1,272 @@
+"""CUDA state of a whole process tree: find the CUDA clients, checkpoint them all, restore them all.
+
+Every process of the tree that holds CUDA state must be locked and checkpointed before CRIU dumps the tree, and a
+process that maps /dev/nvidia* without being a CUDA client (a child forked after CUDA init inherits the mappings but
+not the CUDA state) makes CRIU fail with "Can't handle non-regular mapping": capture must refuse it by name.
+
+The procfs walking takes its readers as parameters so it can be tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+from coldsnap.contracts import ColdSnapError, ErrorCode
+
+from .cuda_checkpoint import CudaCheckpointAPI
+
+ChildrenReader = Callable[[int], list[int]]
+MapsReader = Callable[[int], Iterable[str]]
+CmdlineReader = Callable[[int], str]
+
+NO_CUDA = "no CUDA processes"
+
+
+# ---- procfs -------------------------------------------------------------------------------------------------
+def read_children(pid: int) -> list[int]:
+    """Direct children of pid: the union of /proc/<pid>/task/<tid>/children (a child belongs to the thread that
+    forked it). A process that vanished has none."""
+    out: list[int] = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out.extend(int(c) for c in f.read().split())
+        except OSError:
+            continue
+    return out
+
+
+def read_maps(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return f.readlines()
+    except OSError:
+        return []
+
+
+def read_cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return ""
+    text = raw.rstrip(b"\0").replace(b"\0", b" ").decode(errors="replace")
+    if not text:  # kernel threads and zombies have no cmdline
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                text = f"[{f.read().strip()}]"
+        except OSError:
+            pass
+    return text
+
+
+def process_tree(root_pid: int, children: ChildrenReader = read_children) -> list[int]:
+    """root_pid and all its descendants, parents before children (breadth-first), each once."""
+    seen: set[int] = set()
+    order: list[int] = []
+    todo = [int(root_pid)]
+    while todo:
+        pid = todo.pop(0)
+        if pid in seen:
+            continue
+        seen.add(pid)
+        order.append(pid)
+        todo.extend(c for c in children(pid) if c not in seen)
+    return order
+
+
+def _is_nvidia_mapping(line: str) -> bool:
+    # address perms offset dev inode [path]; the path may contain spaces and end in " (deleted)".
+    parts = line.split(maxsplit=5)
+    return len(parts) == 6 and parts[5].startswith("/dev/nvidia")
+
+
+def maps_nvidia(lines: Iterable[str]) -> bool:
+    """Whether a /proc/<pid>/maps text maps any /dev/nvidia* device (nvidiactl, nvidia0, nvidia-uvm, …)."""
+    return any(_is_nvidia_mapping(line) for line in lines)
+
+
+# ---- discovery ----------------------------------------------------------------------------------------------
+def cuda_pids(
+    root_pid: int,
+    api: CudaCheckpointAPI | None = None,
+    *,
+    is_cuda: Callable[[int], bool] | None = None,
+    children: ChildrenReader = read_children,
+    max_scans: int = 20,
+    interval_s: float = 0.05,
+) -> list[int]:
+    """The CUDA clients of the tree under root_pid (tree order), rescanned until two scans agree.
+
+    A process is a CUDA client when the driver can name its restore thread (cuCheckpointProcessGetRestoreThreadId
+    succeeds). Without the checkpoint API no process can be checkpointed: the answer is []. `is_cuda` replaces the
+    driver query (tests). Raises ColdSnapError(GPU_FAILED) if the set keeps changing for max_scans scans."""
+    if is_cuda is None:
+        api = api or CudaCheckpointAPI()
+        if not api.available():
+            return []
+        is_cuda = api.is_cuda_process
+    previous: list[int] | None = None
+    for _ in range(max_scans):
+        current = [p for p in process_tree(root_pid, children) if is_cuda(p)]
+        if current == previous:
+            return current
+        previous = current
+        time.sleep(interval_s)
+    raise ColdSnapError(
+        ErrorCode.GPU_FAILED,
+        f"the set of CUDA processes under pid {root_pid} kept changing over {max_scans} scans (last: {previous})",
+    )
+
+
+def foreign_nvidia_mappings(
+    root_pid: int,
+    cuda_pids: Sequence[int],
+    *,
+    children: ChildrenReader = read_children,
+    maps: MapsReader = read_maps,
+    cmdline: CmdlineReader = read_cmdline,
+) -> list[tuple[int, str]]:
+    """(pid, command line) of every process in the tree that maps /dev/nvidia* but is not a CUDA client.
+
+    CRIU cannot dump these ("Can't handle non-regular mapping") and the CUDA checkpoint can't clear them: a capture
+    must refuse, naming them (typically a child forked after CUDA init: start it with spawn, or before CUDA)."""
+    known = set(cuda_pids)
+    return [(p, cmdline(p)) for p in process_tree(root_pid, children) if p not in known and maps_nvidia(maps(p))]
+
+
+def describe_foreign(foreign: Sequence[tuple[int, str]]) -> str:
+    """One sentence for a refusal: which processes, and why."""
+    listed = "; ".join(f"pid {pid} ({cmd[:120] or '?'})" for pid, cmd in foreign)
+    return (
+        f"{len(foreign)} process(es) map /dev/nvidia* without being CUDA clients, which CRIU cannot dump "
+        f"(Can't handle non-regular mapping): {listed}. Typically children forked after CUDA initialisation; "
+        "start them before CUDA or with the spawn start method."
+    )
+
+
+# ---- checkpoint / restore -----------------------------------------------------------------------------------
+@dataclass
+class TreeReport:
+    """What a tree operation did: the pids, the seconds spent per step (all pids) and per pid."""
+
+    operation: str  # "checkpoint" | "restore"
+    pids: list[int] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)
+    per_pid: dict[int, dict[str, float]] = field(default_factory=dict)
+    message: str = ""
+
+    def to_dict(self) -> dict:
+        return {
+            "operation": self.operation,
+            "pids": list(self.pids),
+            "seconds": {k: round(v, 6) for k, v in self.seconds.items()},
+            "per_pid": {str(p): {k: round(v, 6) for k, v in s.items()} for p, s in self.per_pid.items()},
+            "message": self.message,
+        }
+
+
+def _timed(report: TreeReport, step: str, pid: int, fn: Callable[[], None]) -> None:
+    t0 = time.perf_counter()
+    try:
+        fn()
+    finally:
+        dt = time.perf_counter() - t0
+        report.seconds[step] = report.seconds.get(step, 0.0) + dt
+        report.per_pid.setdefault(pid, {})[step] = dt
+
+
+def _roll_back(api: CudaCheckpointAPI, pids: Sequence[int]) -> list[str]:
+    """Bring pids back to running, whatever step they reached. Returns the problems (empty = all running)."""
+    problems: list[str] = []
+    for pid in reversed(list(pids)):
+        try:
+            st = api.state(pid)
+            if st == "checkpointed":
+                api.restore(pid)
+                st = api.state(pid)
+            if st == "locked":
+                api.unlock(pid)
+                st = api.state(pid)
+            if st != "running":
+                problems.append(f"pid {pid} left {st}")
+        except ColdSnapError as e:
+            problems.append(f"pid {pid}: {e.message}")
+    return problems
+
+
+def checkpoint_tree(
+    root_pid: int,
+    lock_timeout_ms: int = 30000,
+    *,
+    api: CudaCheckpointAPI | None = None,
+    pids: Sequence[int] | None = None,
+) -> TreeReport:
+    """Lock every CUDA process of the tree, then checkpoint each (GPU memory moves into host memory).
+
+    pids: the CUDA processes if already discovered (else cuda_pids(root_pid)). On any failure the processes already
+    locked or checkpointed are restored and unlocked, so the workload keeps running, and ColdSnapError is raised."""
+    api = api or CudaCheckpointAPI()
+    report = TreeReport("checkpoint")
+    t0 = time.perf_counter()
+    found = list(pids) if pids is not None else cuda_pids(root_pid, api)
+    report.seconds["discover"] = time.perf_counter() - t0
+    if not found:
+        report.message = NO_CUDA
+        return report
+    report.pids = found
+    touched: list[int] = []  # every pid a step was attempted on: the rollback set
+    try:
+        for pid in found:
+            touched.append(pid)
+            _timed(report, "lock", pid, lambda: api.lock(pid, lock_timeout_ms))
+        for pid in found:
+            _timed(report, "checkpoint", pid, lambda: api.checkpoint(pid))
+    except ColdSnapError as e:
+        problems = _roll_back(api, touched)
+        after = (
+            f"rollback left problems: {'; '.join(problems)}"
+            if problems
+            else f"rolled back: {len(touched)} process(es) running again"
+        )
+        raise ColdSnapError(e.code, f"{e.message} ({after})") from e
+    report.message = f"checkpointed {len(found)} CUDA process(es)"
+    return report
+
+
+def restore_tree(
+    pids: Sequence[int],
+    gpu_pairs: Sequence[tuple[str | bytes, str | bytes]] | None = None,
+    *,
+    api: CudaCheckpointAPI | None = None,
+) -> TreeReport:
+    """Restore every checkpointed process (GPU memory back on the GPU), then unlock them all.
+
+    Processes already restored (locked) are only unlocked, running ones are left alone, so a retry after a partial
+    failure is safe. Raises ColdSnapError naming the first pid that fails."""
+    report = TreeReport("restore", pids=list(pids))
+    if not pids:
+        report.message = NO_CUDA
+        return report
+    api = api or CudaCheckpointAPI()
+    states = {pid: api.state(pid) for pid in pids}
+    for pid in pids:
+        if states[pid] == "checkpointed":
+            _timed(report, "restore", pid, lambda: api.restore(pid, gpu_pairs))
+            states[pid] = "locked"
+        elif states[pid] == "failed":
+            raise ColdSnapError(ErrorCode.GPU_FAILED, f"pid {pid}: CUDA process state is 'failed'; cannot restore it")
+    for pid in pids:
+        if states[pid] == "locked":
+            _timed(report, "unlock", pid, lambda: api.unlock(pid))
+    report.seconds.setdefault("restore", 0.0)
+    report.seconds.setdefault("unlock", 0.0)
+    report.message = f"restored {len(pids)} CUDA process(es)"
+    return report

@@ -1,0 +1,111 @@
+"""pyroute2-backed network namespaces. Addresses are fixed at capture and recreated exactly at restore,
+because restored sockets remember the addresses they were bound and connected to.
+
+Addresses come from the link-local range 169.254.237.0/24 in /30 slots: host side .4N+1, workload side .4N+2.
+Traffic never leaves the machine: the host end of the veth is the only peer.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+from pyroute2 import IPRoute, NetNS, netns
+
+from ..contracts import ColdSnapError, ErrorCode, NetworkPlan
+
+BASE = "169.254.237."
+MAX_SLOTS = 63
+NETNS_DIR = Path("/run/netns")
+
+
+def netns_path(name: str) -> str:
+    return str(NETNS_DIR / name)
+
+
+def netns_inode(name: str) -> int:
+    return os.stat(netns_path(name)).st_ino
+
+
+def _host_addresses() -> set[str]:
+    with IPRoute() as ipr:
+        return {a.get_attr("IFA_ADDRESS") for a in ipr.get_addr(family=2)}
+
+
+def _host_links() -> set[str]:
+    with IPRoute() as ipr:
+        return {link.get_attr("IFLA_IFNAME") for link in ipr.get_links()}
+
+
+def plan_for_slot(name: str, slot: int, port: int) -> NetworkPlan:
+    return NetworkPlan(
+        netns=f"coldsnap-{name}",
+        host_veth=f"csh{slot}",
+        workload_veth="eth0",
+        host_address=f"{BASE}{4 * slot + 1}",
+        workload_address=f"{BASE}{4 * slot + 2}",
+        prefix_len=30,
+        port=port,
+    )
+
+
+def allocate_plan(name: str, port: int) -> NetworkPlan:
+    """The first slot whose addresses, veth and netns are all free."""
+    addresses, links = _host_addresses(), _host_links()
+    names = set(netns.listnetns())
+    if f"coldsnap-{name}" in names:
+        raise ColdSnapError(ErrorCode.RESOURCE_BUSY, f"network namespace coldsnap-{name} exists: workload {name!r} is running "
+                            f"(stop it with `coldsnap stop {name}`)")
+    for slot in range(MAX_SLOTS):
+        plan = plan_for_slot(name, slot, port)
+        if plan.host_address not in addresses and plan.host_veth not in links:
+            return plan
+    raise ColdSnapError(ErrorCode.RESOURCE_BUSY, f"all {MAX_SLOTS} workload network slots are in use")
+
+
+def create_network(plan: NetworkPlan) -> None:
+    """Create netns + veth exactly as planned; refuse (RESOURCE_BUSY) if any part is taken."""
+    if plan.netns in netns.listnetns():
+        raise ColdSnapError(ErrorCode.RESOURCE_BUSY, f"network namespace {plan.netns} already exists "
+                            f"(is the workload still running? `coldsnap stop` it first)")
+    if plan.host_address in _host_addresses():
+        raise ColdSnapError(ErrorCode.RESOURCE_BUSY, f"address {plan.host_address} is already in use on this host")
+    if plan.host_veth in _host_links():
+        raise ColdSnapError(ErrorCode.RESOURCE_BUSY, f"interface {plan.host_veth} already exists on this host")
+    netns.create(plan.netns)
+    try:
+        with IPRoute() as ipr:
+            ipr.link("add", ifname=plan.host_veth, kind="veth",
+                     peer={"ifname": plan.workload_veth, "net_ns_fd": plan.netns})
+            idx = ipr.link_lookup(ifname=plan.host_veth)[0]
+            ipr.addr("add", index=idx, address=plan.host_address, prefixlen=plan.prefix_len)
+            ipr.link("set", index=idx, state="up")
+        with NetNS(plan.netns) as ns:
+            lo = ns.link_lookup(ifname="lo")[0]
+            ns.link("set", index=lo, state="up")
+            idx = ns.link_lookup(ifname=plan.workload_veth)[0]
+            ns.addr("add", index=idx, address=plan.workload_address, prefixlen=plan.prefix_len)
+            ns.link("set", index=idx, state="up")
+            ns.route("add", dst="default", gateway=plan.host_address)
+    except Exception as e:
+        destroy_network(plan)
+        if isinstance(e, OSError) and e.errno == errno.EEXIST:
+            raise ColdSnapError(ErrorCode.RESOURCE_BUSY, f"network for {plan.netns} is in use: {e}") from None
+        raise ColdSnapError(ErrorCode.ENVIRONMENT, f"could not create network {plan.netns}: {e}") from None
+
+
+def destroy_network(plan: NetworkPlan) -> None:
+    """Remove veth and netns; idempotent (a missing part is not an error)."""
+    try:
+        with IPRoute() as ipr:
+            idx = ipr.link_lookup(ifname=plan.host_veth)
+            if idx:
+                ipr.link("del", index=idx[0])
+    except Exception:
+        pass
+    try:
+        if plan.netns in netns.listnetns():
+            netns.remove(plan.netns)
+    except Exception:
+        pass

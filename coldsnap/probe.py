@@ -1,0 +1,91 @@
+"""The validation probe: one implementation of "is this server really serving", used by capture, restore,
+bench, the shim's hooks and cold fallback alike. A server is valid only after a real completion."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from .contracts import ColdSnapError, ErrorCode, Validation
+
+
+@dataclass
+class ProbeResult:
+    text: str
+    first_token_s: float  # monotonic time the first non-empty token arrived
+    done_s: float
+    tokens: int
+
+
+class ValidationProbe:
+    def __init__(self, host: str, port: int, validation: Validation, model: str = ""):
+        self.host, self.port, self.validation, self.model = host, port, validation, model
+
+    def _conn(self, timeout: float) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+
+    def healthy(self) -> bool:
+        try:
+            conn = self._conn(2.0)
+            conn.request("GET", self.validation.health_path, headers={"Connection": "close"})
+            ok = conn.getresponse().status == 200
+            conn.close()
+            return ok
+        except (OSError, http.client.HTTPException):
+            return False
+
+    def wait_ready(self, alive: Callable[[], bool] | None = None, timeout: float | None = None,
+                   interval: float = 0.01) -> float:
+        """Poll the health endpoint; fail fast if the workload died. Returns the monotonic time it answered."""
+        timeout = timeout or self.validation.ready_timeout_s
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.healthy():
+                return time.monotonic()
+            if alive is not None and not alive():
+                raise ColdSnapError(ErrorCode.WORKLOAD_FAILED, "the workload exited before it became ready")
+            time.sleep(interval)
+        raise ColdSnapError(ErrorCode.VALIDATION_TIMEOUT,
+                            f"the workload did not become ready within {timeout:.0f} s ({self.validation.health_path})")
+
+    def complete(self, expected: str | None = None) -> ProbeResult:
+        """A streamed temperature-0 completion; the first non-empty token's arrival is the time to first token."""
+        body = json.dumps({"model": self.model, "prompt": self.validation.prompt,
+                           "max_tokens": self.validation.max_tokens, "temperature": 0, "stream": True})
+        pieces: list[str] = []
+        first = None
+        try:
+            conn = self._conn(self.validation.request_timeout_s)
+            conn.request("POST", "/v1/completions", body=body,
+                         headers={"Content-Type": "application/json", "Connection": "close"})
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raise ColdSnapError(ErrorCode.VALIDATION_FAILED,
+                                    f"completion answered HTTP {resp.status}: {resp.read(200).decode(errors='replace')}")
+            for raw in resp:
+                line = raw.decode(errors="replace").strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                text = json.loads(data)["choices"][0].get("text", "")
+                if text and first is None:
+                    first = time.monotonic()
+                pieces.append(text)
+            conn.close()
+        except (OSError, http.client.HTTPException, socket.timeout, ValueError, KeyError) as e:
+            raise ColdSnapError(ErrorCode.VALIDATION_FAILED, f"completion request failed: {e}") from None
+        done = time.monotonic()
+        text = "".join(pieces)
+        if not text:
+            raise ColdSnapError(ErrorCode.VALIDATION_FAILED, "the completion was empty")
+        want = expected if expected is not None else self.validation.expected_text
+        if want is not None and text != want:
+            raise ColdSnapError(ErrorCode.VALIDATION_FAILED,
+                                f"the completion differs from the expected text: got {text[:60]!r}, want {want[:60]!r}")
+        return ProbeResult(text=text, first_token_s=first or done, done_s=done, tokens=len(pieces))

@@ -1,0 +1,36 @@
+"""Timing spans: monotonic durations anchored to one wall-clock origin, as receipts record them."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from typing import Iterator
+
+from .contracts import Origin, Span
+
+
+class Timeline:
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+        self.origin = Origin(wall_time=datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+                             monotonic_s=self.t0)
+        self.spans: list[Span] = []
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    @contextmanager
+    def span(self, name: str) -> Iterator[None]:
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            self.add(name, start, time.monotonic())
+
+    def add(self, name: str, start_mono: float, end_mono: float) -> None:
+        self.spans.append(Span(name=name, start_s=round(start_mono - self.t0, 6),
+                               duration_s=round(end_mono - start_mono, 6)))
+
+    def totals(self) -> dict[str, float]:
+        return {s.name: s.duration_s for s in self.spans}

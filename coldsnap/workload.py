@@ -1,0 +1,145 @@
+"""Workloads on this host: start a command as the init of its own PID namespace inside a network namespace,
+track it in a small state file, stop it.
+
+Own PID namespace because the VM's PID 1 reaps zombies slowly (restores into the host namespace collide on PIDs),
+and because CRIU then restores the whole namespace with the PIDs the process tree had.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .config import private_dir, settings
+from .contracts import ColdSnapError, ErrorCode, NetworkPlan
+from .net import destroy_network, netns_path
+
+# The environment a workload starts with: nothing of the caller's (secrets, and restores must not depend on it)
+# beyond these names.
+PASS_THROUGH_ENV = ("PATH", "LANG", "LC_ALL", "PYTHONPATH", "HOME", "TMPDIR", "CUDA_VISIBLE_DEVICES",
+                    "NVIDIA_VISIBLE_DEVICES", "LD_LIBRARY_PATH")
+
+
+@dataclass
+class WorkloadState:
+    name: str
+    pid: int  # host PID of the PID-namespace init
+    network: dict
+    state: str = "active"  # active | sleeping
+    origin: str = "cold"  # cold | restored
+    capsule: str | None = None
+    run_dir: str = ""
+    log: str = ""
+    url: str = ""
+    cuda_pids: list[int] = field(default_factory=list)
+    started_wall: float = field(default_factory=time.time)
+
+    @property
+    def plan(self) -> NetworkPlan:
+        return NetworkPlan.model_validate(self.network)
+
+
+def run_dir(name: str) -> Path:
+    return private_dir(settings().run / "workloads" / name)
+
+
+def save_state(ws: WorkloadState) -> None:
+    path = run_dir(ws.name) / "state.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(ws), indent=1))
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+
+
+def load_state(name: str) -> WorkloadState:
+    path = settings().run / "workloads" / name / "state.json"
+    try:
+        return WorkloadState(**json.loads(path.read_text()))
+    except FileNotFoundError:
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"no workload named {name!r} on this host") from None
+
+
+def list_states() -> list[WorkloadState]:
+    root = settings().run / "workloads"
+    out = []
+    for p in sorted(root.glob("*/state.json")) if root.exists() else []:
+        try:
+            out.append(WorkloadState(**json.loads(p.read_text())))
+        except (ValueError, TypeError):
+            continue
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def workload_env(extra: dict[str, str]) -> dict[str, str]:
+    env = {k: os.environ[k] for k in PASS_THROUGH_ENV if k in os.environ}
+    env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+    env.setdefault("HOME", "/root")
+    env.update(extra)
+    return env
+
+
+def start_in_namespaces(argv: list[str], env: dict[str, str], plan: NetworkPlan, log_path: Path,
+                        cwd: str | None = None) -> int:
+    """Start argv as PID 1 of a new PID namespace inside plan's netns, as a session leader. Returns its host PID."""
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        launcher = subprocess.Popen(
+            ["nsenter", f"--net={netns_path(plan.netns)}", "unshare", "--pid", "--fork", "setsid", *argv],
+            stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd, env=env, cwd=cwd, close_fds=True,
+        )
+    finally:
+        os.close(log_fd)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()
+        except FileNotFoundError:
+            children = []
+        if children:
+            return int(children[0])
+        if launcher.poll() is not None:
+            raise ColdSnapError(ErrorCode.WORKLOAD_FAILED, f"workload exited at once (status {launcher.returncode}); "
+                                f"see {log_path}")
+        time.sleep(0.005)
+    launcher.kill()
+    raise ColdSnapError(ErrorCode.WORKLOAD_FAILED, "workload's PID namespace init did not appear within 10 s")
+
+
+def kill_tree(pid: int, timeout: float = 10.0) -> None:
+    """SIGKILL the init of a PID namespace: the kernel then kills every process in it."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            wpid, _ = os.waitpid(pid, os.WNOHANG)  # ours if we restored it (rst_sibling)
+            if wpid == pid:
+                return
+        except ChildProcessError:
+            pass
+        if not alive(pid):
+            return
+        time.sleep(0.01)
+
+
+def stop_workload(ws: WorkloadState) -> None:
+    kill_tree(ws.pid)
+    destroy_network(ws.plan)
+    state = Path(ws.run_dir) / "state.json" if ws.run_dir else None
+    if state and state.exists():
+        state.unlink()
