@@ -1,0 +1,27 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both do all set-up first (idempotent).
+VENV ?= .venv
+PYTEST_ARGS ?=
+
+.PHONY: setup setup-containers demo test test-fast bench clean-state
+
+setup:
+	@VENV=$(VENV) packaging/setup.sh
+
+setup-containers: setup
+	@packaging/containers/setup.sh
+
+demo: setup
+	$(VENV)/bin/coldsnap demo
+
+test: setup
+	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+test-fast: setup
+	$(VENV)/bin/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+bench: setup
+	$(VENV)/bin/coldsnap bench --samples 20
+
+clean-state:
+	-for n in $$(ip netns list | awk '/^coldsnap-/{print $$1}'); do ip netns del $$n; done
+	rm -rf /run/coldsnap

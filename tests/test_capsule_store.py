@@ -1,0 +1,144 @@
+"""The local capsule store: atomic writes, digest verification, pinned references, private permissions."""
+
+import json
+import os
+import stat
+
+import pytest
+
+from coldsnap.capsule import CapsuleStore, pack_dir, parse_reference, unpack_layer
+from coldsnap.contracts import CapsuleProfile, ColdSnapError, ErrorCode, HostProfile, NetworkPlan
+from coldsnap.contracts import capsule as mt
+
+
+def profile():
+    return CapsuleProfile(
+        created="2026-11-29T00:00:00Z", snapshot_driver="criu-process",
+        host=HostProfile(arch="x86_64", cpu_model="c", cpu_flags=[], kernel="k", criu_version="4.2.1"),
+        engine={"name": "reference"}, weights_mode="native", kv_discarded=False, launch={}, validation={},
+        expected_text="t",
+        network=NetworkPlan(netns="coldsnap-a", host_veth="csh0", workload_veth="eth0", host_address="169.254.237.1",
+                            workload_address="169.254.237.2", port=8000))
+
+
+@pytest.fixture
+def store(tmp_path):
+    return CapsuleStore(tmp_path / "store").init()
+
+
+def make_capsule(store, tmp_path, payload=b"criu images"):
+    src = tmp_path / "images"
+    src.mkdir(exist_ok=True)
+    (src / "pages-1.img").write_bytes(payload)
+    tar = tmp_path / "layer.tar.zst"
+    pack_dir(src, tar)
+    layer = store.put_file(tar, mt.LAYER_CRIU)
+    return store.write_capsule(profile(), [layer], {"io.coldsnap.engine": "reference"}, tag="demo")
+
+
+def test_layout_and_permissions(store, tmp_path):
+    digest = make_capsule(store, tmp_path)
+    assert json.loads((store.root / "oci-layout").read_text()) == {"imageLayoutVersion": "1.0.0"}
+    index = json.loads((store.root / "index.json").read_text())
+    assert index["manifests"][0]["digest"] == digest
+    assert index["manifests"][0]["artifactType"] == mt.ARTIFACT_TYPE
+    assert stat.S_IMODE(os.stat(store.root).st_mode) == 0o700
+    for blob in store.blobs.iterdir():
+        assert stat.S_IMODE(blob.stat().st_mode) == 0o600
+    cap = store.load(digest)
+    assert cap.manifest["artifactType"] == mt.ARTIFACT_TYPE
+    assert cap.profile == profile()
+    store.verify(cap)
+
+
+def test_layer_round_trip(store, tmp_path):
+    digest = make_capsule(store, tmp_path, payload=os.urandom(3 << 20))
+    cap = store.load(digest)
+    out = tmp_path / "out"
+    unpack_layer(store.blob_path(cap.layer(mt.LAYER_CRIU).digest), out)
+    assert (out / "pages-1.img").read_bytes() == (tmp_path / "images" / "pages-1.img").read_bytes()
+
+
+def test_corrupt_blob_is_refused(store, tmp_path):
+    digest = make_capsule(store, tmp_path)
+    cap = store.load(digest)
+    blob = store.blob_path(cap.layer(mt.LAYER_CRIU).digest)
+    data = bytearray(blob.read_bytes())
+    data[-1] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    with pytest.raises(ColdSnapError) as e:
+        store.verify(cap)
+    assert e.value.code == ErrorCode.CAPSULE_CORRUPT
+    blob.unlink()
+    with pytest.raises(ColdSnapError) as e:
+        store.verify(cap)
+    assert e.value.code == ErrorCode.CAPSULE_CORRUPT and "missing" in e.value.message
+
+
+def test_corrupt_manifest_and_config_are_refused(store, tmp_path):
+    digest = make_capsule(store, tmp_path)
+    path = store.blob_path(digest)
+    manifest = json.loads(path.read_text())
+    config = store.blob_path(manifest["config"]["digest"])
+    config.write_text(config.read_text().replace("reference", "referencX"))
+    with pytest.raises(ColdSnapError) as e:
+        store.load(digest)
+    assert e.value.code == ErrorCode.CAPSULE_CORRUPT
+    path.write_text(path.read_text() + " ")
+    with pytest.raises(ColdSnapError) as e:
+        store.load(digest)
+    assert e.value.code == ErrorCode.CAPSULE_CORRUPT
+
+
+def test_references_must_be_pinned(store, tmp_path):
+    digest = make_capsule(store, tmp_path)
+    assert store.resolve(digest) == digest
+    assert store.resolve(f"demo@{digest}") == digest
+    with pytest.raises(ColdSnapError) as e:
+        store.resolve("demo")
+    assert e.value.code == ErrorCode.CAPSULE_UNPINNED
+    assert store.resolve("demo", allow_unpinned=True) == digest
+    with pytest.raises(ColdSnapError) as e:
+        store.resolve("sha256:" + "0" * 64)
+    assert e.value.code == ErrorCode.CAPSULE_NOT_FOUND
+    assert parse_reference("x@sha256:" + "1" * 64) == ("x", "sha256:" + "1" * 64)
+    with pytest.raises(ColdSnapError):
+        parse_reference("x@sha256:short")
+
+
+def test_a_tag_moves_to_the_newest_capsule(store, tmp_path):
+    first = make_capsule(store, tmp_path, b"one")
+    second = make_capsule(store, tmp_path, b"two")
+    assert first != second
+    assert store.resolve("demo", allow_unpinned=True) == second
+    assert {m["digest"] for m in store.list()} == {second}
+
+
+def test_no_partial_blob_is_visible_after_a_failed_write(store, tmp_path, monkeypatch):
+    src = tmp_path / "big"
+    src.write_bytes(b"x" * 1000)
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("coldsnap.capsule.store.shutil.copyfile", boom)
+    with pytest.raises(OSError):
+        store.put_file(src, mt.LAYER_CRIU)
+    assert list(store.blobs.iterdir()) == []
+
+
+def test_unpack_refuses_escaping_members(tmp_path):
+    import tarfile
+
+    import zstandard
+
+    evil = tmp_path / "evil.tar.zst"
+    payload = tmp_path / "p"
+    payload.write_text("x")
+    with open(evil, "wb") as raw, zstandard.ZstdCompressor().stream_writer(raw) as zw:
+        with tarfile.open(fileobj=zw, mode="w|") as tar:
+            tar.add(payload, arcname="../escaped")
+    with pytest.raises(ColdSnapError) as e:
+        unpack_layer(evil, tmp_path / "dest")
+    assert e.value.code == ErrorCode.CAPSULE_CORRUPT
+    assert not (tmp_path / "escaped").exists()
