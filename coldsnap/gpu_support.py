@@ -20,9 +20,14 @@ def checkpoint_tree(root_pid: int) -> GpuCheckpoint:
     api = CudaCheckpointAPI()
     if not api.available():
         return GpuCheckpoint(summary="no CUDA processes (no CUDA driver with the checkpoint API on this host)")
+    from .contracts import ColdSnapError, ErrorCode
     from .gpu import tree
 
-    report = tree.checkpoint_tree(root_pid)
+    found = tree.cuda_pids(root_pid, api)
+    foreign = tree.foreign_nvidia_mappings(root_pid, found)
+    if foreign:  # CRIU would fail on them ("Can't handle non-regular mapping"): refuse by name, workload untouched
+        raise ColdSnapError(ErrorCode.GPU_FAILED, tree.describe_foreign(foreign))
+    report = tree.checkpoint_tree(root_pid, pids=found, api=api)
     pids = list(report.pids)
     if not pids:
         return GpuCheckpoint(summary="no CUDA processes")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -27,10 +26,10 @@ from ..contracts import capsule as mt
 from ..criu import CriuDriver, CriuOptions, criu_images_open_files
 from ..engines.base import get_adapter
 from ..host import host_profile
-from ..net import allocate_plan, create_network, destroy_network, netns_inode
-from ..probe import ValidationProbe
+from ..net import allocate_plan, destroy_network, netns_inode
 from ..spans import Timeline
-from ..workload import WorkloadState, alive, kill_tree, run_dir, save_state, start_in_namespaces, workload_env
+from ..workload import WorkloadState, kill_tree, run_dir, save_state
+from .coldstart import start_cold
 from .quiesce import wait_no_connections
 from .receipts import finish_receipt
 
@@ -67,28 +66,20 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> dict:
     launch = adapter.prepare(request)
     name = request.lifecycle.name or f"{request.engine.name}-{uuid.uuid4().hex[:6]}"
     wdir = run_dir(name)
-    log = wdir / "engine.log"
-    log.unlink(missing_ok=True)
     plan = allocate_plan(name, request.launch.port)
     images = private_dir(cfg.run / "capture" / uuid.uuid4().hex) / "images"
-    pid = None
+    cold = None
     workload_kept = False
     try:
         progress(f"network {plan.netns}: {plan.workload_address}:{plan.port} (host side {plan.host_address})")
-        with tl.span("network"):
-            create_network(plan)
-        progress(f"starting {request.engine.name} engine (weights mode {launch.weights_mode})")
-        t_start = time.monotonic()
-        with tl.span("start"):
-            pid = start_in_namespaces(launch.argv, workload_env(launch.env), plan, log, cwd=launch.cwd)
-        probe = ValidationProbe(plan.workload_address, plan.port, request.validation)
-        with tl.span("ready"):
-            ready = probe.wait_ready(alive=lambda: alive(pid))
-        progress(f"ready after {ready - t_start:.1f} s; validating with a real completion")
+        progress(f"starting the {request.engine.name} engine cold (weights mode {launch.weights_mode})")
+        with tl.span("cold-start"):
+            cold = start_cold(name, plan, launch.argv, launch.env, launch.cwd, request.validation)
+        pid, probe, first = cold.state.pid, cold.probe, cold.first
+        log = Path(cold.state.log)
+        progress(f"ready after {cold.ready - cold.started:.1f} s; validated: {first.text!r}")
         with tl.span("validate"):
-            first = probe.complete()
-            second = probe.complete(expected=first.text)  # determinism: a restore will be held to this text
-        progress(f"validated: {first.text!r}")
+            probe.complete(expected=first.text)  # determinism: a restore will be held to this text
 
         model = request.model
         info = _engine_info(plan.workload_address, plan.port)
@@ -152,7 +143,8 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> dict:
             "tag": request.tag,
             "workload": name,
             "left_running": request.lifecycle.leave_running,
-            "cold_start_to_ready_s": round(ready - t_start, 3),
+            "cold_start_to_ready_s": round(cold.ready - cold.started, 3),
+            "cold_time_to_first_token_s": round(cold.time_to_first_token, 3),
             "validated_text": first.text,
             "weights_mode": launch.weights_mode,
             "cuda_processes": len(gpu.pids),
@@ -161,9 +153,9 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> dict:
         }
     finally:
         if not workload_kept:
-            if pid is not None:
-                kill_tree(pid)
-            destroy_network(plan)
+            if cold is not None:
+                kill_tree(cold.state.pid)
+                destroy_network(plan)
             shutil.rmtree(wdir, ignore_errors=True)
         shutil.rmtree(images.parent, ignore_errors=True)
 

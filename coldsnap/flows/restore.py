@@ -26,8 +26,9 @@ from ..net import create_network, destroy_network, netns_path
 from ..probe import ValidationProbe
 from ..spans import Timeline
 from ..weights import verify_weights
-from ..workload import WorkloadState, alive, kill_tree, run_dir, save_state, start_in_namespaces, workload_env
+from ..workload import WorkloadState, alive, kill_tree, run_dir, save_state
 from .admission import admit
+from .coldstart import start_cold
 from .receipts import finish_receipt
 
 Progress = Callable[[str], None]
@@ -202,28 +203,10 @@ def cold_start(profile, request: RestoreRequest, progress: Progress) -> dict:
     """Start the captured workload's launch cold, in the same network plan, and validate it."""
     plan = profile.network
     name = plan.netns.removeprefix("coldsnap-")
-    wdir = run_dir(name)
-    log = wdir / "engine.log"
-    validation = _validation(request, profile)
-    pid = None
-    ok = False
-    t0 = time.monotonic()
-    try:
-        create_network(plan)
-        pid = start_in_namespaces(profile.launch.command, workload_env(profile.launch.env), plan, log,
-                                  cwd=profile.launch.workdir)
-        probe = ValidationProbe(plan.workload_address, plan.port, validation)
-        probe.wait_ready(alive=lambda: alive(pid))
-        res = probe.complete(expected=profile.expected_text)
-        save_state(WorkloadState(name=name, pid=pid, network=plan.model_dump(), origin="cold",
-                                 run_dir=str(wdir), log=str(log), url=f"http://{plan.workload_address}:{plan.port}"))
-        ok = True
-        progress(f"cold start validated: first token {res.first_token_s - t0:.2f} s after start")
-        return {"workload": name, "pid": pid, "url": f"http://{plan.workload_address}:{plan.port}",
-                "time_to_first_token_s": round(res.first_token_s - t0, 4), "validated_text": res.text,
-                "started": "cold"}
-    finally:
-        if not ok:
-            if pid is not None:
-                kill_tree(pid)
-            destroy_network(plan)
+    cold = start_cold(name, plan, profile.launch.command, profile.launch.env, profile.launch.workdir,
+                      _validation(request, profile), expected=profile.expected_text)
+    save_state(cold.state)
+    progress(f"cold start validated: first token {cold.time_to_first_token:.2f} s after start")
+    return {"workload": name, "pid": cold.state.pid, "url": cold.state.url,
+            "time_to_first_token_s": round(cold.time_to_first_token, 4), "validated_text": cold.first.text,
+            "started": "cold"}

@@ -270,3 +270,17 @@ def restore_tree(
     report.seconds.setdefault("unlock", 0.0)
     report.message = f"restored {len(pids)} CUDA process(es)"
     return report
+
+
+def checkpointed_pids(root_pid: int, *, api: CudaCheckpointAPI | None = None,
+                      children: ChildrenReader = read_children) -> list[int]:
+    """After `criu restore` the CUDA processes have new host PIDs: find those whose CUDA state is checkpointed."""
+    api = api or CudaCheckpointAPI()
+    found = []
+    for pid in process_tree(root_pid, children):
+        try:
+            if api.state(pid) == "checkpointed":
+                found.append(pid)
+        except ColdSnapError:
+            continue  # not a CUDA client
+    return found

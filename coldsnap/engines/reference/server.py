@@ -1,0 +1,507 @@
+"""OpenAI-compatible HTTP server over the reference model: ColdSnap's embedded default workload.
+
+    python -m coldsnap.engines.reference.server --weights PATH [--host 0.0.0.0] [--port 8000]
+        [--device cpu|cuda] [--compile/--no-compile] [--compile-mode MODE] [--compile-cache DIR]
+        [--weights-load mmap|copy] [--seed N] [--layers N --hidden H --heads N --intermediate N
+        --max-seq N --prefill-chunk N] [--kv-mib N] [--threads N] [--model-id NAME]
+
+Start-up does the work a real engine does, each phase timed and printed to stderr as one JSON line
+({"event": "phase", "name": ..., "seconds": ...}): import torch, ensure the weights (generated on first
+use), load them (mmap by default), build the model and allocate the KV cache, torch.compile the prefill
+and decode steps (CUDA graphs on a GPU), warm up; then it listens and prints {"event": "ready", ...}.
+It binds its port only once it is ready, so a successful GET /health means it can serve.
+
+Built to be checkpointed by CRIU: the stdlib threading HTTP server (no asyncio/uvloop, whose io_uring
+CRIU cannot dump), every response is `Connection: close` (no connection outlives its request, so an
+idle server holds no client socket), inductor compiles in-process (TORCHINDUCTOR_COMPILE_THREADS=1,
+no compile worker subprocesses), and nothing cached depends on the PID or on wall-clock time.
+
+Endpoints: GET /health, GET /v1/models, POST /v1/completions (stream or not; greedy decoding only),
+GET /coldsnap/info, POST /coldsnap/release (drop the KV cache, and the weights on CUDA, before a
+capture), POST /coldsnap/resume (bring them back after a restore).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # before torch is imported, see the docstring
+
+import argparse  # noqa: E402
+import ctypes  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import socket  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+import uuid  # noqa: E402
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer  # noqa: E402
+from typing import Any  # noqa: E402
+
+from . import DEFAULT_MODEL_ID, ENGINE_NAME, ENGINE_VERSION  # noqa: E402
+
+MAX_BODY = 1 << 20
+_T0 = time.monotonic()
+
+
+def emit(event: str, **fields: Any) -> None:
+    print(json.dumps({"event": event, **fields}), file=sys.stderr, flush=True)
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _malloc_trim() -> None:
+    """Hand freed heap memory back to the kernel, so a dump does not carry it."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+
+class Engine:
+    """The loaded model behind the HTTP handlers; one model call at a time (the lock)."""
+
+    def __init__(self, runner, model_id: str, info: dict[str, Any]) -> None:
+        self.runner = runner
+        self.model_id = model_id
+        self.info = info
+        self.lock = threading.Lock()
+        self.created = int(time.time())
+
+    # --- requests ---
+
+    def parse_completion(self, body: dict[str, Any]) -> dict[str, Any]:
+        from .model import encode
+
+        model = body.get("model", self.model_id)
+        if model is not None and model != self.model_id:
+            raise BadRequest(f"The model `{model}` does not exist.", 404, "model", "model_not_found")
+        prompt = body.get("prompt", "")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise BadRequest("prompt must be a string (or a list of one string)", param="prompt")
+        max_tokens = body.get("max_tokens", 16)
+        if max_tokens is None:
+            max_tokens = 16
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise BadRequest("max_tokens must be a positive integer", param="max_tokens")
+        temperature = body.get("temperature", 0)
+        if temperature is not None and (
+            isinstance(temperature, bool)
+            or not isinstance(temperature, (int, float))
+            or not math.isfinite(temperature)
+            or temperature < 0
+        ):
+            raise BadRequest("temperature must be a number >= 0 (decoding is greedy regardless)", param="temperature")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise BadRequest("stream must be a boolean", param="stream")
+        n = body.get("n", 1)
+        if n not in (1, None) or isinstance(n, bool):
+            raise BadRequest("only n=1 is supported", param="n")
+        opts = body.get("stream_options") or {}
+        if not isinstance(opts, dict):
+            raise BadRequest("stream_options must be an object", param="stream_options")
+        ids = encode(prompt)
+        try:
+            self.runner.check_fits(len(ids), max_tokens)
+        except ValueError as e:
+            raise BadRequest(str(e), param="max_tokens", code="context_length_exceeded") from None
+        return {"ids": ids, "max_tokens": max_tokens, "stream": stream, "usage": bool(opts.get("include_usage"))}
+
+    def tokens(self, ids: list[int], max_tokens: int):
+        """Generated token texts, one per token; holds the lock until exhausted or closed."""
+        from .model import decode
+
+        with self.lock:
+            if self.runner.released:
+                raise BadRequest("the engine is released; POST /coldsnap/resume first", 503, code="released")
+            for tok in self.runner.generate(ids, max_tokens):
+                yield decode([tok])
+
+    def release(self) -> dict[str, Any]:
+        with self.lock:
+            t = time.monotonic()
+            out = self.runner.release()
+            _malloc_trim()
+            return {"released": True, "seconds": time.monotonic() - t, "rss_bytes": _rss_bytes(), **out}
+
+    def resume(self) -> dict[str, Any]:
+        with self.lock:
+            t = time.monotonic()
+            out = self.runner.resume()
+            return {"released": False, "seconds": time.monotonic() - t, "rss_bytes": _rss_bytes(), **out}
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.0"
+    server_version = f"coldsnap-reference/{ENGINE_VERSION}"
+    timeout = 60  # a client that stalls mid-request does not hold its thread forever
+
+    @property
+    def engine(self) -> Engine:
+        return self.server.engine  # type: ignore[attr-defined]
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet: stderr carries JSON events
+        pass
+
+    # --- plumbing ---
+
+    def _headers(self, status: int, ctype: str, length: int | None = None) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        if length is not None:
+            self.send_header("Content-Length", str(length))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+
+    def _json(self, status: int, obj: Any) -> None:
+        data = json.dumps(obj).encode()
+        self._headers(status, "application/json", len(data))
+        self.wfile.write(data)
+
+    def _error(self, e: BadRequest) -> None:
+        kind = "invalid_request_error" if e.status < 500 else "server_error"
+        self._json(e.status, {"error": {"message": str(e), "type": kind, "param": e.param, "code": e.code}})
+
+    def _body(self, required: bool = True) -> dict[str, Any]:
+        if self.headers.get("Content-Length") is None and not required:
+            return {}
+        try:
+            length = int(self.headers.get("Content-Length", ""))
+        except ValueError:
+            raise BadRequest("a JSON body with Content-Length is required", 411) from None
+        if length < 0 or length > MAX_BODY:
+            raise BadRequest(f"body larger than {MAX_BODY} bytes", 413)
+        raw = self.rfile.read(length) if length else b""
+        if len(raw) != length:
+            raise BadRequest("body shorter than its Content-Length")
+        if not raw.strip():
+            return {}
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise BadRequest(f"body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise BadRequest("body must be a JSON object")
+        return body
+
+    def _dispatch(self, routes: dict[str, Any]) -> None:
+        path = self.path.split("?", 1)[0].rstrip("/") or "/"
+        try:
+            fn = routes.get(path)
+            if fn is None:
+                known = {"/health", "/v1/models", "/v1/completions", "/coldsnap/info", "/coldsnap/release", "/coldsnap/resume"}
+                if path in known:
+                    raise BadRequest(f"method {self.command} not allowed on {path}", 405)
+                raise BadRequest(f"no route {path}", 404)
+            fn()
+        except BadRequest as e:
+            self._error(e)
+        except (BrokenPipeError, ConnectionResetError, socket.timeout):
+            self.close_connection = True
+        except Exception as e:  # never let a request take the server down
+            emit("error", path=path, error=f"{type(e).__name__}: {e}")
+            try:
+                self._error(BadRequest(f"internal error: {type(e).__name__}: {e}", 500))
+            except OSError:
+                pass
+
+    def do_GET(self) -> None:  # noqa: N802
+        self._dispatch({"/health": self.health, "/v1/models": self.models, "/coldsnap/info": self.info})
+
+    def do_POST(self) -> None:  # noqa: N802
+        self._dispatch({"/v1/completions": self.completions, "/coldsnap/release": self.release, "/coldsnap/resume": self.resume})
+
+    # --- endpoints ---
+
+    def health(self) -> None:
+        if self.engine.runner.released:
+            self._json(503, {"status": "released"})
+        else:
+            self._json(200, {"status": "ok"})
+
+    def models(self) -> None:
+        e = self.engine
+        card = {
+            "id": e.model_id,
+            "object": "model",
+            "created": e.created,
+            "owned_by": "coldsnap",
+            "root": e.model_id,
+            "max_model_len": e.runner.cfg.max_seq,
+        }
+        self._json(200, {"object": "list", "data": [card]})
+
+    def info(self) -> None:
+        e = self.engine
+        self._json(
+            200,
+            {
+                **e.info,
+                "released": e.runner.released,
+                "rss_bytes": _rss_bytes(),
+                "pid": os.getpid(),
+            },
+        )
+
+    def release(self) -> None:
+        self._body(required=False)
+        self._json(200, self.engine.release())
+
+    def resume(self) -> None:
+        self._body(required=False)
+        self._json(200, self.engine.resume())
+
+    def completions(self) -> None:
+        e = self.engine
+        req = e.parse_completion(self._body())
+        cid = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        n_prompt, n_new = len(req["ids"]), req["max_tokens"]
+        usage = {"prompt_tokens": n_prompt, "completion_tokens": n_new, "total_tokens": n_prompt + n_new}
+        gen = e.tokens(req["ids"], n_new)
+        if not req["stream"]:
+            text = "".join(gen)
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
+            self._json(
+                200,
+                {"id": cid, "object": "text_completion", "created": created, "model": e.model_id, "choices": [choice], "usage": usage},
+            )
+            return
+        try:
+            first = next(gen)  # errors (e.g. released) surface before any header is sent
+        except StopIteration:
+            first = None
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+
+        def event(obj: Any) -> None:
+            self.wfile.write(b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n")
+            self.wfile.flush()
+
+        try:
+            i = 0
+            while first is not None:
+                text, first = first, next(gen, None)
+                i += 1
+                choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": None if first is not None else "length"}
+                event({"id": cid, "object": "text_completion", "created": created, "model": e.model_id, "choices": [choice]})
+            if req["usage"]:
+                event({"id": cid, "object": "text_completion", "created": created, "model": e.model_id, "choices": [], "usage": usage})
+            event(b"[DONE]")
+        finally:
+            gen.close()  # a client gone mid-stream frees the lock here
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 128
+
+    def __init__(self, addr, engine: Engine) -> None:
+        if ":" in addr[0]:
+            self.address_family = socket.AF_INET6
+        self.engine = engine
+        super().__init__(addr, Handler)
+
+
+# --- start-up ------------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m coldsnap.engines.reference.server", description=__doc__.split("\n\n")[0])
+    p.add_argument("--weights", required=True, help="safetensors file; generated (seeded) when missing")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="torch.compile the model steps")
+    p.add_argument("--compile-mode", default=None, help='torch.compile mode (default: "default" on CPU, "reduce-overhead" on CUDA)')
+    p.add_argument("--compile-cache", default=None, help="inductor cache directory (TORCHINDUCTOR_CACHE_DIR); compiled kernels are mapped from it")
+    p.add_argument("--weights-load", choices=("mmap", "copy"), default="mmap")
+    p.add_argument("--seed", type=int, default=0, help="seed of generated weights")
+    p.add_argument("--layers", type=int)
+    p.add_argument("--hidden", type=int)
+    p.add_argument("--heads", type=int)
+    p.add_argument("--intermediate", type=int, help="MLP width (default: about 8/3 of hidden)")
+    p.add_argument("--max-seq", type=int)
+    p.add_argument("--prefill-chunk", type=int)
+    p.add_argument("--kv-mib", type=float, default=None, help="KV cache buffer size in MiB (default 64 on CPU, 1024 on CUDA)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default min(2, cpu count))")
+    p.add_argument("--warmup-tokens", type=int, default=8, help="tokens generated per warm-up prompt")
+    p.add_argument("--model-id", default=DEFAULT_MODEL_ID)
+    return p
+
+
+def resolve_config(args: argparse.Namespace):
+    """Defaults, overlaid by the config beside an existing weights file, overlaid by explicit flags."""
+    from .model import ModelConfig
+    from .weights import read_config
+
+    d = ModelConfig().to_dict()
+    d.update(read_config(args.weights) or {})
+    flags = {
+        "layers": args.layers,
+        "hidden": args.hidden,
+        "heads": args.heads,
+        "intermediate": args.intermediate,
+        "max_seq": args.max_seq,
+        "prefill_chunk": args.prefill_chunk,
+    }
+    if args.hidden is not None and args.intermediate is None:
+        flags["intermediate"] = int(math.ceil(args.hidden * 8 / 3 / 16) * 16)
+    d.update({k: v for k, v in flags.items() if v is not None})
+    return ModelConfig.from_dict(d)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.compile_cache:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(args.compile_cache)
+    phases: dict[str, float] = {}
+
+    def phase(name: str, t: float, **extra: Any) -> None:
+        phases[name] = round(time.monotonic() - t, 4)
+        emit("phase", name=name, seconds=phases[name], **extra)
+
+    t = time.monotonic()
+    import torch
+
+    from .model import Runner, build_model, encode
+    from .weights import ensure_weights, load_weights
+
+    threads = args.threads or min(2, os.cpu_count() or 1)
+    torch.set_num_threads(threads)
+    phase("import", t, torch=torch.__version__)
+
+    try:
+        cfg = resolve_config(args)
+    except (ValueError, TypeError) as e:
+        emit("fatal", error=f"bad model config: {e}")
+        return 2
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        emit("fatal", error="--device cuda but torch sees no GPU")
+        return 2
+
+    t = time.monotonic()
+    try:
+        wpath, digest = ensure_weights(args.weights, cfg, seed=args.seed)
+    except (ValueError, OSError) as e:
+        emit("fatal", error=str(e))
+        return 2
+    phase("weights", t, path=wpath, sha256=digest)
+
+    t = time.monotonic()
+    weights = load_weights(wpath, str(device), args.weights_load)
+    phase("load", t, mode=args.weights_load)
+
+    t = time.monotonic()
+    model = build_model(cfg, weights, device)
+    del weights
+    kv_mib = args.kv_mib if args.kv_mib is not None else (1024 if device.type == "cuda" else 64)
+    runner = Runner(model, device, int(kv_mib * (1 << 20)), reload=lambda: load_weights(wpath, str(device), "mmap"))
+    phase("build", t, params=sum(p.numel() for p in model.parameters()), kv_bytes=runner.kv_bytes)
+
+    mode = None
+    if args.compile:
+        mode = args.compile_mode or ("reduce-overhead" if device.type == "cuda" else "default")
+        t = time.monotonic()
+        runner.compile(mode)
+        with torch.no_grad():  # compile each static shape now, not on a first request
+            runner._run([0] * cfg.prefill_chunk, 0)
+            runner._run([0], 0)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        phase("compile", t, mode=mode)
+
+    t = time.monotonic()
+    n_warm = max(1, min(args.warmup_tokens, cfg.max_seq - 1))
+    lengths = sorted({1, cfg.prefill_chunk - 1, cfg.prefill_chunk + 1, 3 * cfg.prefill_chunk, cfg.max_seq - n_warm})
+    for n in lengths:
+        n = max(1, min(n, cfg.max_seq - n_warm))
+        list(runner.generate(encode("a" * (n - 1)), n_warm))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    phase("warmup", t, prompts=len(lengths), tokens=n_warm)
+
+    info = {
+        "engine": ENGINE_NAME,
+        "version": ENGINE_VERSION,
+        "model": args.model_id,
+        "device": str(device),
+        "weights": {"path": wpath, "sha256": digest, "load": args.weights_load, "seed": args.seed},
+        "config": cfg.to_dict(),
+        "compile": {
+            "enabled": bool(args.compile),
+            "mode": mode,
+            "cache_dir": _inductor_cache_dir() if args.compile else None,
+        },
+        "kv_bytes": runner.kv_bytes,
+        "threads": threads,
+        "torch": torch.__version__,
+        "startup_phases": dict(phases),
+    }
+
+    t = time.monotonic()
+    engine = Engine(runner, args.model_id, info)
+    try:
+        httpd = Server((args.host, args.port), engine)
+    except OSError as e:
+        emit("fatal", error=f"cannot listen on {args.host}:{args.port}: {e}")
+        return 2
+    phase("listen", t)
+    info["startup_phases"] = dict(phases)
+    info["startup_seconds"] = round(time.monotonic() - _T0, 4)
+    _malloc_trim()
+    host, port = httpd.server_address[:2]
+    emit(
+        "ready",
+        host=host,
+        port=port,
+        model=args.model_id,
+        device=str(device),
+        seconds=info["startup_seconds"],
+        phases=phases,
+        rss_bytes=_rss_bytes(),
+        pid=os.getpid(),
+    )
+    try:
+        httpd.serve_forever(poll_interval=0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        httpd.server_close()
+    return 0
+
+
+def _inductor_cache_dir() -> str | None:
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        return cache_dir()
+    except Exception:  # private API; informational only
+        return os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""Network namespaces and the PID-namespace launcher, against the real kernel."""
+
+import os
+import time
+import urllib.request
+
+import pytest
+
+from coldsnap.contracts import ColdSnapError, ErrorCode
+from coldsnap.net import allocate_plan, create_network, destroy_network
+from coldsnap.net.netns import _host_links
+from coldsnap.workload import alive, kill_tree, start_in_namespaces
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network and PID namespaces")
+
+
+@pytest.fixture
+def plan():
+    p = allocate_plan("pytest-net", 8123)
+    yield p
+    destroy_network(p)
+
+
+def test_create_and_destroy(plan):
+    create_network(plan)
+    assert os.path.exists(f"/run/netns/{plan.netns}")
+    assert plan.host_veth in _host_links()
+    destroy_network(plan)
+    assert not os.path.exists(f"/run/netns/{plan.netns}")
+    assert plan.host_veth not in _host_links()
+    destroy_network(plan)  # idempotent
+
+
+def test_busy_network_is_refused(plan):
+    create_network(plan)
+    with pytest.raises(ColdSnapError) as e:
+        create_network(plan)
+    assert e.value.code == ErrorCode.RESOURCE_BUSY
+    with pytest.raises(ColdSnapError) as e:
+        allocate_plan("pytest-net", 8123)
+    assert e.value.code == ErrorCode.RESOURCE_BUSY
+    other = allocate_plan("pytest-other", 8123)
+    assert other.host_address != plan.host_address
+
+
+def test_workload_runs_as_namespace_init_reachable_from_host(plan, tmp_path):
+    create_network(plan)
+    (tmp_path / "hello.txt").write_text("hi")
+    pid = start_in_namespaces(["python3", "-m", "http.server", "--bind", "0.0.0.0", str(plan.port), "-d",
+                               str(tmp_path)], {}, plan, tmp_path / "log")
+    try:
+        nspid = [line for line in open(f"/proc/{pid}/status") if line.startswith("NSpid")][0].split()
+        assert nspid[-1] == "1"  # init of its own PID namespace
+        assert os.getsid(pid) == pid  # session leader
+        assert os.readlink(f"/proc/{pid}/ns/net") != os.readlink("/proc/self/ns/net")
+        deadline = time.time() + 15
+        while True:
+            try:
+                body = urllib.request.urlopen(f"http://{plan.workload_address}:{plan.port}/hello.txt", timeout=2).read()
+                break
+            except OSError:
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.1)
+        assert body == b"hi"
+    finally:
+        kill_tree(pid)
+    assert not alive(pid)
