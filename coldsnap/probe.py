@@ -52,8 +52,21 @@ class ValidationProbe:
         raise ColdSnapError(ErrorCode.VALIDATION_TIMEOUT,
                             f"the workload did not become ready within {timeout:.0f} s ({self.validation.health_path})")
 
+    def _served_model(self) -> str:
+        """The first model id /v1/models lists (OpenAI servers insist on a known model name)."""
+        try:
+            conn = self._conn(10.0)
+            conn.request("GET", "/v1/models", headers={"Connection": "close"})
+            data = json.loads(conn.getresponse().read())
+            conn.close()
+            return data["data"][0]["id"]
+        except (OSError, http.client.HTTPException, ValueError, KeyError, IndexError):
+            return ""
+
     def complete(self, expected: str | None = None) -> ProbeResult:
         """A streamed temperature-0 completion; the first non-empty token's arrival is the time to first token."""
+        if not self.model:
+            self.model = self._served_model()
         body = json.dumps({"model": self.model, "prompt": self.validation.prompt,
                            "max_tokens": self.validation.max_tokens, "temperature": 0, "stream": True})
         pieces: list[str] = []

@@ -105,11 +105,34 @@ def decode(ids: list[int]) -> str:
 # --- model -------------------------------------------------------------------------------------
 
 
+def _param(*shape: int) -> nn.Parameter:
+    """A placeholder on the meta device: build_model() assigns the real (loaded) tensor."""
+    return nn.Parameter(torch.empty(shape, device="meta"), requires_grad=False)
+
+
+class Linear(nn.Module):
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.weight = _param(d_out, d_in)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class Embedding(nn.Module):
+    def __init__(self, n: int, dim: int) -> None:
+        super().__init__()
+        self.weight = _param(n, dim)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = _param(dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
@@ -125,10 +148,10 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.heads, self.head_dim = cfg.heads, cfg.head_dim
-        self.wq = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
-        self.wk = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
-        self.wv = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
-        self.wo = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
+        self.wq = Linear(cfg.hidden, cfg.hidden)
+        self.wk = Linear(cfg.hidden, cfg.hidden)
+        self.wv = Linear(cfg.hidden, cfg.hidden)
+        self.wo = Linear(cfg.hidden, cfg.hidden)
 
     def forward(self, x, cos, sin, positions, mask, cache):  # cache: [2, 1, heads, max_seq, head_dim]
         b, t, _ = x.shape
@@ -145,9 +168,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.w1 = nn.Linear(cfg.hidden, cfg.intermediate, bias=False)
-        self.w3 = nn.Linear(cfg.hidden, cfg.intermediate, bias=False)
-        self.w2 = nn.Linear(cfg.intermediate, cfg.hidden, bias=False)
+        self.w1 = Linear(cfg.hidden, cfg.intermediate)
+        self.w3 = Linear(cfg.hidden, cfg.intermediate)
+        self.w2 = Linear(cfg.intermediate, cfg.hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -181,15 +204,16 @@ class Transformer(nn.Module):
     ([layers, 2, 1, heads, max_seq, head_dim]), which the owner attaches with set_kv().
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu") -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
+        self.embed = Embedding(cfg.vocab_size, cfg.hidden)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
-        for name, value in _buffers(cfg).items():
-            self.register_buffer(name, value, persistent=False)
+        self.lm_head = Linear(cfg.hidden, cfg.vocab_size)
+        with torch.device(device):
+            for name, value in _buffers(cfg).items():
+                self.register_buffer(name, value, persistent=False)
 
     def kv_shape(self) -> tuple[int, ...]:
         c = self.cfg
@@ -315,20 +339,17 @@ class Runner:
         return {"kv_bytes": self.kv_bytes}
 
 
-def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device) -> Transformer:
+def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device | str) -> Transformer:
     """Build the model around the given tensors without copying them (mmap views stay mmap views)."""
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    missing = {n for n, _, _ in param_specs(cfg)} - set(weights)
+    model = Transformer(cfg, device)
+    specs = param_specs(cfg)
+    missing = {n for n, _, _ in specs} - set(weights)
     if missing:
         raise ValueError(f"weights lack {sorted(missing)[:5]}")
-    for name, shape, _ in param_specs(cfg):
+    for name, shape, _ in specs:
         if tuple(weights[name].shape) != shape:
             raise ValueError(f"weight {name} has shape {tuple(weights[name].shape)}, config wants {shape}")
-    model.load_state_dict({n: weights[n] for n, _, _ in param_specs(cfg)}, strict=False, assign=True)
-    with torch.device(device):  # the non-persistent buffers were built on meta: make them for real
-        for name, value in _buffers(cfg).items():
-            setattr(model, name, value)
+    model.load_state_dict({n: weights[n] for n, _, _ in specs}, strict=True, assign=True)
     for p in model.parameters():
         p.requires_grad_(False)
     return model.eval()

@@ -37,6 +37,8 @@ _DTYPES = {
     "BOOL": ("bool", 1),
 }
 
+ALIGN = 64  # bytes: where the data section and each tensor of a generated file start
+
 # Kept alive for as long as the process runs: the tensors of load_weights(mode="mmap") point into them.
 _MAPS: list[mmap.mmap] = []
 
@@ -92,10 +94,35 @@ def generate_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray
 
 
 def serialize(config: ModelConfig, seed: int = 0) -> bytes:
-    from safetensors.numpy import save
+    """The safetensors file of generate_weights(config, seed), byte for byte reproducible.
 
-    meta = {"format": "pt", "generator": "coldsnap.reference", "seed": str(seed), "config": json.dumps(config.to_dict(), sort_keys=True)}
-    return save(generate_weights(config, seed), metadata=meta)
+    Written here rather than by safetensors.save so that the data section starts 64-byte aligned (the
+    header is padded with spaces, as the format allows) and every tensor stays aligned within it:
+    the mmap'd tensors are then as aligned as freshly allocated ones.
+    """
+    tensors = generate_weights(config, seed)
+    meta = {
+        "format": "pt",
+        "generator": "coldsnap.reference",
+        "seed": str(seed),
+        "config": json.dumps(config.to_dict(), sort_keys=True),
+    }
+    header: dict[str, Any] = {"__metadata__": meta}
+    offset = 0
+    for name in sorted(tensors):
+        arr = tensors[name]
+        header[name] = {"dtype": "F32", "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
+        offset += arr.nbytes
+        offset += -offset % ALIGN  # keep the next tensor aligned
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % ALIGN)
+    out = bytearray(struct.pack("<Q", len(raw)) + raw)
+    base = len(out)
+    out.extend(bytes(offset))
+    for name in sorted(tensors):
+        start, end = header[name]["data_offsets"]
+        out[base + start : base + end] = tensors[name].astype("<f4").tobytes()
+    return bytes(out)
 
 
 def read_header(path: str | os.PathLike) -> tuple[int, dict[str, Any]]:
@@ -183,6 +210,8 @@ def load_weights(path: str | os.PathLike, device: str = "cpu", mode: str = "mmap
             raise ValueError(f"{path}: tensor {name} lies outside the file or has the wrong size")
         if count == 0:
             t = torch.empty(shape, dtype=dtype)
+        elif (base + start) % itemsize:  # misaligned in someone else's file: copy it out
+            t = torch.frombuffer(bytearray(mm[base + start : base + end]), dtype=dtype).view(shape)
         else:
             t = torch.frombuffer(mm, dtype=dtype, count=count, offset=base + start).view(shape)
         if dev.type != "cpu":
