@@ -1,0 +1,535 @@
+"""Capsules as OCI artifacts in real registries: push and pull through the OCI distribution API.
+
+Authentication goes through oras-py's Registry (its token/anonymous-token flow; credentials from
+~/.docker/config.json or COLDSNAP_REGISTRY_USER / COLDSNAP_REGISTRY_PASSWORD; registries that answer with a
+Basic challenge get the credentials as a Basic header). Blob bodies never pass whole through memory:
+
+- push: HEAD each blob (skip what the registry has), then the chunked upload of the distribution spec
+  (POST uploads/, PATCH 16 MiB chunks with Content-Range, PUT ?digest=), then the stored manifest bytes
+  unchanged, so the manifest digest in the registry is the local one.
+- pull: the manifest (pinned by digest unless allow_unpinned), verified; then only the blobs the local store
+  lacks, streamed into store/tmp/<hex>.partial while hashing. Digest and size are checked before anything
+  enters blobs/. An interrupted pull keeps the partial file and the next pull continues it with an HTTP Range
+  request. Each blob is guarded by an fcntl lock (store/tmp/<hex>.lock), so concurrent pulls are safe.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import re
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from http.cookiejar import DefaultCookiePolicy
+from pathlib import Path
+from typing import Callable, Iterator
+
+import oras.provider
+import requests
+
+from ..contracts import ColdSnapError, ErrorCode
+from ..contracts import capsule as mt
+from .store import DIGEST_RE, CapsuleStore, Descriptor, _fsync_dir
+
+UPLOAD_CHUNK = 16 << 20  # PATCH size of a chunked upload
+READ_CHUNK = 1 << 20  # download read/hash/write granularity
+MANIFEST_LIMIT = 4 << 20
+CONNECT_TIMEOUT = 10
+READ_TIMEOUT = 300
+DOWNLOAD_ATTEMPTS = 3  # connection drops inside one pull are resumed this many times
+
+Progress = Callable[[str, int, int], None]  # (digest, bytes done, bytes total)
+
+_REPO_RE = re.compile(r"^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*$")
+_TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+# oras' do_request without its retry decorator (5 attempts, sleeps up to 83 s on "connection refused").
+_do_request = oras.provider.Registry.do_request.__wrapped__
+
+
+# --- references -----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RemoteRef:
+    host: str
+    repository: str
+    tag: str | None
+    digest: str | None
+
+    @property
+    def name(self) -> str:
+        return f"{self.host}/{self.repository}"
+
+    def __str__(self) -> str:
+        return self.name + (f":{self.tag}" if self.tag else "") + (f"@{self.digest}" if self.digest else "")
+
+
+def parse_remote(ref: str) -> RemoteRef:
+    """HOST[:PORT]/REPO:TAG, HOST[:PORT]/REPO@sha256:…, or HOST[:PORT]/REPO:TAG@sha256:…"""
+    bad = f"registry reference {ref!r} must look like HOST[:PORT]/REPO:TAG or HOST[:PORT]/REPO@sha256:<64 hex>"
+    rest, digest = (ref.rsplit("@", 1) + [None])[:2] if "@" in ref else (ref, None)
+    if digest is not None and not DIGEST_RE.match(digest):
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, bad)
+    if "/" not in rest:
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, bad)
+    host, path = rest.split("/", 1)
+    tag = None
+    if ":" in path.rsplit("/", 1)[-1]:
+        path, tag = path.rsplit(":", 1)
+    if not host or not _REPO_RE.match(path) or (tag is not None and not _TAG_RE.match(tag)):
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, bad)
+    return RemoteRef(host, path, tag, digest)
+
+
+# --- HTTP -----------------------------------------------------------------------------------------------------
+class _Session(requests.Session):
+    def request(self, method, url, **kw):  # requests has no session-wide timeout
+        kw.setdefault("timeout", (CONNECT_TIMEOUT, READ_TIMEOUT))
+        return super().request(method, url, **kw)
+
+
+class _Client:
+    """One repository on one registry, spoken to through oras' Registry (auth) with our own error handling."""
+
+    def __init__(self, ref: RemoteRef, insecure: bool):
+        self.ref = ref
+        self.scheme = "http" if insecure else "https"
+        self.reg = oras.provider.Registry(hostname=ref.host, insecure=insecure)
+        session = _Session()
+        session.cookies.set_policy(DefaultCookiePolicy(allowed_domains=[]))
+        self.reg.session = self.reg.auth.session = session
+        self.static: dict[str, str] = {}
+        user, password = os.environ.get("COLDSNAP_REGISTRY_USER"), os.environ.get("COLDSNAP_REGISTRY_PASSWORD")
+        if user and password:
+            self.reg.auth.set_basic_auth(user, password)
+        else:  # ~/.docker/config.json (auths, credsStore, credHelpers)
+            try:
+                self.reg.auth.load_configs(oras.container.Container(f"{ref.name}:x", registry=ref.host))
+            except Exception:  # noqa: BLE001 - an unreadable docker config means "no credentials"
+                pass
+        self.base = f"{self.scheme}://{ref.host}/v2/{ref.repository}"
+        self._ping()
+
+    def _creds(self) -> str | None:
+        return getattr(self.reg.auth, "_basic_auth", None) or None
+
+    def _ping(self) -> None:
+        url = f"{self.scheme}://{self.ref.host}/v2/"
+        r = self._send("GET", url, auth=False)
+        if r.status_code == 401:
+            challenge = r.headers.get("Www-Authenticate", "")
+            if challenge.lower().startswith("basic"):
+                if not self._creds():
+                    raise self._denied(r)
+                self.static["Authorization"] = f"Basic {self._creds()}"
+                r = self._send("GET", url, auth=False)
+                if r.status_code in (401, 403):
+                    raise self._denied(r)
+            return  # Bearer: oras' TokenAuth answers the challenge per request
+        if r.status_code != 200:
+            raise ColdSnapError(ErrorCode.REGISTRY, f"{self.ref.host} does not speak the OCI distribution API "
+                                f"(GET /v2/ answered {r.status_code})")
+
+    def _denied(self, r: requests.Response) -> ColdSnapError:
+        how = ("the credentials were refused" if self._creds() else
+               "it needs credentials: log in (~/.docker/config.json) or set COLDSNAP_REGISTRY_USER and "
+               "COLDSNAP_REGISTRY_PASSWORD")
+        return ColdSnapError(ErrorCode.REGISTRY, f"registry {self.ref.host} denied access to {self.ref.repository} "
+                             f"({r.status_code}): {how}")
+
+    def _send(self, method: str, url: str, *, headers: dict | None = None, data=None, stream: bool = False,
+              auth: bool = True) -> requests.Response:
+        h = {**self.static, **(headers or {})}
+        try:
+            if not auth:
+                return self.reg.session.request(method, url, headers=h, data=data, stream=stream,
+                                                verify=self.reg._tls_verify)
+            r = _do_request(self.reg, url, method, data=data, headers=h, stream=stream)
+            if r.status_code == 401 and getattr(self.reg.auth, "token", None):
+                # oras reuses a token whose scope may be too narrow (pull → push): drop it and answer the new
+                # challenge once
+                self.reg.auth.token = None
+                r = _do_request(self.reg, url, method, data=data, headers={**self.static, **(headers or {})},
+                                stream=stream)
+            return r
+        except requests.exceptions.SSLError as e:
+            raise ColdSnapError(ErrorCode.REGISTRY, f"TLS with registry {self.ref.host} failed ({_short(e)}); "
+                                "for a plain-HTTP local registry use insecure") from None
+        except requests.exceptions.ConnectionError as e:
+            raise ColdSnapError(ErrorCode.REGISTRY, f"cannot connect to registry {self.ref.host} over "
+                                f"{self.scheme}: {_short(e)}") from None
+        except requests.exceptions.Timeout:
+            raise ColdSnapError(ErrorCode.REGISTRY, f"registry {self.ref.host} did not answer in time") from None
+        except ValueError as e:  # oras: "Cannot respond to request for authentication."
+            if "authentication" in str(e):
+                raise ColdSnapError(ErrorCode.REGISTRY, f"registry {self.ref.host} asked for authentication "
+                                    "that could not be answered: log in (~/.docker/config.json) or set "
+                                    "COLDSNAP_REGISTRY_USER and COLDSNAP_REGISTRY_PASSWORD") from None
+            raise
+
+    def request(self, method: str, url: str, *, ok: tuple[int, ...], what: str, headers: dict | None = None,
+                data=None, stream: bool = False, not_found: ErrorCode | None = None) -> requests.Response:
+        r = self._send(method, url, headers=headers, data=data, stream=stream)
+        if r.status_code in ok:
+            return r
+        r.close()
+        if r.status_code in (401, 403):
+            raise self._denied(r)
+        if r.status_code == 404 and not_found:
+            raise ColdSnapError(not_found, f"{what}: not found in registry {self.ref.host}")
+        raise ColdSnapError(ErrorCode.REGISTRY, f"{what}: registry {self.ref.host} answered {r.status_code} "
+                            f"{_errors(r)}".rstrip())
+
+    def location(self, r: requests.Response) -> str:
+        loc = r.headers.get("Location")
+        if not loc:
+            raise ColdSnapError(ErrorCode.REGISTRY, f"registry {self.ref.host} gave no upload location")
+        return loc if loc.startswith("http") else f"{self.scheme}://{self.ref.host}{loc}"
+
+
+def _short(e: Exception) -> str:
+    s = str(e)
+    for known in ("Connection refused", "Name or service not known", "Connection reset", "No route to host",
+                  "timed out", "Temporary failure in name resolution", "WRONG_VERSION_NUMBER",
+                  "CERTIFICATE_VERIFY_FAILED"):
+        if known in s:
+            return known.lower().replace("_", " ")
+    return s[:200]
+
+
+def _errors(r: requests.Response) -> str:
+    try:
+        errs = r.json().get("errors", [])
+        return "(" + "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errs) + ")" if errs else ""
+    except ValueError:
+        return ""
+
+
+# --- locks ----------------------------------------------------------------------------------------------------
+def lock_path(store: CapsuleStore, digest: str) -> Path:
+    return store.root / "tmp" / f"{digest.split(':', 1)[1]}.lock"
+
+
+def partial_path(store: CapsuleStore, digest: str) -> Path:
+    return store.root / "tmp" / f"{digest.split(':', 1)[1]}.partial"
+
+
+def acquire_blob_lock(path: Path, blocking: bool = True) -> int | None:
+    """flock on a lock file that is unlinked by its holder: re-check that the locked inode is still the path's."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            os.close(fd)
+            continue
+        if (st.st_dev, st.st_ino) == (os.fstat(fd).st_dev, os.fstat(fd).st_ino):
+            return fd
+        os.close(fd)
+
+
+def release_blob_lock(path: Path, fd: int) -> None:
+    path.unlink(missing_ok=True)  # while still holding it: waiters re-check the inode
+    os.close(fd)
+
+
+@contextmanager
+def _blob_locks(store: CapsuleStore, digests: list[str]) -> Iterator[None]:
+    held: list[tuple[Path, int]] = []
+    try:
+        for d in sorted(set(digests)):  # one global order: no deadlock between pulls sharing blobs
+            p = lock_path(store, d)
+            held.append((p, acquire_blob_lock(p)))
+        yield
+    finally:
+        for p, fd in reversed(held):
+            release_blob_lock(p, fd)
+
+
+# --- push -----------------------------------------------------------------------------------------------------
+def _read_local_manifest(store: CapsuleStore, digest: str) -> tuple[bytes, dict]:
+    path = store.blob_path(digest)
+    if not path.exists():
+        raise ColdSnapError(ErrorCode.CAPSULE_NOT_FOUND, f"capsule {digest} is not in the store {store.root}")
+    raw = path.read_bytes()
+    if "sha256:" + hashlib.sha256(raw).hexdigest() != digest:
+        raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"manifest {digest} in {store.root} fails verification")
+    manifest = json.loads(raw)
+    if manifest.get("artifactType") != mt.ARTIFACT_TYPE:
+        raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"{digest} is not a ColdSnap capsule "
+                            f"(artifactType {manifest.get('artifactType')!r})")
+    return raw, manifest
+
+
+def _descriptors(manifest: dict, where: str) -> list[Descriptor]:
+    try:
+        descs = [Descriptor.from_json(manifest["config"])] + [Descriptor.from_json(d) for d in manifest["layers"]]
+    except (KeyError, TypeError, ValueError):
+        raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"manifest {where} lacks a valid config/layers list") from None
+    for d in descs:
+        if not DIGEST_RE.match(d.digest) or d.size < 0:
+            raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"manifest {where} lists an invalid blob {d.digest!r}")
+    unique: dict[str, Descriptor] = {}
+    for d in descs:
+        unique.setdefault(d.digest, d)
+    return list(unique.values())
+
+
+def _upload_blob(client: _Client, path: Path, desc: Descriptor, progress: Progress | None) -> int:
+    r = client.request("POST", f"{client.base}/blobs/uploads/", ok=(202,), what=f"starting upload of {desc.digest}",
+                       headers={"Content-Length": "0"})
+    url = client.location(r)
+    done = 0
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(UPLOAD_CHUNK):
+                r = client.request("PATCH", url, ok=(202,), what=f"uploading {desc.digest} at byte {done}", data=chunk,
+                                   headers={"Content-Type": "application/octet-stream",
+                                            "Content-Range": f"{done}-{done + len(chunk) - 1}",
+                                            "Content-Length": str(len(chunk))})
+                url = client.location(r)
+                done += len(chunk)
+                del chunk
+                if progress:
+                    progress(desc.digest, done, desc.size)
+        if done != desc.size:
+            raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"blob {desc.digest} in the store is {done} bytes, "
+                                f"its manifest says {desc.size}")
+        sep = "&" if "?" in url else "?"
+        r = client._send("PUT", f"{url}{sep}digest={desc.digest}", headers={"Content-Length": "0"})
+        if r.status_code == 400 and "DIGEST_INVALID" in r.text:
+            raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"blob {desc.digest} in the store does not hash to its "
+                                "digest (the registry refused it)")
+        if r.status_code != 201:
+            raise ColdSnapError(ErrorCode.REGISTRY, f"finishing upload of {desc.digest}: registry "
+                                f"{client.ref.host} answered {r.status_code} {_errors(r)}".rstrip())
+        url = ""
+    finally:
+        if url:  # abandoned: let the registry drop the session (best effort)
+            try:
+                client._send("DELETE", url)
+            except ColdSnapError:
+                pass
+    return done
+
+
+def push(store: CapsuleStore, digest: str, ref: str, insecure: bool = False,
+         progress: Progress | None = None) -> dict:
+    """Push the local capsule `digest` (config, layers, then its manifest bytes unchanged) to `ref`.
+
+    Returns {digest, ref, bytes_transferred, blobs_uploaded, blobs_present, seconds}."""
+    t0 = time.monotonic()
+    remote = parse_remote(ref)
+    if not remote.tag and not remote.digest:
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"registry reference {ref!r} needs a :TAG (or @digest)")
+    digest = store.resolve(digest)
+    if remote.digest and remote.digest != digest:
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"{ref} names {remote.digest}, but the capsule is {digest}")
+    raw, manifest = _read_local_manifest(store, digest)
+    descs = _descriptors(manifest, digest)
+    for d in descs:
+        path = store.blob_path(d.digest)
+        if not path.exists():
+            raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"blob {d.digest} of capsule {digest} is missing")
+        if path.stat().st_size != d.size:
+            raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"blob {d.digest} of capsule {digest} is "
+                                f"{path.stat().st_size} bytes, its manifest says {d.size}")
+    client = _Client(remote, insecure)
+    sent, uploaded, present = 0, [], []
+    for d in descs:
+        r = client.request("HEAD", f"{client.base}/blobs/{d.digest}", ok=(200, 404), what=f"checking {d.digest}")
+        if r.status_code == 200:
+            present.append(d.digest)
+            continue
+        sent += _upload_blob(client, store.blob_path(d.digest), d, progress)
+        uploaded.append(d.digest)
+    r = client.request("PUT", f"{client.base}/manifests/{remote.tag or digest}", ok=(201,),
+                       what=f"pushing manifest {digest}", data=raw,
+                       headers={"Content-Type": manifest.get("mediaType", mt.MANIFEST_MEDIA_TYPE)})
+    echoed = r.headers.get("Docker-Content-Digest")
+    if echoed and echoed != digest:
+        raise ColdSnapError(ErrorCode.REGISTRY, f"registry {remote.host} stored the manifest as {echoed}, "
+                            f"not {digest}: it rewrote the manifest")
+    return {"digest": digest, "ref": f"{remote.name}{':' + remote.tag if remote.tag else ''}@{digest}",
+            "bytes_transferred": sent, "manifest_bytes": len(raw), "blobs_uploaded": uploaded,
+            "blobs_present": present, "seconds": round(time.monotonic() - t0, 3)}
+
+
+# --- pull -----------------------------------------------------------------------------------------------------
+class PullResult(str):
+    """The manifest digest (a str), carrying what the pull moved."""
+
+    bytes_transferred: int
+    blobs_fetched: list[str]
+    blobs_present: list[str]
+    resumed_bytes: int
+    seconds: float
+    tag: str | None
+
+    def as_dict(self) -> dict:
+        return {"digest": str(self), "tag": self.tag, "bytes_transferred": self.bytes_transferred,
+                "blobs_fetched": self.blobs_fetched, "blobs_present": self.blobs_present,
+                "resumed_bytes": self.resumed_bytes, "seconds": self.seconds}
+
+
+def _hash_prefix(path: Path, h) -> int:
+    n = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(4 << 20):
+            h.update(chunk)
+            n += len(chunk)
+    return n
+
+
+def _download(client: _Client, desc: Descriptor, part: Path, progress: Progress | None) -> tuple[int, int]:
+    """Bring part up to desc.size bytes (resuming what is there). Returns (bytes received, bytes resumed)."""
+    url = f"{client.base}/blobs/{desc.digest}"
+    received = 0
+    attempts = 0
+    fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    with os.fdopen(fd, "ab") as f:
+        offset = f.seek(0, os.SEEK_END)
+        if offset > desc.size:
+            f.truncate(0)
+            offset = 0
+        resumed = offset
+        while offset < desc.size:
+            headers = {"Range": f"bytes={offset}-"} if offset else {}
+            r = client.request("GET", url, ok=(200, 206, 416), what=f"fetching blob {desc.digest}", headers=headers,
+                               stream=True, not_found=ErrorCode.CAPSULE_NOT_FOUND)
+            with r:
+                if r.status_code == 416 or (r.status_code == 206 and not
+                                            r.headers.get("Content-Range", "").startswith(f"bytes {offset}-")):
+                    r.status_code = 200 if r.status_code == 206 else 416
+                if r.status_code != 206 and offset:  # Range ignored or refused: start again from byte 0
+                    f.truncate(0)
+                    offset = resumed = 0
+                    if r.status_code == 416:
+                        continue
+                try:
+                    for chunk in r.iter_content(READ_CHUNK):
+                        room = desc.size + 1 - offset  # read at most one byte too many: enough to know
+                        if len(chunk) > room:
+                            chunk = chunk[:room]
+                        f.write(chunk)
+                        offset += len(chunk)
+                        received += len(chunk)
+                        if progress:
+                            f.flush()
+                            progress(desc.digest, offset, desc.size)
+                        if offset > desc.size:
+                            break
+                    else:
+                        if offset < desc.size:
+                            raise requests.exceptions.ChunkedEncodingError("body ended early")
+                    break
+                except (requests.exceptions.ConnectionError, requests.exceptions.ChunkedEncodingError,
+                        requests.exceptions.Timeout) as e:
+                    f.flush()
+                    attempts += 1
+                    if attempts >= DOWNLOAD_ATTEMPTS:
+                        raise ColdSnapError(ErrorCode.REGISTRY, f"connection to {client.ref.host} broke while "
+                                            f"fetching {desc.digest} at byte {offset} ({_short(e)}); the partial "
+                                            "download is kept and the next pull resumes it") from None
+        f.flush()
+        os.fsync(f.fileno())
+    return received, resumed
+
+
+def _verify_file(path: Path, desc: Descriptor) -> bool:
+    h = hashlib.sha256()
+    n = _hash_prefix(path, h)
+    return n == desc.size and "sha256:" + h.hexdigest() == desc.digest
+
+
+def _fetch_blob(client: _Client, store: CapsuleStore, desc: Descriptor, progress: Progress | None) -> tuple[int, int]:
+    part = partial_path(store, desc.digest)
+    received_total = resumed_total = 0
+    for attempt in range(2):
+        received, resumed = _download(client, desc, part, progress)
+        received_total += received
+        resumed_total += resumed
+        # Hash from disk: what is verified is what will be moved into blobs/ (also covers a resumed prefix).
+        if _verify_file(part, desc):
+            return received_total, resumed_total
+        part.unlink(missing_ok=True)
+        if not (resumed and attempt == 0):  # a resumed partial may have been bad locally: one clean retry
+            raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"blob {desc.digest} ({desc.media_type}) from "
+                                f"{client.ref.host}/{client.ref.repository} does not match its digest/size "
+                                f"({desc.size} bytes): refused, nothing kept")
+    raise AssertionError("unreachable")
+
+
+def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: bool = False,
+         progress: Progress | None = None) -> PullResult:
+    """Fetch the capsule `ref` into `store`; returns its manifest digest (a PullResult: .bytes_transferred …)."""
+    t0 = time.monotonic()
+    remote = parse_remote(ref)
+    if not remote.digest and not allow_unpinned:
+        raise ColdSnapError(ErrorCode.CAPSULE_UNPINNED, f"registry reference {ref!r} is not pinned by digest; "
+                            "use HOST/REPO@sha256:… or pass --allow-unpinned")
+    if not remote.tag and not remote.digest:
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"registry reference {ref!r} needs a :TAG or @digest")
+    store.init()
+    client = _Client(remote, insecure)
+    r = client.request("GET", f"{client.base}/manifests/{remote.digest or remote.tag}", ok=(200,),
+                       what=f"capsule {remote}", headers={"Accept": mt.MANIFEST_MEDIA_TYPE},
+                       not_found=ErrorCode.CAPSULE_NOT_FOUND, stream=True)
+    with r:
+        raw = r.raw.read(MANIFEST_LIMIT + 1, decode_content=True)
+    if len(raw) > MANIFEST_LIMIT:
+        raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"manifest of {remote} is larger than {MANIFEST_LIMIT} bytes")
+    digest = "sha256:" + hashlib.sha256(raw).hexdigest()
+    expected = remote.digest or r.headers.get("Docker-Content-Digest") or digest
+    if digest != expected:
+        raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"manifest of {remote} hashes to {digest}, expected {expected}")
+    try:
+        manifest = json.loads(raw)
+    except ValueError:
+        raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"manifest {digest} of {remote} is not JSON") from None
+    if manifest.get("artifactType") != mt.ARTIFACT_TYPE:
+        raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"{remote} is not a ColdSnap capsule "
+                            f"(artifactType {manifest.get('artifactType')!r})")
+    descs = _descriptors(manifest, digest)
+    tag = f"{remote.name}:{remote.tag}" if remote.tag else None
+
+    received = resumed = 0
+    fetched: list[str] = []
+    staged: list[tuple[Path, Descriptor]] = []
+    missing = [d for d in descs if not store.has_blob(d.digest)]
+    with _blob_locks(store, [d.digest for d in missing] + [digest]):
+        try:
+            for d in missing:
+                if store.has_blob(d.digest):  # another pull brought it while we waited for the lock
+                    continue
+                got, res = _fetch_blob(client, store, d, progress)
+                received += got
+                resumed += res
+                fetched.append(d.digest)
+                staged.append((partial_path(store, d.digest), d))
+        except ColdSnapError as e:
+            if e.code == ErrorCode.CAPSULE_CORRUPT:  # a refused pull leaves the store as it was
+                for p, _ in staged:
+                    p.unlink(missing_ok=True)
+            raise
+        # Everything verified: publish blobs, then the manifest, then the tag.
+        for p, d in staged:
+            os.replace(p, store.blob_path(d.digest))
+        if staged:
+            _fsync_dir(store.blobs)
+        mdesc = store.put_bytes(raw, manifest.get("mediaType", mt.MANIFEST_MEDIA_TYPE))
+        store.add_to_index(mdesc, tag)
+    result = PullResult(digest)
+    result.bytes_transferred = received
+    result.blobs_fetched = fetched
+    result.blobs_present = [d.digest for d in descs if d.digest not in fetched]
+    result.resumed_bytes = resumed
+    result.seconds = round(time.monotonic() - t0, 3)
+    result.tag = tag
+    return result

@@ -1,0 +1,32 @@
+"""Shared fixtures. Tests that need root services start and stop them themselves."""
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+CRIU_PREFIX = os.environ.get("COLDSNAP_CRIU_PREFIX", "/var/lib/coldsnap/criu")
+
+
+@pytest.fixture
+def coldsnap_home(tmp_path, monkeypatch):
+    """A private ColdSnap home/store/run for one test (the CRIU prefix stays the provisioned one)."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("COLDSNAP_HOME", str(home))
+    monkeypatch.setenv("COLDSNAP_RUN", str(tmp_path / "run"))
+    monkeypatch.setenv("COLDSNAP_CRIU_PREFIX", CRIU_PREFIX)
+    monkeypatch.delenv("COLDSNAP_STORE", raising=False)
+    return home
+
+
+def needs_root_criu():
+    if os.geteuid() != 0:
+        pytest.skip("needs root: CRIU and namespaces")
+    if not os.access(os.path.join(CRIU_PREFIX, "bin", "criu"), os.X_OK):
+        pytest.skip(f"CRIU not provisioned at {CRIU_PREFIX}: run `make setup`")
+    if shutil.which("nsenter") is None or shutil.which("unshare") is None:
+        pytest.skip("util-linux nsenter/unshare missing")

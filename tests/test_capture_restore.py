@@ -1,0 +1,192 @@
+"""Capture and restore of the reference engine in process mode, with real CRIU (no mocks)."""
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import CRIU_PREFIX, needs_root_criu
+from coldsnap.capsule import CapsuleStore
+from coldsnap.config import settings
+from coldsnap.contracts import CaptureRequest, ColdSnapError, ErrorCode, Policy, RestoreRequest
+from coldsnap.contracts import capsule as mt
+from coldsnap.flows.capture import capture
+from coldsnap.flows.restore import restore
+from coldsnap.workload import alive, list_states, load_state, stop_workload
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    needs_root_criu()
+    root = tmp_path_factory.mktemp("cs")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("COLDSNAP_HOME", str(root / "home"))
+        mp.setenv("COLDSNAP_RUN", str(root / "run"))
+        mp.setenv("COLDSNAP_CRIU_PREFIX", CRIU_PREFIX)
+        mp.delenv("COLDSNAP_STORE", raising=False)
+        yield root
+
+
+def netns_exists(name):
+    return os.path.exists(f"/run/netns/coldsnap-{name}")
+
+
+@pytest.fixture(scope="module")
+def captured(env):
+    req = CaptureRequest(operation="capture", lifecycle={"name": "pyt-ref"}, tag="pyt-ref")
+    res = capture(req)
+    return res
+
+
+def stop(name):
+    for ws in list_states():
+        if ws.name == name:
+            stop_workload(ws)
+
+
+def test_capture_writes_a_private_verified_capsule_and_stops_the_workload(captured):
+    r = captured.receipt
+    assert r["state"] == "succeeded" and r["operation"] == "capture"
+    assert {"cold-start", "criu-dump", "pack"} <= {s["name"] for s in r["spans"]}
+    assert stat.S_IMODE(os.stat(r["_path"]).st_mode) == 0o600
+    store = CapsuleStore(settings().store)
+    cap = store.load(captured.capsule)
+    store.verify(cap)
+    assert cap.manifest["artifactType"] == mt.ARTIFACT_TYPE
+    assert {d.media_type for d in cap.layers} >= {mt.LAYER_CRIU, mt.LAYER_WEIGHTS_MANIFEST}
+    p = cap.profile
+    assert p.snapshot_driver == "criu-process" and p.weights_mode == "recovery"
+    assert p.expected_text and p.model and p.model.weights[0].sha256
+    assert any(f.path.endswith("engine.log") for f in p.files)
+    assert "--tcp-established" in p.criu_options
+    for blob in store.blobs.iterdir():
+        assert stat.S_IMODE(blob.stat().st_mode) == 0o600
+    # The captured workload is gone, with its namespace.
+    assert not netns_exists("pyt-ref")
+    assert list_states() == []
+
+
+def test_restore_twice_from_one_capsule(captured):
+    texts = []
+    for _ in range(2):
+        r = restore(RestoreRequest(operation="restore", capsule=captured.capsule, policy=Policy(fallback_to_cold=False)))
+        assert r["state"] == "succeeded"
+        res = r["result"]
+        assert res["validated_text"] == captured.profile.expected_text
+        assert 0 < res["time_to_first_token_s"] < 30
+        names = [s["name"] for s in r["spans"]]
+        assert names[:5] == ["admit", "stage", "network", "criu-restore", "hydrate"]
+        ws = load_state(res["workload"])
+        assert ws.origin == "restored" and alive(ws.pid)
+        texts.append(res["validated_text"])
+        stop_workload(ws)
+        assert not alive(ws.pid) and not netns_exists("pyt-ref")
+    assert texts[0] == texts[1]
+
+
+def test_prepare_only_touches_no_workload(captured):
+    r = restore(RestoreRequest(operation="prepare", capsule=captured.capsule))
+    assert r["state"] == "succeeded" and r["operation"] == "prepare"
+    assert not netns_exists("pyt-ref") and list_states() == []
+
+
+def test_restore_refuses_while_the_address_is_in_use(captured):
+    r = restore(RestoreRequest(operation="restore", capsule=captured.capsule))
+    try:
+        with pytest.raises(ColdSnapError) as e:
+            restore(RestoreRequest(operation="restore", capsule=captured.capsule))
+        assert e.value.code == ErrorCode.RESOURCE_BUSY
+        assert alive(load_state(r["result"]["workload"]).pid)  # the running one is untouched
+    finally:
+        stop("pyt-ref")
+
+
+def test_unpinned_reference_is_refused(captured):
+    with pytest.raises(ColdSnapError) as e:
+        restore(RestoreRequest(operation="restore", capsule="pyt-ref"))
+    assert e.value.code == ErrorCode.CAPSULE_UNPINNED
+
+
+def _copy_home(env, name):
+    """A second home whose store is a copy, so a test can damage it without touching the shared capsule."""
+    home = env / name
+    shutil.copytree(env / "home" / "store", home / "store")
+    (home / "models").symlink_to(env / "home" / "models")
+    return home
+
+
+def test_corrupt_blob_is_refused_and_nothing_starts(captured, env, monkeypatch):
+    home = _copy_home(env, "corrupt")
+    monkeypatch.setenv("COLDSNAP_HOME", str(home))
+    store = CapsuleStore(settings().store)
+    cap = store.load(captured.capsule)
+    blob = store.blob_path(cap.layer(mt.LAYER_CRIU).digest)
+    with open(blob, "r+b") as f:
+        f.seek(1000)
+        f.write(b"\0corrupt\0")
+    with pytest.raises(ColdSnapError) as e:
+        restore(RestoreRequest(operation="restore", capsule=captured.capsule))
+    assert e.value.code == ErrorCode.CAPSULE_CORRUPT
+    assert e.value.receipt["state"] == "failed"
+    assert not netns_exists("pyt-ref") and list_states() == []
+
+
+def test_incompatible_profile_is_refused_or_falls_back_cold(captured, env, monkeypatch):
+    home = _copy_home(env, "incompatible")
+    monkeypatch.setenv("COLDSNAP_HOME", str(home))
+    store = CapsuleStore(settings().store)
+    cap = store.load(captured.capsule)
+    foreign = cap.profile.model_copy(update={"host": cap.profile.host.model_copy(update={"kernel": "5.4.0-other"})})
+    digest = store.write_capsule(foreign, cap.layers, {})
+
+    with pytest.raises(ColdSnapError) as e:
+        restore(RestoreRequest(operation="restore", capsule=digest, policy=Policy(fallback_to_cold=False)))
+    assert e.value.code == ErrorCode.INCOMPATIBLE and "kernel 5.4.0-other" in e.value.message
+    assert e.value.receipt["state"] == "refused"
+    assert not netns_exists("pyt-ref")
+
+    r = restore(RestoreRequest(operation="restore", capsule=digest))
+    try:
+        assert r["state"] == "fell-back"
+        assert "kernel 5.4.0-other" in r["result"]["fallback_reason"]
+        assert r["result"]["validated_text"] == captured.profile.expected_text
+        assert load_state("pyt-ref").origin == "cold"
+    finally:
+        stop("pyt-ref")
+
+    relaxed = restore(RestoreRequest(operation="prepare", capsule=digest, policy=Policy(compatibility="relaxed")))
+    assert relaxed["state"] == "succeeded"
+
+
+def test_a_workload_that_never_validates_times_out_and_leaves_nothing(env):
+    store = CapsuleStore(settings().store).init()
+    before = set(store.blobs.iterdir())
+    req = CaptureRequest(operation="capture", lifecycle={"name": "pyt-never"},
+                         launch={"command": ["sleep", "600"]}, validation={"ready_timeout_s": 1.5})
+    with pytest.raises(ColdSnapError) as e:
+        capture(req)
+    assert e.value.code == ErrorCode.VALIDATION_TIMEOUT
+    assert e.value.receipt["state"] == "failed"
+    assert not netns_exists("pyt-never")
+    assert set(store.blobs.iterdir()) == before
+    out = subprocess.run(["pgrep", "-f", "sleep 600"], capture_output=True, text=True)
+    assert out.stdout.strip() == ""
+
+
+def test_cli_restore_exit_codes(captured, env):
+    cmd = [sys.executable, "-m", "coldsnap.cli"]
+    r = subprocess.run(cmd + ["restore", "--capsule", "pyt-ref"], capture_output=True, text=True)
+    assert r.returncode == 4 and "not pinned" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = subprocess.run(cmd + ["restore", "--capsule", "sha256:" + "0" * 64], capture_output=True, text=True)
+    assert r.returncode == 3 and "Traceback" not in r.stderr
+    r = subprocess.run(cmd + ["restore", "--capsule", captured.capsule, "--prepare-only", "--json"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["state"] == "succeeded"
