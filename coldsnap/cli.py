@@ -198,6 +198,19 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_demo(args) -> int:
+    from .bench.run import run_bench
+    from .config import settings
+
+    args.engine, args.device, args.weights_mode = "reference", "cpu", "auto"
+    args.out = args.out or str(settings().home / "demo")
+    progress = _progress(args)
+    progress("demo: the embedded reference engine on CPU, started cold and restored from a capsule, side by side")
+    data = run_bench(args, progress=progress)
+    _emit(args, data, data["_summary"])
+    return 0
+
+
 # --- parser ------------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -253,6 +266,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("inspect", cmd_inspect, "a capsule's manifest and profile (environment values omitted)")
     sp.add_argument("ref")
     sp.add_argument("--allow-unpinned", action="store_true")
+
+    sp = add("demo", cmd_demo, "capture the reference engine on CPU, restore it, print cold vs restored")
+    sp.add_argument("--samples", "-n", type=int, default=3)
+    sp.add_argument("--out", help="where the JSON and PNG go (default: COLDSNAP_HOME/demo)")
+    sp.add_argument("--json", action="store_true")
 
     sp = add("bench", cmd_bench, "vanilla start vs restore, N samples each; JSON + PNG under bench/results/")
     sp.add_argument("--engine", default="reference", choices=["reference", "vllm", "sglang"])

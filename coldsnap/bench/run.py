@@ -98,9 +98,7 @@ def run_bench(args, progress=lambda m: None) -> dict:
     stem = out / f"{args.engine}-{device.replace(':', '')}-{cap.profile.weights_mode}"
     stem.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
     _chart(data, stem.with_suffix(".png"))
-    data["_summary"] = (f"{args.engine} on {device}: vanilla median {v['median_s']:.2f} s, restore median "
-                        f"{rr['median_s']:.3f} s ({ratio}x), validated {validated_restore}/{n} restores; "
-                        f"capsule {capsule_bytes / 2**20:.0f} MiB; wrote {stem}.json and .png")
+    data["_summary"] = side_by_side(data) + f"\nwrote {stem}.json and {stem}.png"
     return data
 
 
@@ -141,3 +139,19 @@ def _chart(data: dict, path: Path) -> None:
     fig.tight_layout(rect=(0, 0.03, 1, 1))
     fig.savefig(path)
     plt.close(fig)
+
+
+def side_by_side(data: dict) -> str:
+    v, r = data["vanilla"], data["restore"]
+    rows = [
+        ("", "vanilla start", "ColdSnap restore"),
+        ("first token, median", f"{v['median_s']:.3f} s", f"{r['median_s']:.3f} s"),
+        ("first token, min", f"{v['min_s']:.3f} s", f"{r['min_s']:.3f} s"),
+        ("first token, max", f"{v['max_s']:.3f} s", f"{r['max_s']:.3f} s"),
+        ("validated", data["validations"]["vanilla"], data["validations"]["restore"]),
+    ]
+    lines = [f"{a:<22}{b:>16}{c:>20}" for a, b, c in rows]
+    lines.append(f"{data['engine']} on {data['device']}, weights {data['weights_mode']}: restore reaches the first "
+                 f"token {data['ratio_median']}x sooner; capsule {data['capsule']['bytes'] / 2**20:.0f} MiB, "
+                 f"staging {data['capsule']['staging_s']:.2f} s (excluded)")
+    return "\n".join(lines)

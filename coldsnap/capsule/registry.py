@@ -27,6 +27,7 @@ from http.cookiejar import DefaultCookiePolicy
 from pathlib import Path
 from typing import Callable, Iterator
 
+import oras.container
 import oras.provider
 import requests
 
@@ -68,7 +69,8 @@ class RemoteRef:
 def parse_remote(ref: str) -> RemoteRef:
     """HOST[:PORT]/REPO:TAG, HOST[:PORT]/REPO@sha256:…, or HOST[:PORT]/REPO:TAG@sha256:…"""
     bad = f"registry reference {ref!r} must look like HOST[:PORT]/REPO:TAG or HOST[:PORT]/REPO@sha256:<64 hex>"
-    rest, digest = (ref.rsplit("@", 1) + [None])[:2] if "@" in ref else (ref, None)
+    rest, _, digest = ref.partition("@")
+    digest = digest if "@" in ref else None
     if digest is not None and not DIGEST_RE.match(digest):
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, bad)
     if "/" not in rest:
@@ -404,13 +406,12 @@ def _download(client: _Client, desc: Descriptor, part: Path, progress: Progress 
             r = client.request("GET", url, ok=(200, 206, 416), what=f"fetching blob {desc.digest}", headers=headers,
                                stream=True, not_found=ErrorCode.CAPSULE_NOT_FOUND)
             with r:
-                if r.status_code == 416 or (r.status_code == 206 and not
-                                            r.headers.get("Content-Range", "").startswith(f"bytes {offset}-")):
-                    r.status_code = 200 if r.status_code == 206 else 416
-                if r.status_code != 206 and offset:  # Range ignored or refused: start again from byte 0
+                if offset and (r.status_code != 206 or
+                               not r.headers.get("Content-Range", "").startswith(f"bytes {offset}-")):
+                    # Range ignored (200), refused (416) or answered oddly: start again from byte 0
                     f.truncate(0)
                     offset = resumed = 0
-                    if r.status_code == 416:
+                    if r.status_code != 200:
                         continue
                 try:
                     for chunk in r.iter_content(READ_CHUNK):
@@ -425,10 +426,7 @@ def _download(client: _Client, desc: Descriptor, part: Path, progress: Progress 
                             progress(desc.digest, offset, desc.size)
                         if offset > desc.size:
                             break
-                    else:
-                        if offset < desc.size:
-                            raise requests.exceptions.ChunkedEncodingError("body ended early")
-                    break
+                    break  # complete, short or long: verification decides
                 except (requests.exceptions.ConnectionError, requests.exceptions.ChunkedEncodingError,
                         requests.exceptions.Timeout) as e:
                     f.flush()
@@ -502,11 +500,12 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
     received = resumed = 0
     fetched: list[str] = []
     staged: list[tuple[Path, Descriptor]] = []
-    missing = [d for d in descs if not store.has_blob(d.digest)]
-    with _blob_locks(store, [d.digest for d in missing] + [digest]):
+    # Lock every blob of the capsule, present or not: gc leaves locked blobs alone, and a concurrent pull of a
+    # shared blob waits here and then finds it present.
+    with _blob_locks(store, [d.digest for d in descs] + [digest]):
         try:
-            for d in missing:
-                if store.has_blob(d.digest):  # another pull brought it while we waited for the lock
+            for d in descs:
+                if store.has_blob(d.digest):
                     continue
                 got, res = _fetch_blob(client, store, d, progress)
                 received += got

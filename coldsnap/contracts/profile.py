@@ -65,7 +65,7 @@ class CapsuleProfile(Strict):
     launch: Launch
     validation: Validation
     expected_text: str = Field(description="The validated completion at capture; restores must reproduce it.")
-    network: NetworkPlan
+    network: NetworkPlan | None = Field(default=None, description="Process mode: the netns plan. Containers: None.")
     files: list[CapturedFile] = Field(default_factory=list)
     cuda_pids: int = 0
     criu_options: list[str] = Field(default_factory=list, description="The CRIU options used, replayable by hand.")

@@ -1,0 +1,183 @@
+"""Listing, untagging and garbage collection of the local capsule store.
+
+`remove` only drops index.json entries; blobs stay until `gc`, which deletes every blob not reachable from an
+index.json manifest (the manifest, its config, its layers, and whatever its `io.coldsnap.payload` annotation
+names, followed transitively when that is itself a manifest). gc runs under the store's lock and leaves alone:
+blobs whose per-blob lock is held (a pull in flight), blobs younger than `grace_s` (a capture writes its blobs
+before its manifest is indexed), `.partial` downloads whose lock is live, and tmp files younger than 1 h.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+from ..contracts import ColdSnapError, ErrorCode
+from ..contracts import capsule as mt
+from .registry import acquire_blob_lock, lock_path, release_blob_lock
+from .store import DIGEST_RE, CapsuleStore, parse_reference
+
+ANNOTATION_PAYLOAD = "io.coldsnap.payload"
+TMP_MAX_AGE_S = 3600.0
+DEFAULT_GRACE_S = 600.0
+_MANIFEST_TYPES = {mt.MANIFEST_MEDIA_TYPE, mt.INDEX_MEDIA_TYPE,
+                   "application/vnd.docker.distribution.manifest.v2+json",
+                   "application/vnd.docker.distribution.manifest.list.v2+json"}
+_DIGEST_IN_TEXT = re.compile(r"sha256:[0-9a-f]{64}")
+_HEX = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _tag(entry: dict) -> str | None:
+    return (entry.get("annotations") or {}).get(mt.ANNOTATION_REF_NAME)
+
+
+def _json_blob(store: CapsuleStore, digest: str, limit: int = 4 << 20) -> dict | None:
+    try:
+        path = store.blob_path(digest)
+        if path.stat().st_size > limit:
+            return None
+        doc = json.loads(path.read_bytes())
+        return doc if isinstance(doc, dict) else None
+    except (OSError, ValueError, ColdSnapError):
+        return None
+
+
+def payload_digests(manifest: dict) -> list[str]:
+    """Digests named by the io.coldsnap.payload annotation (a digest, a list, or JSON holding digests)."""
+    value = (manifest.get("annotations") or {}).get(ANNOTATION_PAYLOAD, "")
+    return _DIGEST_IN_TEXT.findall(value) if isinstance(value, str) else []
+
+
+def reachable(store: CapsuleStore) -> set[str]:
+    seen: set[str] = set()
+    todo = [(m["digest"], True) for m in store.index() if DIGEST_RE.match(m.get("digest", ""))]
+    while todo:
+        digest, walk = todo.pop()
+        if digest in seen:
+            continue
+        seen.add(digest)
+        doc = _json_blob(store, digest) if walk else None
+        if not doc or "schemaVersion" not in doc:
+            continue
+        for d in [doc.get("config")] + list(doc.get("layers") or []):
+            if isinstance(d, dict) and DIGEST_RE.match(str(d.get("digest", ""))):
+                todo.append((d["digest"], d.get("mediaType") in _MANIFEST_TYPES))
+        for d in list(doc.get("manifests") or []) + [doc.get("subject")]:
+            if isinstance(d, dict) and DIGEST_RE.match(str(d.get("digest", ""))):
+                todo.append((d["digest"], True))
+        todo.extend((p, True) for p in payload_digests(doc))
+    return seen
+
+
+def list_capsules(store: CapsuleStore) -> list[dict]:
+    """One row per index.json entry: digest, tag, created, engine, size (bytes of manifest+config+layers)."""
+    rows = []
+    for entry in store.index():
+        digest = entry.get("digest")
+        manifest = _json_blob(store, digest) if digest else None
+        row = {"digest": digest, "tag": _tag(entry), "created": None, "engine": None, "size": None,
+               "complete": False}
+        if manifest:
+            ann = manifest.get("annotations") or {}
+            row["created"] = ann.get(mt.ANNOTATION_CREATED)
+            row["engine"] = ann.get(mt.ANNOTATION_ENGINE)
+            descs = [manifest.get("config") or {}] + list(manifest.get("layers") or [])
+            row["size"] = int(entry.get("size", 0)) + sum(int(d.get("size", 0)) for d in descs)
+            row["complete"] = all(store.has_blob(d["digest"]) for d in descs if DIGEST_RE.match(d.get("digest", "")))
+            if row["engine"] is None and (cfg := _json_blob(store, (manifest.get("config") or {}).get("digest", ""))):
+                engine = cfg.get("engine")
+                row["engine"] = engine.get("name") if isinstance(engine, dict) else engine
+        rows.append(row)
+    return rows
+
+
+def remove(store: CapsuleStore, ref: str) -> list[str]:
+    """Drop index.json entries: by tag ('NAME'), digest ('sha256:…') or both ('NAME@sha256:…').
+
+    Returns the digests untagged. Blobs stay until gc()."""
+    name, digest = parse_reference(ref)
+    with store._locked():
+        entries = store.index()
+
+        def hit(e: dict) -> bool:
+            if digest:
+                return e.get("digest") == digest and (name is None or _tag(e) == name)
+            return _tag(e) == name
+
+        gone = [e["digest"] for e in entries if hit(e)]
+        if not gone:
+            raise ColdSnapError(ErrorCode.CAPSULE_NOT_FOUND, f"no capsule {ref!r} in the store {store.root}")
+        store._atomic_write(store.root / "index.json", store._index_bytes([e for e in entries if not hit(e)]))
+    return gone
+
+
+def _age(st, now: float) -> float:
+    return now - max(st.st_mtime, st.st_ctime)  # ctime: a rename/chmod into the store counts as new
+
+
+def _locked_elsewhere(store: CapsuleStore, hexd: str) -> bool:
+    path = lock_path(store, "sha256:" + hexd)
+    if not path.exists():
+        return False
+    fd = acquire_blob_lock(path, blocking=False)
+    if fd is None:
+        return True
+    release_blob_lock(path, fd)
+    return False
+
+
+def gc(store: CapsuleStore, grace_s: float = DEFAULT_GRACE_S, tmp_max_age_s: float = TMP_MAX_AGE_S) -> dict:
+    """Delete unreachable blobs and stale tmp files. Returns counts and freed bytes."""
+    now = time.time()
+    out = {"freed_bytes": 0, "removed_blobs": [], "kept_blobs": 0, "kept_young": 0, "kept_in_flight": 0,
+           "tmp_removed": 0, "tmp_freed_bytes": 0}
+    with store._locked():
+        live = reachable(store)
+        if store.blobs.is_dir():
+            for path in store.blobs.iterdir():
+                st = path.stat()
+                if not _HEX.match(path.name):  # an interrupted atomic write
+                    if _age(st, now) > tmp_max_age_s:
+                        path.unlink(missing_ok=True)
+                        out["tmp_removed"] += 1
+                        out["tmp_freed_bytes"] += st.st_size
+                    continue
+                if "sha256:" + path.name in live:
+                    out["kept_blobs"] += 1
+                elif _age(st, now) < grace_s:
+                    out["kept_young"] += 1
+                elif _locked_elsewhere(store, path.name):
+                    out["kept_in_flight"] += 1
+                else:
+                    path.unlink(missing_ok=True)
+                    out["removed_blobs"].append("sha256:" + path.name)
+                    out["freed_bytes"] += st.st_size
+        tmp = store.root / "tmp"
+        for path in sorted(tmp.iterdir()) if tmp.is_dir() else []:
+            hexd, _, suffix = path.name.partition(".")
+            if suffix in ("partial", "lock") and _HEX.match(hexd):
+                lock = lock_path(store, "sha256:" + hexd)
+                fd = acquire_blob_lock(lock, blocking=False)
+                if fd is None:
+                    continue  # a pull holds it
+                try:
+                    st = path.stat() if path.exists() else None
+                    if suffix == "partial" and st and _age(st, now) > tmp_max_age_s:
+                        path.unlink()
+                        out["tmp_removed"] += 1
+                        out["tmp_freed_bytes"] += st.st_size
+                finally:
+                    release_blob_lock(lock, fd)  # an unheld lock file is garbage
+                continue
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                continue
+            if path.is_file() and _age(st, now) > tmp_max_age_s:
+                path.unlink(missing_ok=True)
+                out["tmp_removed"] += 1
+                out["tmp_freed_bytes"] += st.st_size
+    out["freed_bytes"] += out["tmp_freed_bytes"]
+    return out

@@ -1,0 +1,239 @@
+"""Push/pull throughput of a large capsule against a private local registry, compared with curl.
+
+Not a test: `python -m coldsnap.capsule.registry_bench OUT_DIR [SIZE_MIB]` (or `run(out_dir)`) writes
+OUT_DIR/registry_bench.json. Every push/pull runs in a fresh subprocess that reports its own peak RSS
+(ru_maxrss), so the numbers are those of one ColdSnap process doing one transfer.
+
+Also home of LocalRegistry: a throwaway `docker-registry serve` on 127.0.0.1 (tests use it too).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ENSURE = Path(__file__).resolve().parents[2] / "packaging" / "registry" / "ensure.sh"
+
+CONFIG = """version: 0.1
+log:
+  level: warn
+  accesslog:
+    disabled: true
+storage:
+  filesystem:
+    rootdirectory: {storage}
+  delete:
+    enabled: true
+  maintenance:
+    uploadpurging:
+      enabled: false
+http:
+  addr: 127.0.0.1:{port}
+  secret: coldsnap-test-only
+  headers:
+    X-Content-Type-Options: [nosniff]
+{auth}"""
+
+
+def ensure_registry_binary() -> str:
+    """docker-registry on PATH, installing it (packaging/registry/ensure.sh) when missing."""
+    if not shutil.which("docker-registry"):
+        subprocess.run([str(ENSURE)], check=True)
+    return shutil.which("docker-registry") or "docker-registry"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalRegistry(str):
+    """'127.0.0.1:PORT' of a running private registry; .storage is its filesystem root (for tampering)."""
+
+    proc: subprocess.Popen
+    storage: Path
+    workdir: Path
+    log: Path
+
+    @classmethod
+    def start(cls, workdir: Path, htpasswd: Path | None = None, timeout: float = 30.0) -> "LocalRegistry":
+        binary = ensure_registry_binary()
+        workdir = Path(workdir)
+        workdir.mkdir(parents=True, exist_ok=True)
+        storage = workdir / "storage"
+        storage.mkdir(exist_ok=True)
+        auth = (f"auth:\n  htpasswd:\n    realm: coldsnap-test\n    path: {htpasswd}\n" if htpasswd else "")
+        for _ in range(5):  # the free port may be taken between probing and binding: try another
+            port = free_port()
+            config = workdir / "config.yml"
+            config.write_text(CONFIG.format(storage=storage, port=port, auth=auth))
+            log = workdir / "registry.log"
+            with open(log, "ab") as lf:
+                proc = subprocess.Popen([binary, "serve", str(config)], stdout=lf, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL)
+            self = cls(f"127.0.0.1:{port}")
+            self.proc, self.storage, self.workdir, self.log = proc, storage, workdir, log
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and proc.poll() is None:
+                try:
+                    urllib.request.urlopen(f"http://{self}/v2/", timeout=1).close()
+                    return self
+                except urllib.error.HTTPError as e:  # 401 with auth configured: it is up
+                    if e.code == 401:
+                        return self
+                except OSError:
+                    pass
+                time.sleep(0.05)
+            self.stop()
+        raise RuntimeError(f"docker-registry did not start; its log: {log.read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> "LocalRegistry":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+# --- the benchmark --------------------------------------------------------------------------------------------
+def _child(argv: list[str]) -> None:
+    """One transfer in this (fresh) process; prints a JSON line with seconds and peak RSS."""
+    from .store import CapsuleStore
+    from . import registry
+
+    baseline_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    op, store_dir, arg, ref = argv
+    store = CapsuleStore(Path(store_dir))
+    t = time.monotonic()
+    if op == "push":
+        res = registry.push(store, arg, ref, insecure=True)
+        moved = res["bytes_transferred"]
+    else:
+        res = registry.pull(store, ref, insecure=True)
+        moved = res.bytes_transferred
+    secs = time.monotonic() - t
+    print(json.dumps({"op": op, "seconds": round(secs, 3), "bytes": moved,
+                      "MB_per_s": round(moved / secs / 1e6, 1),
+                      "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                      "rss_after_imports_mib": round(baseline_kib / 1024, 1)}))
+
+
+def _run_child(*args: str) -> dict:
+    cmd = [sys.executable, "-m", "coldsnap.capsule.registry_bench", "--child", *args]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    res = json.loads(out.strip().splitlines()[-1])
+    res["command"] = " ".join(cmd)
+    return res
+
+
+def _curl(args: list[str]) -> tuple[float, str]:
+    t = time.monotonic()
+    out = subprocess.run(["curl", "-sS", "--fail", *args], check=True, capture_output=True, text=True).stdout
+    return time.monotonic() - t, out
+
+
+def _drop(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def run(out_dir, size_mib: int = 2048, repeats: int = 2) -> dict:
+    """Create a capsule with one random size_mib layer, push/pull it `repeats` times, compare with curl."""
+    from ..contracts import CapsuleProfile, HostProfile, NetworkPlan
+    from ..contracts import capsule as mt
+    from .store import CapsuleStore
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    work = out / "work"
+    _drop(work)
+    work.mkdir()
+    src = CapsuleStore(work / "src").init()
+    layer_file = work / "layer.bin"
+    with open(layer_file, "wb") as f:
+        for _ in range(size_mib):
+            f.write(os.urandom(1 << 20))
+    layer = src.put_file(layer_file, mt.LAYER_CRIU, move=True)
+    profile = CapsuleProfile(
+        created="2026-11-29T00:00:00Z", snapshot_driver="criu-process",
+        host=HostProfile(arch="x86_64", cpu_model="c", cpu_flags=[], kernel="k", criu_version="4.2.1"),
+        engine={"name": "bench"}, weights_mode="native", kv_discarded=False, launch={}, validation={},
+        expected_text="t", network=NetworkPlan(netns="coldsnap-b", host_veth="csh0", workload_veth="eth0",
+                                               host_address="169.254.237.1", workload_address="169.254.237.2",
+                                               port=8000))
+    digest = src.write_capsule(profile, [layer], {"io.coldsnap.engine": "bench"}, tag="bench")
+    blob = src.blob_path(layer.digest)
+    result: dict = {"size_bytes": layer.size, "layer_digest": layer.digest, "manifest_digest": digest,
+                    "push": [], "pull": [], "curl_put": [], "curl_get_devnull": [], "curl_get_file": []}
+    with LocalRegistry.start(work / "registry") as reg:
+        base = f"http://{reg}/v2"
+        for i in range(repeats):
+            repo = f"bench/ours{i}"  # a new repository, and the blob deleted: the registry takes every byte again
+            _drop(reg.storage / "docker" / "registry" / "v2" / "blobs" / "sha256" / layer.digest[7:9] /
+                  layer.digest[7:])
+            result["push"].append(_run_child("push", str(src.root), digest, f"{reg}/{repo}:v1"))
+            # curl: monolithic upload (POST for a session, one PUT ?digest= with the whole file, streamed)
+            _drop(reg.storage / "docker" / "registry" / "v2" / "blobs" / "sha256" / layer.digest[7:9] /
+                  layer.digest[7:])
+            _, hdrs = _curl(["-X", "POST", "-D", "-", "-o", "/dev/null", f"{base}/bench/curl{i}/blobs/uploads/"])
+            loc = next(h.split(":", 1)[1].strip() for h in hdrs.splitlines() if h.lower().startswith("location:"))
+            loc = loc if loc.startswith("http") else f"http://{reg}{loc}"
+            cmd = ["-X", "PUT", "-H", "Content-Type: application/octet-stream", "-T", str(blob), "-o", "/dev/null",
+                   f"{loc}{'&' if '?' in loc else '?'}digest={layer.digest}"]
+            secs, _ = _curl(cmd)
+            result["curl_put"].append({"seconds": round(secs, 3), "MB_per_s": round(layer.size / secs / 1e6, 1),
+                                       "command": "curl -sS --fail " + " ".join(cmd)})
+        for i in range(repeats):
+            dst = work / f"dst{i}"
+            result["pull"].append(_run_child("pull", str(dst), "-", f"{reg}/bench/ours0:v1@{digest}"))
+            _drop(dst)
+            url = f"{base}/bench/ours0/blobs/{layer.digest}"
+            secs, _ = _curl(["-o", "/dev/null", url])
+            result["curl_get_devnull"].append({"seconds": round(secs, 3), "MB_per_s": round(layer.size / secs / 1e6, 1),
+                                               "command": f"curl -sS --fail -o /dev/null {url}"})
+            secs, _ = _curl(["-o", str(work / "curl.out"), url])
+            (work / "curl.out").unlink()
+            result["curl_get_file"].append({"seconds": round(secs, 3), "MB_per_s": round(layer.size / secs / 1e6, 1),
+                                            "command": f"curl -sS --fail -o FILE {url}"})
+
+    def best(key: str) -> float:
+        return max(r["MB_per_s"] for r in result[key])
+
+    result["summary"] = {
+        "push_MB_s": best("push"), "curl_put_MB_s": best("curl_put"),
+        "push_vs_curl": round(best("push") / best("curl_put"), 2),
+        "pull_MB_s": best("pull"), "curl_get_devnull_MB_s": best("curl_get_devnull"),
+        "curl_get_file_MB_s": best("curl_get_file"),
+        "pull_vs_curl_devnull": round(best("pull") / best("curl_get_devnull"), 2),
+        "pull_vs_curl_file": round(best("pull") / best("curl_get_file"), 2),
+        "peak_rss_mib_push": max(r["peak_rss_mib"] for r in result["push"]),
+        "peak_rss_mib_pull": max(r["peak_rss_mib"] for r in result["pull"]),
+    }
+    result["command"] = f"{sys.executable} -m coldsnap.capsule.registry_bench {out} {size_mib}"
+    _drop(work)
+    (out / "registry_bench.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--child"]:
+        _child(sys.argv[2:])
+    else:
+        r = run(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 2048)
+        print(json.dumps(r["summary"], indent=1))
