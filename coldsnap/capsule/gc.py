@@ -139,7 +139,7 @@ def gc(store: CapsuleStore, grace_s: float = DEFAULT_GRACE_S, tmp_max_age_s: flo
             for path in store.blobs.iterdir():
                 st = path.stat()
                 if not _HEX.match(path.name):  # an interrupted atomic write
-                    if _age(st, now) > tmp_max_age_s:
+                    if now - st.st_mtime > tmp_max_age_s:
                         path.unlink(missing_ok=True)
                         out["tmp_removed"] += 1
                         out["tmp_freed_bytes"] += st.st_size
@@ -164,7 +164,7 @@ def gc(store: CapsuleStore, grace_s: float = DEFAULT_GRACE_S, tmp_max_age_s: flo
                     continue  # a pull holds it
                 try:
                     st = path.stat() if path.exists() else None
-                    if suffix == "partial" and st and _age(st, now) > tmp_max_age_s:
+                    if suffix == "partial" and st and now - st.st_mtime > tmp_max_age_s:
                         path.unlink()
                         out["tmp_removed"] += 1
                         out["tmp_freed_bytes"] += st.st_size
@@ -175,7 +175,10 @@ def gc(store: CapsuleStore, grace_s: float = DEFAULT_GRACE_S, tmp_max_age_s: flo
                 st = path.stat()
             except FileNotFoundError:
                 continue
-            if path.is_file() and _age(st, now) > tmp_max_age_s:
+            owner = path.name.rsplit(".", 1)[-1]  # CapsuleStore.put_file stages as <hex>.<pid>
+            if owner.isdigit() and Path(f"/proc/{owner}").exists():
+                continue
+            if path.is_file() and now - st.st_mtime > tmp_max_age_s:
                 path.unlink(missing_ok=True)
                 out["tmp_removed"] += 1
                 out["tmp_freed_bytes"] += st.st_size

@@ -152,16 +152,21 @@ class Attention(nn.Module):
         self.wk = Linear(cfg.hidden, cfg.hidden)
         self.wv = Linear(cfg.hidden, cfg.hidden)
         self.wo = Linear(cfg.hidden, cfg.hidden)
+        # This layer's KV cache, [1, heads, max_seq, head_dim] each; the Runner allocates them. Separate
+        # tensors (not views of one buffer) written in place with index_put_, so the compiled step
+        # updates them in place instead of copying a whole cache per layer.
+        self.register_buffer("k_cache", torch.zeros(0), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(0), persistent=False)
 
-    def forward(self, x, cos, sin, positions, mask, cache):  # cache: [2, 1, heads, max_seq, head_dim]
+    def forward(self, x, cos, sin, positions, mask):
         b, t, _ = x.shape
         q = self.wq(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        cache[0].index_copy_(2, positions, k)
-        cache[1].index_copy_(2, positions, v)
-        out = F.scaled_dot_product_attention(q, cache[0], cache[1], attn_mask=mask)
+        self.k_cache[:, :, positions] = k
+        self.v_cache[:, :, positions] = v
+        out = F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -184,8 +189,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, positions, mask, cache):
-        x = x + self.attn(self.attn_norm(x), cos, sin, positions, mask, cache)
+    def forward(self, x, cos, sin, positions, mask):
+        x = x + self.attn(self.attn_norm(x), cos, sin, positions, mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -194,14 +199,14 @@ def _buffers(cfg: ModelConfig) -> dict[str, torch.Tensor]:
     ang = torch.outer(torch.arange(cfg.max_seq, dtype=torch.float64), inv)
     allowed = torch.full((cfg.vocab_size,), float("-inf"))
     allowed[PRINTABLE.start : PRINTABLE.stop] = 0.0
-    return {"rope_cos": ang.cos().float(), "rope_sin": ang.sin().float(), "logit_mask": allowed, "kv": torch.zeros(0)}
+    return {"rope_cos": ang.cos().float(), "rope_sin": ang.sin().float(), "logit_mask": allowed}
 
 
 class Transformer(nn.Module):
     """forward(tokens [1, T] int64, start_pos [1] int64) -> greedy next token of each position [1, T].
 
-    Writes the keys and values of positions start_pos .. start_pos+T-1 into the KV cache buffer `kv`
-    ([layers, 2, 1, heads, max_seq, head_dim]), which the owner attaches with set_kv().
+    Writes the keys and values of positions start_pos .. start_pos+T-1 into each layer's KV cache
+    buffers (attn.k_cache / attn.v_cache, [1, heads, max_seq, head_dim]), which the Runner attaches.
     """
 
     def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu") -> None:
@@ -217,7 +222,7 @@ class Transformer(nn.Module):
 
     def kv_shape(self) -> tuple[int, ...]:
         c = self.cfg
-        return (c.layers, 2, 1, c.heads, c.max_seq, c.head_dim)
+        return (1, c.heads, c.max_seq, c.head_dim)
 
     def forward(self, tokens: torch.Tensor, start_pos: torch.Tensor) -> torch.Tensor:
         t = tokens.shape[1]
@@ -226,8 +231,8 @@ class Transformer(nn.Module):
         keys = torch.arange(self.cfg.max_seq, device=tokens.device)
         mask = keys[None, :] <= positions[:, None]
         x = self.embed(tokens)
-        for n, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, positions, mask, self.kv[n])
+        for layer in self.layers:
+            x = layer(x, cos, sin, positions, mask)
         logits = self.lm_head(self.norm(x)) + self.logit_mask
         return logits.argmax(dim=-1)
 
@@ -236,30 +241,36 @@ class Transformer(nn.Module):
 
 
 class Runner:
-    """Owns the model, its KV cache buffer and the (optionally compiled) step; not thread-safe.
+    """Owns the model, its KV cache and the (optionally compiled) step; not thread-safe.
 
-    The KV buffer is a pool of kv_bytes (at least one sequence's worth), zero-filled so its pages are
-    really there, as a serving engine's preallocated KV cache is; the model uses its first sequence.
-    release() frees the pool's memory (and on CUDA the weights' memory), resume() brings both back.
-    The tensors themselves stay the same Python objects with the same shapes (their storage is
-    resized to 0 and back), so compiled code keeps its guards and does not recompile; CUDA graphs
-    whose static inputs moved are re-recorded by torch on their next call.
+    The KV cache is kv_bytes of zero-filled memory (its pages really there, as a serving engine's
+    preallocated KV cache is): the per-layer caches of the one sequence the model decodes at a time,
+    plus a reserve holding the rest of kv_bytes (the room other sequences' KV blocks would take).
+    release() frees all of it (and on CUDA the weights' memory too), resume() brings it back. The
+    tensors stay the same Python objects with the same shapes (their storage is resized to 0 and
+    back), so compiled code keeps its guards and is not recompiled; CUDA graphs whose static inputs
+    moved are re-recorded by torch on their next call.
     """
 
-    def __init__(self, model: Transformer, device: torch.device, kv_bytes: int = 0, reload=None) -> None:
+    def __init__(self, model: Transformer, device: torch.device | str, kv_bytes: int = 0, reload=None) -> None:
         self.model = model
         self.cfg = model.cfg
         self.device = torch.device(device)
         need = self.cfg.kv_bytes()
-        self.kv_bytes = max(int(kv_bytes), need)
+        self.kv_bytes = max(int(kv_bytes) // 4 * 4, need)
         self._reload = reload  # () -> dict[name, tensor]: the weights again, for resume() on CUDA
         self.step = model
         self.compile_mode: str | None = None
         self.released = False
         self.weights_released = False
+        self._kv: list[torch.Tensor] = []
         with torch.no_grad():
-            self._pool = torch.zeros(self.kv_bytes // 4, dtype=torch.float32, device=self.device)
-            model.kv = self._pool[: need // 4].view(model.kv_shape())
+            for block in model.layers:
+                for name in ("k_cache", "v_cache"):
+                    t = torch.zeros(model.kv_shape(), dtype=torch.float32, device=self.device)
+                    setattr(block.attn, name, t)
+                    self._kv.append(t)
+            self._kv.append(torch.zeros((self.kv_bytes - need) // 4, dtype=torch.float32, device=self.device))
 
     @property
     def cudagraphs(self) -> bool:
@@ -276,6 +287,17 @@ class Runner:
             torch.compiler.cudagraph_mark_step_begin()
         return self.step(tokens, pos)
 
+    def precompile(self) -> None:
+        """Run each static shape once (prefill chunk, decode step), so compilation happens now."""
+        with torch.no_grad():
+            self._run([PAD] * self.cfg.prefill_chunk, 0)
+            self._run([PAD], 0)
+        self.synchronize()
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def check_fits(self, prompt_len: int, max_tokens: int) -> None:
         if prompt_len + max_tokens > self.cfg.max_seq:
             raise ValueError(
@@ -285,7 +307,7 @@ class Runner:
     def generate(self, prompt: list[int], max_tokens: int) -> Iterator[int]:
         """Greedy decode; yields max_tokens token ids. The caller holds the model lock meanwhile."""
         if self.released:
-            raise RuntimeError("engine is released; POST /coldsnap/resume first")
+            raise RuntimeError("engine is released; resume it first")
         self.check_fits(len(prompt), max_tokens)
         if max_tokens < 1 or not prompt:
             return
@@ -303,39 +325,39 @@ class Runner:
                 yield tok
 
     def release(self) -> dict[str, Any]:
-        """Drop the KV cache buffer (and, on CUDA, the weights). Idempotent."""
+        """Drop the KV cache (and, on CUDA, the weights). Idempotent."""
         freed = 0
         with torch.no_grad():
+            self.synchronize()
             if not self.released:
-                freed += self._pool.untyped_storage().nbytes()
-                self._pool.untyped_storage().resize_(0)
+                for t in self._kv:
+                    freed += t.untyped_storage().nbytes()
+                    t.untyped_storage().resize_(0)
                 self.released = True
             if self.device.type == "cuda" and not self.weights_released:
                 for p in self.model.parameters():
                     freed += p.untyped_storage().nbytes()
                     p.untyped_storage().resize_(0)
                 self.weights_released = True
-                torch.cuda.synchronize(self.device)
                 torch.cuda.empty_cache()
         return {"freed_bytes": freed}
 
     def resume(self) -> dict[str, Any]:
-        """Re-allocate (and zero) the KV cache buffer; on CUDA reload the weights. Idempotent."""
+        """Re-allocate (and zero) the KV cache; on CUDA reload the weights from their file. Idempotent."""
         with torch.no_grad():
             if self.weights_released:
                 weights = self._reload()
                 for name, p in self.model.named_parameters():
-                    src = weights[name]
                     p.untyped_storage().resize_(p.numel() * p.element_size())
-                    p.copy_(src)
+                    p.copy_(weights[name])
                 del weights
                 self.weights_released = False
             if self.released:
-                self._pool.untyped_storage().resize_(self.kv_bytes // 4 * 4)
-                self._pool.zero_()
+                for t in self._kv:
+                    t.untyped_storage().resize_(t.numel() * t.element_size())
+                    t.zero_()
                 self.released = False
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            self.synchronize()
         return {"kv_bytes": self.kv_bytes}
 
 

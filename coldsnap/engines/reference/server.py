@@ -427,11 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         mode = args.compile_mode or ("reduce-overhead" if device.type == "cuda" else "default")
         t = time.monotonic()
         runner.compile(mode)
-        with torch.no_grad():  # compile each static shape now, not on a first request
-            runner._run([0] * cfg.prefill_chunk, 0)
-            runner._run([0], 0)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        runner.precompile()  # compile each static shape now, not on a first request
         phase("compile", t, mode=mode)
 
     t = time.monotonic()
@@ -440,8 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     for n in lengths:
         n = max(1, min(n, cfg.max_seq - n_warm))
         list(runner.generate(encode("a" * (n - 1)), n_warm))
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    runner.synchronize()
     phase("warmup", t, prompts=len(lengths), tokens=n_warm)
 
     info = {
