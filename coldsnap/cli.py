@@ -168,6 +168,25 @@ def cmd_stop(args) -> int:
     return 0
 
 
+def cmd_sleep(args) -> int:
+    from .contracts import WorkloadRequest
+    from .flows.lifecycle import sleep
+
+    r = sleep(WorkloadRequest(operation="sleep", workload=args.name), progress=_progress(args))
+    _emit(args, r, f"{args.name} is sleeping (GPU memory released); receipt {r['_path']}")
+    return 0
+
+
+def cmd_wake(args) -> int:
+    from .contracts import WorkloadRequest
+    from .flows.lifecycle import wake
+
+    r = wake(WorkloadRequest(operation="wake", workload=args.name), progress=_progress(args))
+    _emit(args, r, f"{args.name} is awake: first token {r['result']['time_to_first_token_s']:.3f} s; "
+                   f"receipt {r['_path']}")
+    return 0
+
+
 def cmd_ls(args) -> int:
     from .capsule import CapsuleStore
     from .config import settings
@@ -259,6 +278,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("name", nargs="?")
     sp.add_argument("--json", action="store_true")
     sp = add("stop", cmd_stop, "stop a workload and remove its network namespace")
+    sp.add_argument("name")
+    sp.add_argument("--json", action="store_true")
+    sp = add("sleep", cmd_sleep, "release a workload's GPU memory in place (CUDA checkpoint); process kept")
+    sp.add_argument("name")
+    sp.add_argument("--json", action="store_true")
+    sp = add("wake", cmd_wake, "bring a sleeping workload's GPU state back and validate it")
     sp.add_argument("name")
     sp.add_argument("--json", action="store_true")
     sp = add("ls", cmd_ls, "capsules in the local store")
