@@ -88,7 +88,8 @@ def test_round_trip_is_byte_identical(registry, src, dst, tmp_path):  # noqa: F8
     assert res["digest"] == digest and res["bytes_transferred"] == sum(sizes.values())
     assert sorted(res["blobs_uploaded"]) == sorted(sizes)
     # The registry holds the stored manifest bytes unchanged (same digest), artifactType included.
-    r = requests.get(f"http://{registry}/v2/coldsnap/roundtrip/manifests/v1", headers={"Accept": mt.MANIFEST_MEDIA_TYPE})
+    r = requests.get(f"http://{registry}/v2/coldsnap/roundtrip/manifests/v1",
+                     headers={"Accept": mt.MANIFEST_MEDIA_TYPE})
     assert r.content == src.blob_path(digest).read_bytes()
     assert r.headers["Docker-Content-Digest"] == digest
     assert r.json()["artifactType"] == mt.ARTIFACT_TYPE
@@ -274,7 +275,7 @@ def auth_registry(tmp_path_factory):
         import crypt
     work = tmp_path_factory.mktemp("auth-registry")
     htpasswd = work / "htpasswd"
-    htpasswd.write_text(f"alice:{crypt.crypt('s3cret', crypt.mksalt(crypt.METHOD_BLOWFISH))}\n")
+    htpasswd.write_text(f"alice:{crypt.crypt('s3cret', crypt.mksalt(crypt.METHOD_BLOWFISH, rounds=16))}\n")
     reg = LocalRegistry.start(work, htpasswd=htpasswd)
     try:
         yield reg
@@ -358,4 +359,25 @@ def test_ls_rm_gc(src, tmp_path):
     for d in gone:
         assert not src.has_blob(d)
     src.verify(src.load(b))
-    assert capsule_gc.gc(src, grace_s=0)["freed_bytes"] == 0
+    again = capsule_gc.gc(src, grace_s=0)  # nothing left to free but the partial whose lock is gone now
+    assert again["removed_blobs"] == [] and again["freed_bytes"] == 30
+
+
+def test_push_refuses_a_corrupt_local_blob(registry, src, tmp_path):  # noqa: F811
+    digest, (layer,) = make_capsule(src, tmp_path, [random_layer(src, tmp_path, 3 * MIB)])
+    path = src.blob_path(layer.digest)
+    path.write_bytes(os.urandom(layer.size))  # same size, other bytes: only the registry's hash can tell
+    with pytest.raises(ColdSnapError) as e:
+        push(src, digest, f"{registry}/coldsnap/badlocal:v1", insecure=True)
+    assert e.value.code == ErrorCode.CAPSULE_CORRUPT and layer.digest in e.value.message
+    assert requests.head(f"http://{registry}/v2/coldsnap/badlocal/blobs/{layer.digest}").status_code == 404
+    assert requests.get(f"http://{registry}/v2/coldsnap/badlocal/manifests/v1").status_code == 404
+
+
+@pytest.mark.parametrize("ref", ["noslash:v1", "host/UPPER:v1", "host/repo@sha256:abc", "/repo:v1", "host/repo:b@d"])
+def test_bad_references(ref, src, dst):
+    with pytest.raises(ColdSnapError) as e:
+        pull(dst, ref, insecure=True, allow_unpinned=True)
+    assert e.value.code == ErrorCode.INVALID_REQUEST
+    assert reg_mod.parse_remote("localhost:5000/a/b-c:v1.2@sha256:" + "0" * 64) == reg_mod.RemoteRef(
+        "localhost:5000", "a/b-c", "v1.2", "sha256:" + "0" * 64)

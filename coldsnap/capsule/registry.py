@@ -19,7 +19,9 @@ import fcntl
 import hashlib
 import json
 import os
+import queue
 import re
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -380,20 +382,56 @@ class PullResult(str):
                 "resumed_bytes": self.resumed_bytes, "seconds": self.seconds}
 
 
-def _hash_prefix(path: Path, h) -> int:
-    n = 0
+def _hash_prefix(path: Path, length: int):
+    h = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(4 << 20):
+        while length > 0 and (chunk := f.read(min(4 << 20, length))):
             h.update(chunk)
-            n += len(chunk)
-    return n
+            length -= len(chunk)
+    return h
 
 
-def _download(client: _Client, desc: Descriptor, part: Path, progress: Progress | None) -> tuple[int, int]:
-    """Bring part up to desc.size bytes (resuming what is there). Returns (bytes received, bytes resumed)."""
+class _Sink:
+    """Hash and write received chunks in two threads (hashlib and file writes release the GIL), so receiving,
+    hashing and writing overlap. Bounded queues: at most 2 x 8 chunks in flight."""
+
+    def __init__(self, h, f):
+        self.error: BaseException | None = None
+        self.queues = [queue.Queue(8), queue.Queue(8)]
+        self.threads = [threading.Thread(target=self._run, args=(q, fn), daemon=True)
+                        for q, fn in zip(self.queues, (h.update, f.write))]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, q: queue.Queue, fn) -> None:
+        while (chunk := q.get()) is not None:
+            if self.error is None:
+                try:
+                    fn(chunk)
+                except BaseException as e:  # noqa: BLE001 - re-raised in the receiving thread
+                    self.error = e
+
+    def put(self, chunk: bytes) -> None:
+        if self.error is not None:
+            raise self.error
+        for q in self.queues:
+            q.put(chunk)
+
+    def close(self) -> None:
+        for q in self.queues:
+            q.put(None)
+        for t in self.threads:
+            t.join()
+        if self.error is not None:
+            raise self.error
+
+
+def _download(client: _Client, desc: Descriptor, part: Path, progress: Progress | None) -> tuple[int, int, bool]:
+    """Bring part up to desc.size bytes, resuming what is there, hashing as it goes.
+
+    Returns (bytes received, bytes resumed, whether the result matches desc's size and digest)."""
     url = f"{client.base}/blobs/{desc.digest}"
-    received = 0
-    attempts = 0
+    received = attempts = 0
     fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     with os.fdopen(fd, "ab") as f:
         offset = f.seek(0, os.SEEK_END)
@@ -401,6 +439,7 @@ def _download(client: _Client, desc: Descriptor, part: Path, progress: Progress 
             f.truncate(0)
             offset = 0
         resumed = offset
+        h = _hash_prefix(part, offset) if offset else hashlib.sha256()
         while offset < desc.size:
             headers = {"Range": f"bytes={offset}-"} if offset else {}
             r = client.request("GET", url, ok=(200, 206, 416), what=f"fetching blob {desc.digest}", headers=headers,
@@ -411,50 +450,52 @@ def _download(client: _Client, desc: Descriptor, part: Path, progress: Progress 
                     # Range ignored (200), refused (416) or answered oddly: start again from byte 0
                     f.truncate(0)
                     offset = resumed = 0
+                    h = hashlib.sha256()
                     if r.status_code != 200:
                         continue
+                sink = _Sink(h, f)
                 try:
-                    for chunk in r.iter_content(READ_CHUNK):
-                        room = desc.size + 1 - offset  # read at most one byte too many: enough to know
-                        if len(chunk) > room:
-                            chunk = chunk[:room]
-                        f.write(chunk)
-                        offset += len(chunk)
-                        received += len(chunk)
-                        if progress:
-                            f.flush()
-                            progress(desc.digest, offset, desc.size)
-                        if offset > desc.size:
-                            break
+                    try:
+                        for chunk in r.iter_content(READ_CHUNK):
+                            room = desc.size + 1 - offset  # read at most one byte too many: enough to know
+                            if len(chunk) > room:
+                                chunk = chunk[:room]
+                            sink.put(chunk)
+                            offset += len(chunk)
+                            received += len(chunk)
+                            if progress:
+                                progress(desc.digest, offset, desc.size)
+                            if offset > desc.size:
+                                break
+                    finally:
+                        sink.close()  # everything handed over is hashed and written, also on the way out
                     break  # complete, short or long: verification decides
                 except (requests.exceptions.ConnectionError, requests.exceptions.ChunkedEncodingError,
                         requests.exceptions.Timeout) as e:
                     f.flush()
+                    offset = f.tell()
+                    h = _hash_prefix(part, offset)  # what reached the file, exactly
                     attempts += 1
                     if attempts >= DOWNLOAD_ATTEMPTS:
                         raise ColdSnapError(ErrorCode.REGISTRY, f"connection to {client.ref.host} broke while "
                                             f"fetching {desc.digest} at byte {offset} ({_short(e)}); the partial "
                                             "download is kept and the next pull resumes it") from None
-        f.flush()
-        os.fsync(f.fileno())
-    return received, resumed
-
-
-def _verify_file(path: Path, desc: Descriptor) -> bool:
-    h = hashlib.sha256()
-    n = _hash_prefix(path, h)
-    return n == desc.size and "sha256:" + h.hexdigest() == desc.digest
+        ok = offset == desc.size and "sha256:" + h.hexdigest() == desc.digest
+        if ok:
+            f.flush()
+            os.fsync(f.fileno())
+    return received, resumed, ok
 
 
 def _fetch_blob(client: _Client, store: CapsuleStore, desc: Descriptor, progress: Progress | None) -> tuple[int, int]:
     part = partial_path(store, desc.digest)
     received_total = resumed_total = 0
     for attempt in range(2):
-        received, resumed = _download(client, desc, part, progress)
+        received, resumed, ok = _download(client, desc, part, progress)
         received_total += received
         resumed_total += resumed
-        # Hash from disk: what is verified is what will be moved into blobs/ (also covers a resumed prefix).
-        if _verify_file(part, desc):
+        if ok:
+            os.chmod(part, 0o600)
             return received_total, resumed_total
         part.unlink(missing_ok=True)
         if not (resumed and attempt == 0):  # a resumed partial may have been bad locally: one clean retry

@@ -1,8 +1,8 @@
 """A tiny Llama-like decoder (RMSNorm, rotary positions, causal attention, SwiGLU MLP) and its runner.
 
 Decoding has static shapes so torch.compile compiles each step once and CUDA graphs can capture it:
-the KV cache is one preallocated buffer of max_seq positions, the prompt is prefilled in fixed-size
-padded chunks (shape [1, prefill_chunk]) and every decode step has shape [1, 1]. The position is
+the KV cache is preallocated for max_seq positions (per layer, updated in place), the prompt is
+prefilled in fixed-size padded chunks (shape [1, prefill_chunk]) and every decode step has shape [1, 1]. The position is
 passed as a tensor, never as a Python int (an int would be specialized and recompiled per position).
 Each step returns the greedy next token of every position (argmax over printable ASCII only), so the
 logits never leave the graph.
@@ -246,10 +246,15 @@ class Runner:
     The KV cache is kv_bytes of zero-filled memory (its pages really there, as a serving engine's
     preallocated KV cache is): the per-layer caches of the one sequence the model decodes at a time,
     plus a reserve holding the rest of kv_bytes (the room other sequences' KV blocks would take).
-    release() frees all of it (and on CUDA the weights' memory too), resume() brings it back. The
-    tensors stay the same Python objects with the same shapes (their storage is resized to 0 and
-    back), so compiled code keeps its guards and is not recompiled; CUDA graphs whose static inputs
-    moved are re-recorded by torch on their next call.
+    release() frees all of it (and on CUDA the weights' memory and the CUDA graphs too), resume()
+    brings it back. The tensors stay the same Python objects with the same shapes (their storage is
+    resized to 0 and back), so compiled code keeps its guards and is not recompiled.
+
+    CUDA graphs: capture_graphs() captures one graph per static shape (prefill chunk, decode step)
+    around the (compiled) step, with static token/position inputs; resume() captures them again,
+    since the weights and the KV cache come back at new addresses. This is done by hand rather than
+    by torch.compile(mode="reduce-overhead") because torch's CUDA graph trees bind graphs to the
+    addresses they recorded and could not be reset without recompiling.
     """
 
     def __init__(self, model: Transformer, device: torch.device | str, kv_bytes: int = 0, reload=None) -> None:
@@ -261,6 +266,8 @@ class Runner:
         self._reload = reload  # () -> dict[name, tensor]: the weights again, for resume() on CUDA
         self.step = model
         self.compile_mode: str | None = None
+        self.use_graphs = False
+        self._graphs: dict[int, tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.released = False
         self.weights_released = False
         self._kv: list[torch.Tensor] = []
@@ -274,13 +281,21 @@ class Runner:
 
     @property
     def cudagraphs(self) -> bool:
-        return self.compile_mode in ("reduce-overhead", "max-autotune")
+        """torch.compile's own CUDA graphs (cudagraph trees), as opposed to capture_graphs()."""
+        return self.device.type == "cuda" and self.compile_mode in ("reduce-overhead", "max-autotune")
 
     def compile(self, mode: str = "default") -> None:
         self.step = torch.compile(self.model, mode=mode, dynamic=False, fullgraph=True)
         self.compile_mode = mode
 
     def _run(self, ids: list[int], start: int) -> torch.Tensor:
+        graph = self._graphs.get(len(ids))
+        if graph is not None:
+            g, tokens, pos, out = graph
+            tokens.copy_(torch.tensor([ids], dtype=torch.long))
+            pos.fill_(start)
+            g.replay()
+            return out
         tokens = torch.tensor([ids], dtype=torch.long, device=self.device)
         pos = torch.tensor([start], dtype=torch.long, device=self.device)
         if self.cudagraphs:
@@ -293,6 +308,43 @@ class Runner:
             self._run([PAD] * self.cfg.prefill_chunk, 0)
             self._run([PAD], 0)
         self.synchronize()
+
+    def capture_graphs(self) -> int:
+        """Capture a CUDA graph of each static shape (after precompile()); returns how many."""
+        if self.device.type != "cuda":
+            return 0
+        self._graphs = {}
+        pool = torch.cuda.graph_pool_handle()
+        with torch.no_grad():
+            for t in (self.cfg.prefill_chunk, 1):
+                tokens = torch.full((1, t), PAD, dtype=torch.long, device=self.device)
+                pos = torch.zeros(1, dtype=torch.long, device=self.device)
+                side = torch.cuda.Stream(self.device)
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        self.step(tokens, pos)
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    out = self.step(tokens, pos)
+                self._graphs[t] = (g, tokens, pos, out)
+        self.use_graphs = True
+        self.synchronize()
+        return len(self._graphs)
+
+    def warmup(self, tokens: int = 8, lengths: list[int] | None = None) -> int:
+        """Generate `tokens` tokens after prompts of several lengths (one to many prefill chunks)."""
+        c = self.cfg
+        n = max(1, min(tokens, c.max_seq - 1))
+        if lengths is None:
+            lengths = [1, c.prefill_chunk - 1, c.prefill_chunk + 1, 3 * c.prefill_chunk, c.max_seq - n]
+        lengths = sorted({max(1, min(k, c.max_seq - n)) for k in lengths})
+        for k in lengths:
+            for _ in self.generate([BOS] + [ord("a")] * (k - 1), n):
+                pass
+        self.synchronize()
+        return len(lengths)
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -329,6 +381,7 @@ class Runner:
         freed = 0
         with torch.no_grad():
             self.synchronize()
+            self._graphs = {}  # the graphs point at the memory freed below; resume() captures them again
             if not self.released:
                 for t in self._kv:
                     freed += t.untyped_storage().nbytes()
@@ -357,8 +410,10 @@ class Runner:
                     t.untyped_storage().resize_(t.numel() * t.element_size())
                     t.zero_()
                 self.released = False
+            if self.use_graphs and not self._graphs:
+                self.capture_graphs()
             self.synchronize()
-        return {"kv_bytes": self.kv_bytes}
+        return {"kv_bytes": self.kv_bytes, "cuda_graphs": len(self._graphs)}
 
 
 def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device | str) -> Transformer:

@@ -2,23 +2,27 @@
 
     python -m coldsnap.engines.reference.server --weights PATH [--host 0.0.0.0] [--port 8000]
         [--device cpu|cuda] [--compile/--no-compile] [--compile-mode MODE] [--compile-cache DIR]
+        [--compile-cache-policy kernels|all|fresh] [--cuda-graphs/--no-cuda-graphs]
         [--weights-load mmap|copy] [--seed N] [--layers N --hidden H --heads N --intermediate N
-        --max-seq N --prefill-chunk N] [--kv-mib N] [--threads N] [--model-id NAME]
+        --max-seq N --prefill-chunk N] [--kv-mib N] [--threads N] [--warmup-tokens N] [--model-id NAME]
 
 Start-up does the work a real engine does, each phase timed and printed to stderr as one JSON line
 ({"event": "phase", "name": ..., "seconds": ...}): import torch, ensure the weights (generated on first
 use), load them (mmap by default), build the model and allocate the KV cache, torch.compile the prefill
-and decode steps (CUDA graphs on a GPU), warm up; then it listens and prints {"event": "ready", ...}.
-It binds its port only once it is ready, so a successful GET /health means it can serve.
+and decode steps, capture CUDA graphs of both (on a GPU), warm up; then it listens and prints
+{"event": "ready", ...}. It binds its port only once it is ready, so a GET /health that answers
+means it can serve.
 
 Built to be checkpointed by CRIU: the stdlib threading HTTP server (no asyncio/uvloop, whose io_uring
 CRIU cannot dump), every response is `Connection: close` (no connection outlives its request, so an
 idle server holds no client socket), inductor compiles in-process (TORCHINDUCTOR_COMPILE_THREADS=1,
-no compile worker subprocesses), and nothing cached depends on the PID or on wall-clock time.
+no compile worker subprocesses), and nothing cached depends on the PID or on wall-clock time. The
+process maps the compiled kernels (.so files) from the inductor cache directory (/coldsnap/info
+names it): a restore needs those files at the same paths.
 
 Endpoints: GET /health, GET /v1/models, POST /v1/completions (stream or not; greedy decoding only),
-GET /coldsnap/info, POST /coldsnap/release (drop the KV cache, and the weights on CUDA, before a
-capture), POST /coldsnap/resume (bring them back after a restore).
+GET /coldsnap/info, POST /coldsnap/release (drop the KV cache, and on CUDA the weights and CUDA
+graphs, before a capture), POST /coldsnap/resume (bring them back after a restore).
 """
 
 from __future__ import annotations
@@ -335,8 +339,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="torch.compile the model steps")
-    p.add_argument("--compile-mode", default=None, help='torch.compile mode (default: "default" on CPU, "reduce-overhead" on CUDA)')
-    p.add_argument("--compile-cache", default=None, help="inductor cache directory (TORCHINDUCTOR_CACHE_DIR); compiled kernels are mapped from it")
+    p.add_argument("--compile-mode", default="default", help='torch.compile mode (default: "default"; CUDA graphs come from --cuda-graphs)')
+    p.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="capture CUDA graphs of the prefill and decode steps (default: on with --device cuda)",
+    )
+    p.add_argument("--compile-cache", default=None, help="inductor cache directory (TORCHINDUCTOR_CACHE_DIR); the process maps compiled kernels from it")
+    p.add_argument(
+        "--compile-cache-policy",
+        choices=("kernels", "all", "fresh"),
+        default="kernels",
+        help="kernels (default): reuse compiled kernel binaries but trace, lower and generate code on every start "
+        "(inductor's FX graph and AOTAutograd caches off), so each start does the real compile work; "
+        "all: torch's caches as configured (a warm start skips most of it); "
+        "fresh: a new empty cache directory under the cache directory, so even the C++/Triton kernels are rebuilt",
+    )
     p.add_argument("--weights-load", choices=("mmap", "copy"), default="mmap")
     p.add_argument("--seed", type=int, default=0, help="seed of generated weights")
     p.add_argument("--layers", type=int)
@@ -375,8 +394,7 @@ def resolve_config(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.compile_cache:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(args.compile_cache)
+    _compile_cache_env(args)  # before torch is imported: inductor reads these at import
     phases: dict[str, float] = {}
 
     def phase(name: str, t: float, **extra: Any) -> None:
@@ -386,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     t = time.monotonic()
     import torch
 
-    from .model import Runner, build_model, encode
+    from .model import Runner, build_model
     from .weights import ensure_weights, load_weights
 
     threads = args.threads or min(2, os.cpu_count() or 1)
@@ -424,20 +442,22 @@ def main(argv: list[str] | None = None) -> int:
 
     mode = None
     if args.compile:
-        mode = args.compile_mode or ("reduce-overhead" if device.type == "cuda" else "default")
+        mode = args.compile_mode
         t = time.monotonic()
         runner.compile(mode)
         runner.precompile()  # compile each static shape now, not on a first request
         phase("compile", t, mode=mode)
 
+    graphs = args.cuda_graphs if args.cuda_graphs is not None else device.type == "cuda"
+    if graphs and device.type == "cuda":
+        t = time.monotonic()
+        if not args.compile:
+            runner.precompile()  # eager: still run each shape once before capture
+        phase("cuda_graphs", t, graphs=runner.capture_graphs())
+
     t = time.monotonic()
-    n_warm = max(1, min(args.warmup_tokens, cfg.max_seq - 1))
-    lengths = sorted({1, cfg.prefill_chunk - 1, cfg.prefill_chunk + 1, 3 * cfg.prefill_chunk, cfg.max_seq - n_warm})
-    for n in lengths:
-        n = max(1, min(n, cfg.max_seq - n_warm))
-        list(runner.generate(encode("a" * (n - 1)), n_warm))
-    runner.synchronize()
-    phase("warmup", t, prompts=len(lengths), tokens=n_warm)
+    n_prompts = runner.warmup(args.warmup_tokens)
+    phase("warmup", t, prompts=n_prompts, tokens=args.warmup_tokens)
 
     info = {
         "engine": ENGINE_NAME,
@@ -450,7 +470,9 @@ def main(argv: list[str] | None = None) -> int:
             "enabled": bool(args.compile),
             "mode": mode,
             "cache_dir": _inductor_cache_dir() if args.compile else None,
+            "cache_policy": args.compile_cache_policy,
         },
+        "cuda_graphs": bool(runner._graphs),
         "kv_bytes": runner.kv_bytes,
         "threads": threads,
         "torch": torch.__version__,
@@ -487,6 +509,20 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         httpd.server_close()
     return 0
+
+
+def _compile_cache_env(args: argparse.Namespace) -> None:
+    if args.compile_cache:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(args.compile_cache)
+    if args.compile_cache_policy in ("kernels", "fresh"):
+        os.environ["TORCHINDUCTOR_FX_GRAPH_CACHE"] = "0"
+        os.environ["TORCHINDUCTOR_AUTOGRAD_CACHE"] = "0"
+    if args.compile_cache_policy == "fresh" and args.compile:
+        import tempfile
+
+        root = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(tempfile.gettempdir(), f"torchinductor_uid{os.getuid()}")
+        os.makedirs(root, exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="fresh-", dir=root)
 
 
 def _inductor_cache_dir() -> str | None:

@@ -1,0 +1,140 @@
+"""Parse runc's command line without changing it.
+
+runc (urfave/cli v1 on Go's flag package) takes global flags, then a subcommand, then the subcommand's flags, then
+positional arguments. Flags may be written -x, --x, --x=v or --x v; parsing stops at the first non-flag or at `--`
+(so `exec ID cmd --flag` keeps `--flag` as a positional). Unknown flags are kept and taken as booleans unless they
+carry `=`: the parse is only used to decide, never to rebuild what the caller wrote.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+GLOBAL_VALUE = frozenset({"root", "log", "log-format", "criu", "rootless"})
+GLOBAL_BOOL = frozenset({"debug", "systemd-cgroup", "help", "h", "version", "v"})
+
+# Flags of runc 1.1 subcommands that take a value (the rest are booleans).
+VALUE_FLAGS: dict[str, frozenset[str]] = {
+    "create": frozenset({"bundle", "b", "console-socket", "pid-file", "preserve-fds"}),
+    "run": frozenset({"bundle", "b", "console-socket", "pid-file", "preserve-fds"}),
+    "restore": frozenset({"bundle", "b", "console-socket", "pid-file", "image-path", "work-path",
+                          "manage-cgroups-mode", "empty-ns", "lsm-profile", "lsm-mount-context"}),
+    "checkpoint": frozenset({"image-path", "work-path", "parent-path", "status-fd", "page-server",
+                             "manage-cgroups-mode", "empty-ns"}),
+    "exec": frozenset({"console-socket", "cwd", "env", "e", "user", "u", "additional-gids", "g", "process", "p",
+                       "apparmor", "process-label", "cap", "c", "pid-file", "preserve-fds", "cgroup"}),
+    "ps": frozenset({"format", "f"}),
+    "list": frozenset({"format", "f"}),
+    "events": frozenset({"interval"}),
+    "update": frozenset({"resources", "r", "blkio-weight", "cpu-period", "cpu-quota", "cpu-rt-period",
+                         "cpu-rt-runtime", "cpu-share", "cpuset-cpus", "cpuset-mems", "kernel-memory",
+                         "kernel-memory-tcp", "memory", "memory-reservation", "memory-swap", "pids-limit",
+                         "l3-cache-schema", "mem-bw-schema"}),
+}
+
+
+def _flag_name(token: str) -> str | None:
+    """'--pid-file=x' → 'pid-file'; '-d' → 'd'; not a flag (or '-', '--') → None."""
+    if len(token) < 2 or token[0] != "-" or token == "--":
+        return None
+    name = token[2:] if token.startswith("--") else token[1:]
+    return name.split("=", 1)[0] or None
+
+
+@dataclass(frozen=True)
+class RuncArgv:
+    argv: tuple[str, ...]  # exactly what the caller passed (without argv[0])
+    globals: dict[str, str | bool] = field(default_factory=dict)
+    command: str | None = None
+    command_index: int = -1  # position of the subcommand in argv
+    flags: dict[str, str | bool] = field(default_factory=dict)
+    args: tuple[str, ...] = ()
+
+    # --- globals ---
+    @property
+    def root(self) -> str:
+        return str(self.globals.get("root") or "/run/runc")
+
+    @property
+    def log(self) -> str | None:
+        value = self.globals.get("log")
+        return str(value) if value else None
+
+    @property
+    def log_format(self) -> str:
+        return str(self.globals.get("log-format") or "text")
+
+    # --- subcommand ---
+    def flag(self, *names: str) -> str | bool | None:
+        for n in names:
+            if n in self.flags:
+                return self.flags[n]
+        return None
+
+    @property
+    def container_id(self) -> str | None:
+        return self.args[0] if self.args else None
+
+    @property
+    def bundle(self) -> str:
+        """The bundle directory; runc's default is the current directory."""
+        value = self.flag("bundle", "b")
+        return os.path.abspath(value) if isinstance(value, str) and value else os.getcwd()
+
+    @property
+    def pid_file(self) -> str | None:
+        value = self.flag("pid-file")
+        return value if isinstance(value, str) and value else None
+
+    @property
+    def console_socket(self) -> str | None:
+        value = self.flag("console-socket")
+        return value if isinstance(value, str) and value else None
+
+    @property
+    def detach(self) -> bool:
+        return _truthy(self.flag("detach", "d"))
+
+    def global_argv(self) -> list[str]:
+        """The caller's global flags, verbatim (everything before the subcommand)."""
+        return list(self.argv[: self.command_index]) if self.command_index >= 0 else list(self.argv)
+
+
+def _truthy(value: str | bool | None) -> bool:
+    if isinstance(value, str):
+        return value.lower() in ("1", "t", "true")
+    return bool(value)
+
+
+def _parse_flags(tokens: list[str], start: int, value_names: frozenset[str]) -> tuple[dict[str, str | bool], int]:
+    """Consume flags from tokens[start:]; return them and the index of the first non-flag."""
+    flags: dict[str, str | bool] = {}
+    i = start
+    while i < len(tokens):
+        token = tokens[i]
+        if token == "--":
+            return flags, i + 1
+        name = _flag_name(token)
+        if name is None:
+            return flags, i
+        if "=" in token:
+            flags[name] = token.split("=", 1)[1]
+        elif name in value_names and i + 1 < len(tokens):
+            flags[name] = tokens[i + 1]
+            i += 1
+        else:
+            flags[name] = True
+        i += 1
+    return flags, i
+
+
+def parse_runc_argv(argv: list[str] | tuple[str, ...]) -> RuncArgv:
+    tokens = list(argv)
+    globals_, i = _parse_flags(tokens, 0, GLOBAL_VALUE)
+    if i >= len(tokens):
+        return RuncArgv(argv=tuple(tokens), globals=globals_)
+    command = tokens[i]
+    flags, j = _parse_flags(tokens, i + 1, VALUE_FLAGS.get(command, frozenset()))
+    return RuncArgv(argv=tuple(tokens), globals=globals_, command=command, command_index=i, flags=flags,
+                    args=tuple(tokens[j:]))

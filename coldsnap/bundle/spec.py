@@ -1,0 +1,68 @@
+"""A bundle's config.json (OCI runtime spec) as a plain dict: every field we do not know is kept as it was.
+
+Writes are atomic (temp file in the bundle + fsync + rename) and keep the file's mode: the runtime that reads
+the spec next must see either the old document or the new one, never half of one."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+CONFIG = "config.json"
+
+
+def load_spec(bundle: str | os.PathLike) -> dict:
+    with open(Path(bundle) / CONFIG, encoding="utf-8") as f:
+        spec = json.load(f)
+    if not isinstance(spec, dict):
+        raise ValueError(f"{Path(bundle) / CONFIG} is not a JSON object")
+    return spec
+
+
+def write_spec(bundle: str | os.PathLike, spec: dict) -> None:
+    dest = Path(bundle) / CONFIG
+    try:
+        mode = os.stat(dest).st_mode & 0o7777
+    except FileNotFoundError:
+        mode = 0o644
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=".config.json.")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(spec, f, indent=1, ensure_ascii=False)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, dest)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def annotations(spec: dict) -> dict[str, str]:
+    value = spec.get("annotations") or {}
+    return {str(k): str(v) for k, v in value.items()} if isinstance(value, dict) else {}
+
+
+def hooks(spec: dict, stage: str) -> list[dict]:
+    """The hooks of one stage (poststart, poststop, createRuntime, ...), [] when none."""
+    value = (spec.get("hooks") or {}).get(stage) or []
+    return [h for h in value if isinstance(h, dict) and h.get("path")]
+
+
+def ensure_hook(spec: dict, stage: str, hook: dict) -> bool:
+    """Append hook to the stage unless a hook with the same executable name is already there. True if added."""
+    name = os.path.basename(hook["path"])
+    if any(os.path.basename(h["path"]) == name for h in hooks(spec, stage)):
+        return False
+    spec.setdefault("hooks", {}).setdefault(stage, []).append(hook)
+    return True
+
+
+def netns_path(spec: dict) -> str | None:
+    """The network namespace path the spec joins, or None when the runtime creates a fresh one (or none)."""
+    for ns in (spec.get("linux") or {}).get("namespaces") or []:
+        if ns.get("type") == "network":
+            return ns.get("path") or None
+    return None

@@ -1,0 +1,55 @@
+"""The shim's record of a container it handled: /run/coldsnap/shim/<id>.json (COLDSNAP_RUN moves it).
+
+It says whether `create` restored the container (then `start` is answered without runc, since a restored
+container is already running) or fell back to a cold start, and carries what the poststart hook needs to
+validate and write the receipt (timeline so far, capsule, request, expected text). Stdlib only."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def state_dir() -> Path:
+    return Path(os.environ.get("COLDSNAP_RUN", "/run/coldsnap")) / "shim"
+
+
+def state_path(container_id: str) -> Path:
+    if not container_id or "/" in container_id or container_id.startswith("."):
+        raise ValueError(f"unusable container id {container_id!r}")
+    return state_dir() / f"{container_id}.json"
+
+
+def load(container_id: str | None) -> dict | None:
+    if not container_id:
+        return None
+    try:
+        with open(state_path(container_id), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def save(container_id: str, data: dict) -> Path:
+    path = state_path(container_id)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+    return path
+
+
+def remove(container_id: str | None) -> None:
+    if container_id:
+        try:
+            state_path(container_id).unlink(missing_ok=True)
+        except ValueError:
+            pass
+
+
+def belongs(data: dict | None, root: str) -> bool:
+    """A record applies only to the runc root it was made under (ids are unique per root, not per host)."""
+    return bool(data) and os.path.realpath(data.get("root", "")) == os.path.realpath(root)

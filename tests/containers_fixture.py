@@ -1,0 +1,182 @@
+"""Containers of the tests' own making: a rootfs that borrows the host's /usr (read-only), the repository and its
+Python (read-only, at the same paths, so the same interpreter and venv run inside), a pre-made network namespace
+with lo up, and OCI bundles over them. Plus the helpers that install and start what the container tests need
+(packaging/containers/setup.sh) on private paths."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SETUP = REPO / "packaging" / "containers" / "setup.sh"
+VENV = Path(sys.prefix)
+PYTHON_HOME = Path(sys.base_prefix)  # where the venv's interpreter really lives (pyenv, /usr, ...)
+RUNTIME = VENV / "bin" / "coldsnap-runtime"
+HOOK = VENV / "bin" / "coldsnap-hook"
+CRIU = os.environ.get("COLDSNAP_CRIU_PREFIX", "/var/lib/coldsnap/criu") + "/bin/criu"
+
+ENGINE_PORT = 8000
+ENGINE_ARGS = [str(VENV / "bin" / "python"), "-m", "coldsnap.engines.reference.server",
+               "--weights", "/models/reference.safetensors", "--host", "0.0.0.0", "--port", str(ENGINE_PORT),
+               "--device", "cpu", "--no-compile", "--layers", "2", "--hidden", "64", "--heads", "2",
+               "--kv-mib", "4", "--threads", "1", "--weights-load", "copy", "--warmup-tokens", "2"]
+
+
+def needs_root() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root: runc, CRIU and namespaces")
+
+
+def ensure(*parts: str) -> None:
+    """Install what is missing via packaging/containers/setup.sh (idempotent)."""
+    r = subprocess.run([str(SETUP), "install", *parts], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.fail(f"{SETUP} install {' '.join(parts)} failed: {(r.stderr or r.stdout).strip()[-800:]}")
+
+
+def make_rootfs(root: Path) -> Path:
+    """bin/lib/lib64/sbin → usr/* symlinks (the host's /usr is bound read-only), and the empty dirs runc mounts on."""
+    root.mkdir(parents=True, exist_ok=True)
+    for name in ("bin", "lib", "lib64", "sbin"):
+        if (Path("/") / "usr" / name).exists() and not (root / name).exists():
+            (root / name).symlink_to(f"usr/{name}")
+    for d in ("usr", "proc", "sys", "dev", "tmp", "etc", "root", "models", "run"):
+        (root / d).mkdir(exist_ok=True)
+    (root / "tmp").chmod(0o1777)
+    (root / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
+    (root / "etc" / "group").write_text("root:x:0:\n")
+    (root / "etc" / "hosts").write_text("127.0.0.1 localhost\n")
+    return root
+
+
+def _bind(src: Path | str, dest: Path | str | None = None, ro: bool = True) -> dict:
+    return {"destination": str(dest or src), "type": "bind", "source": str(src),
+            "options": ["rbind", "ro" if ro else "rw"]}
+
+
+def shared_binds() -> list[dict]:
+    """Host /usr, the repository (with its venv) and the interpreter's home, read-only at the same paths."""
+    binds = [_bind("/usr"), _bind(REPO)]
+    if not str(VENV).startswith(str(REPO) + "/"):
+        binds.append(_bind(VENV))
+    if not str(PYTHON_HOME).startswith("/usr"):
+        binds.append(_bind(PYTHON_HOME))
+    return binds
+
+
+BASE_SPEC = {
+    "ociVersion": "1.0.2-dev",
+    "process": {
+        "terminal": False, "user": {"uid": 0, "gid": 0}, "args": ["/bin/sh"],
+        "env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root", "TMPDIR=/tmp",
+                "PYTHONDONTWRITEBYTECODE=1"],
+        "cwd": "/",
+        "capabilities": {k: ["CAP_AUDIT_WRITE", "CAP_KILL", "CAP_NET_BIND_SERVICE"]
+                         for k in ("bounding", "effective", "permitted", "ambient")},
+        "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1024, "soft": 1024}],
+        "noNewPrivileges": True,
+    },
+    "root": {"path": "rootfs", "readonly": False},
+    "hostname": "coldsnap-test",
+    "mounts": [
+        {"destination": "/proc", "type": "proc", "source": "proc"},
+        {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+         "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+        {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+         "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"]},
+        {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+         "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
+        {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue", "options": ["nosuid", "noexec", "nodev"]},
+        {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]},
+    ],
+    "linux": {
+        "resources": {"devices": [{"allow": False, "access": "rwm"}]},
+        "namespaces": [{"type": "pid"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"}],
+        "maskedPaths": ["/proc/acpi", "/proc/kcore", "/proc/keys", "/proc/latency_stats", "/proc/timer_list",
+                        "/proc/sched_debug", "/sys/firmware", "/proc/scsi"],
+        "readonlyPaths": ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"],
+    },
+    "x-coldsnap-test": {"unknown": ["fields", "are", "kept"]},  # a field no runtime knows: must survive our writes
+}
+
+
+def make_bundle(path: Path, rootfs: Path, args: list[str], netns: str | None = None,
+                annotations: dict[str, str] | None = None, extra_mounts: list[dict] | None = None) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    spec = copy.deepcopy(BASE_SPEC)
+    spec["root"]["path"] = str(rootfs)
+    spec["process"]["args"] = list(args)
+    spec["mounts"] += shared_binds() + list(extra_mounts or [])
+    ns = {"type": "network"}
+    if netns:
+        ns["path"] = f"/var/run/netns/{netns}"
+    spec["linux"]["namespaces"].append(ns)
+    if annotations:
+        spec["annotations"] = dict(annotations)
+    (path / "config.json").write_text(json.dumps(spec, indent=1))
+    return path
+
+
+class NetNS:
+    """A named network namespace with lo up (runc restores a netns it created itself with lo down)."""
+
+    def __init__(self, prefix: str = "cstest"):
+        self.name = f"{prefix}-{uuid.uuid4().hex[:8]}"
+        subprocess.run(["ip", "netns", "add", self.name], check=True)
+        subprocess.run(["ip", "-n", self.name, "link", "set", "lo", "up"], check=True)
+
+    def delete(self) -> None:
+        subprocess.run(["ip", "netns", "del", self.name], capture_output=True)
+
+
+def runc(root: Path, *args: str, check: bool = False, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(["runc", "--root", str(root), *args], capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, check=check, **kw)
+
+
+def run_detached(binary: str, root: Path, bundle: Path, cid: str, *extra_global: str) -> subprocess.CompletedProcess:
+    """`runc run -d` with /dev/null stdio (CRIU cannot restore a host file as a container's stdio)."""
+    with open(os.devnull, "r+b") as null:
+        return subprocess.run([binary, "--root", str(root), *extra_global, "run", "-d", "--bundle", str(bundle), cid],
+                              stdin=null, stdout=null, stderr=subprocess.PIPE, text=True)
+
+
+def state(root: Path, cid: str) -> dict | None:
+    r = runc(root, "state", cid)
+    return json.loads(r.stdout) if r.returncode == 0 else None
+
+
+def force_delete(root: Path, cid: str) -> None:
+    runc(root, "delete", "-f", cid)
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def netns_http(netns: str, path: str, port: int = ENGINE_PORT, timeout: float = 5.0) -> tuple[int, str]:
+    """GET http://127.0.0.1:port/path from inside a named netns (curl via `ip netns exec`)."""
+    r = subprocess.run(["ip", "netns", "exec", netns, "curl", "-s", "-m", str(timeout), "-o", "-", "-w", "\n%{http_code}",
+                        f"http://127.0.0.1:{port}{path}"], capture_output=True, text=True)
+    body, _, code = r.stdout.rpartition("\n")
+    return int(code or 0), body
+
+
+def rm_tree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
