@@ -311,7 +311,7 @@ class Runner:
 
     def capture_graphs(self) -> int:
         """Capture a CUDA graph of each static shape (after precompile()); returns how many."""
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" or self.cudagraphs:  # not around torch's own CUDA graphs
             return 0
         self._graphs = {}
         pool = torch.cuda.graph_pool_handle()
@@ -387,7 +387,7 @@ class Runner:
                     freed += t.untyped_storage().nbytes()
                     t.untyped_storage().resize_(0)
                 self.released = True
-            if self.device.type == "cuda" and not self.weights_released:
+            if self.device.type == "cuda" and self._reload is not None and not self.weights_released:
                 for p in self.model.parameters():
                     freed += p.untyped_storage().nbytes()
                     p.untyped_storage().resize_(0)
