@@ -82,8 +82,10 @@ def _capture_request(args):
     else:
         req = CaptureRequest(operation="capture")
     updates: dict[str, Any] = {}
-    if args.engine:
-        updates["engine"] = req.engine.model_copy(update={"name": args.engine})
+    if args.engine or args.engine_opt:
+        updates["engine"] = req.engine.model_copy(update={"name": args.engine or req.engine.name,
+                                                          "options": {**req.engine.options,
+                                                                      **engine_options(args.engine_opt)}})
     if args.tag:
         updates["tag"] = args.tag
     policy = {}
@@ -103,6 +105,24 @@ def _capture_request(args):
     # Re-validate the combined request (model_copy does not validate).
     return type(req).model_validate({**req.model_dump(), **{k: (v.model_dump() if hasattr(v, "model_dump") else v)
                                                              for k, v in updates.items()}})
+
+
+def engine_options(pairs: list[str] | None) -> dict:
+    """--engine-opt KEY=VALUE (repeatable) → typed engine options (ints, floats, true/false stay typed)."""
+    out: dict = {}
+    for pair in pairs or []:
+        if "=" not in pair:
+            raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"--engine-opt {pair!r}: expected KEY=VALUE")
+        key, value = pair.split("=", 1)
+        for conv in (int, float):
+            try:
+                out[key] = conv(value)
+                break
+            except ValueError:
+                continue
+        else:
+            out[key] = {"true": True, "false": False}.get(value.lower(), value)
+    return out
 
 
 def cmd_capture(args) -> int:
@@ -263,6 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--weights-mode", choices=["native", "recovery", "auto"])
     sp.add_argument("--device", help="cpu (default) or cuda / cuda:N")
     sp.add_argument("--leave-running", action="store_true", help="keep the captured workload running")
+    sp.add_argument("--engine-opt", action="append", metavar="KEY=VALUE",
+                    help="engine option, repeatable (reference: layers, hidden, heads, kv_mib, compile=false, ...)")
     sp.add_argument("--json", action="store_true", help="print the receipt as JSON, no progress")
 
     sp = add("restore", cmd_restore, "restore a workload from a capsule (falls back to a cold start if refused)")
@@ -299,10 +321,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = add("bench", cmd_bench, "vanilla start vs restore, N samples each; JSON + PNG under bench/results/")
     sp.add_argument("--engine", default="reference", choices=["reference", "vllm", "sglang"])
-    sp.add_argument("--samples", "-n", type=int, default=5)
+    sp.add_argument("--samples", "-n", type=int, default=5, help="restore samples (and vanilla, unless given)")
+    sp.add_argument("--vanilla-samples", type=int, help="vanilla samples when they cost too much to match --samples")
     sp.add_argument("--device", default="cpu")
     sp.add_argument("--weights-mode", default="auto", choices=["native", "recovery", "auto"])
     sp.add_argument("--out", default="bench/results", help="directory for the JSON and PNG")
+    sp.add_argument("--engine-opt", action="append", metavar="KEY=VALUE", help="engine option, repeatable")
+    sp.add_argument("--name", help="result file stem (default ENGINE-DEVICE-MODE)")
     sp.add_argument("--json", action="store_true", help="print the result JSON, no progress")
     return p
 

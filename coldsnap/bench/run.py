@@ -6,6 +6,7 @@ Both clocks run from the moment the start or restore is issued to the first non-
 from __future__ import annotations
 
 import json
+import os
 import platform
 import shlex
 import statistics
@@ -36,7 +37,10 @@ def run_bench(args, progress=lambda m: None) -> dict:
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, "--samples must be at least 1")
     device = args.device
     name = f"bench-{args.engine}"
-    req = CaptureRequest(operation="capture", engine={"name": args.engine},
+    from ..cli import engine_options
+
+    req = CaptureRequest(operation="capture",
+                         engine={"name": args.engine, "options": engine_options(getattr(args, "engine_opt", None))},
                          launch=Launch(devices=[] if device == "cpu" else [device]),
                          policy=Policy(weights_mode=args.weights_mode), lifecycle={"name": name},
                          tag=f"bench-{args.engine}-{device}")
@@ -53,12 +57,13 @@ def run_bench(args, progress=lambda m: None) -> dict:
     expected = cap.profile.expected_text
     capsule_bytes = cap.receipt["result"]["capsule_bytes"]
 
+    nv = getattr(args, "vanilla_samples", None) or n
     vanilla, validated_vanilla = [], 0
-    for i in range(n):
+    for i in range(nv):
         ttft = _vanilla_once(name, req, launch, expected)
         vanilla.append(ttft)
         validated_vanilla += 1
-        progress(f"vanilla {i + 1}/{n}: first token {ttft:.3f} s")
+        progress(f"vanilla {i + 1}/{nv}: first token {ttft:.3f} s")
 
     progress("staging the capsule (prepare: verify digests, unpack)")
     t = time.monotonic()
@@ -75,6 +80,15 @@ def run_bench(args, progress=lambda m: None) -> dict:
         progress(f"restore {i + 1}/{n}: first token {res['time_to_first_token_s']:.3f} s")
 
     v, rr = _stats(vanilla), _stats(restored)
+    from . import bandwidth
+
+    staged = settings().run / "staged" / cap.capsule.split(":")[1] / "images"
+    pages = max(staged.glob("pages-*.img"), key=lambda p: p.stat().st_size, default=None) if staged.exists() else None
+    bw = bandwidth.measure(pages)
+    weights_bytes = sum(os.path.getsize(w.path) for w in (cap.profile.model.weights if cap.profile.model else [])
+                        if os.path.exists(w.path))
+    limit = bandwidth.restore_limit(bw, bandwidth.dir_bytes(staged) if staged.exists() else 0, weights_bytes,
+                                    cap.profile.weights_mode)
     ratio = round(v["median_s"] / rr["median_s"], 2)
     data = {
         "kind": "coldsnap.bench",
@@ -88,14 +102,16 @@ def run_bench(args, progress=lambda m: None) -> dict:
         "samples": n,
         "clock": "issue of start/restore -> first non-empty streamed token; staging excluded and reported apart",
         "vanilla": v, "restore": rr, "ratio_median": ratio,
-        "validations": {"vanilla": f"{validated_vanilla}/{n}", "restore": f"{validated_restore}/{n}"},
+        "vanilla_samples": nv,
+        "validations": {"vanilla": f"{validated_vanilla}/{nv}", "restore": f"{validated_restore}/{n}"},
         "fell_back": fell_back,
+        "bandwidth": bw, "physical_limit": limit,
         "capsule": {"digest": cap.capsule, "bytes": capsule_bytes, "staging_s": round(staging_s, 3),
                     "capture_spans": {s["name"]: s["duration_s"] for s in cap.receipt["spans"]}},
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"{args.engine}-{device.replace(':', '')}-{cap.profile.weights_mode}"
+    stem = out / (getattr(args, "name", None) or f"{args.engine}-{device.replace(':', '')}-{cap.profile.weights_mode}")
     stem.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
     _chart(data, stem.with_suffix(".png"))
     data["_summary"] = side_by_side(data) + f"\nwrote {stem}.json and {stem}.png"

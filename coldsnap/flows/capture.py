@@ -118,7 +118,7 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> dict:
                 engine_version=info.get("version") or launch.engine_version,
                 model=model,
                 weights_mode=launch.weights_mode,
-                kv_discarded=bool(request.policy.kv_discard and released is not None),
+                kv_discarded=bool(released),
                 launch=request.launch.model_copy(update={"command": launch.argv, "env": launch.env,
                                                          "workdir": launch.cwd}),
                 validation=Validation(**{**request.validation.model_dump(), "expected_text": first.text}),

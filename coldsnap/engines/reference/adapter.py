@@ -12,8 +12,14 @@ from ..base import EngineAdapter, PreparedLaunch, post_json
 MODEL_ID = "coldsnap/reference-tiny"
 
 
-def default_weights_path() -> str:
-    return str(settings().home / "models" / "reference" / "model.safetensors")
+SIZE_OPTIONS = ("layers", "hidden", "heads", "intermediate", "max_seq", "seed")
+
+
+def default_weights_path(options: dict | None = None) -> str:
+    """One weights file per model shape: the engine writes it, seeded, on first use."""
+    shape = {k: v for k, v in (options or {}).items() if k in SIZE_OPTIONS}
+    suffix = "" if not shape else "-" + "-".join(f"{k}{v}" for k, v in sorted(shape.items()))
+    return str(settings().home / "models" / "reference" / f"model{suffix}.safetensors")
 
 
 class ReferenceAdapter(EngineAdapter):
@@ -26,7 +32,7 @@ class ReferenceAdapter(EngineAdapter):
         mode = self.resolve_weights_mode(request.policy.weights_mode)
         opts = dict(request.engine.options)
         weights = str(opts.pop("weights", None) or (request.model.weights[0].path if request.model and
-                                                    request.model.weights else default_weights_path()))
+                                                    request.model.weights else default_weights_path(opts)))
         device = "cuda" if any(d.startswith("cuda") for d in request.launch.devices) else "cpu"
         argv = request.launch.command or [
             sys.executable, "-m", "coldsnap.engines.reference.server",
@@ -54,7 +60,11 @@ class ReferenceAdapter(EngineAdapter):
         return Model(id=MODEL_ID, revision=f"sha256:{digest}", weights=[WeightFile(path=weights_path, sha256=digest)])
 
     def before_capture(self, host: str, port: int, kv_discard: bool, weights_mode: str) -> dict:
-        return post_json(host, port, "/coldsnap/release") if kv_discard else {}
+        # native: the weights travel in the capture, so only the KV cache goes; recovery: the weights go too
+        # (the engine reloads them from the pinned file after restore).
+        if not kv_discard and weights_mode != "recovery":
+            return {}
+        return post_json(host, port, "/coldsnap/release", {"weights": weights_mode == "recovery"})
 
     def after_restore(self, host: str, port: int, kv_discarded: bool, weights_mode: str) -> dict:
-        return post_json(host, port, "/coldsnap/resume") if kv_discarded else {}
+        return post_json(host, port, "/coldsnap/resume") if (kv_discarded or weights_mode == "recovery") else {}

@@ -257,13 +257,15 @@ class Runner:
     addresses they recorded and could not be reset without recompiling.
     """
 
-    def __init__(self, model: Transformer, device: torch.device | str, kv_bytes: int = 0, reload=None) -> None:
+    def __init__(self, model: Transformer, device: torch.device | str, kv_bytes: int = 0, reload=None,
+                 reload_into=None) -> None:
         self.model = model
         self.cfg = model.cfg
         self.device = torch.device(device)
         need = self.cfg.kv_bytes()
         self.kv_bytes = max(int(kv_bytes) // 4 * 4, need)
         self._reload = reload  # () -> dict[name, tensor]: the weights again, for resume() on CUDA
+        self._reload_into = reload_into  # (params) -> stats: hydrate the parameters in place
         self.step = model
         self.compile_mode: str | None = None
         self.use_graphs = False
@@ -376,8 +378,8 @@ class Runner:
                 pos += 1
                 yield tok
 
-    def release(self) -> dict[str, Any]:
-        """Drop the KV cache (and, on CUDA, the weights). Idempotent."""
+    def release(self, weights: bool = True) -> dict[str, Any]:
+        """Drop the KV cache (and, on CUDA, the weights unless weights=False). Idempotent."""
         freed = 0
         with torch.no_grad():
             self.synchronize()
@@ -387,7 +389,7 @@ class Runner:
                     freed += t.untyped_storage().nbytes()
                     t.untyped_storage().resize_(0)
                 self.released = True
-            if self.device.type == "cuda" and self._reload is not None and not self.weights_released:
+            if weights and self.device.type == "cuda" and self._reload is not None and not self.weights_released:
                 for p in self.model.parameters():
                     freed += p.untyped_storage().nbytes()
                     p.untyped_storage().resize_(0)
@@ -398,12 +400,18 @@ class Runner:
     def resume(self) -> dict[str, Any]:
         """Re-allocate (and zero) the KV cache; on CUDA reload the weights from their file. Idempotent."""
         with torch.no_grad():
+            hydrate = None
             if self.weights_released:
-                weights = self._reload()
-                for name, p in self.model.named_parameters():
+                params = dict(self.model.named_parameters())
+                for p in params.values():
                     p.untyped_storage().resize_(p.numel() * p.element_size())
-                    p.copy_(weights[name])
-                del weights
+                if self._reload_into is not None:
+                    hydrate = self._reload_into(params)  # in place, pinned + overlapped: full speed
+                else:
+                    weights = self._reload()
+                    for name, p in params.items():
+                        p.copy_(weights[name])
+                    del weights
                 self.weights_released = False
             if self.released:
                 for t in self._kv:
@@ -413,7 +421,7 @@ class Runner:
             if self.use_graphs and not self._graphs:
                 self.capture_graphs()
             self.synchronize()
-        return {"kv_bytes": self.kv_bytes, "cuda_graphs": len(self._graphs)}
+        return {"kv_bytes": self.kv_bytes, "cuda_graphs": len(self._graphs), "weights_reload": hydrate}
 
 
 def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device | str) -> Transformer:

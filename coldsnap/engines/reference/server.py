@@ -137,10 +137,10 @@ class Engine:
             for tok in self.runner.generate(ids, max_tokens):
                 yield decode([tok])
 
-    def release(self) -> dict[str, Any]:
+    def release(self, weights: bool = True) -> dict[str, Any]:
         with self.lock:
             t = time.monotonic()
-            out = self.runner.release()
+            out = self.runner.release(weights=weights)
             _malloc_trim()
             return {"released": True, "seconds": time.monotonic() - t, "rss_bytes": _rss_bytes(), **out}
 
@@ -265,8 +265,8 @@ class Handler(BaseHTTPRequestHandler):
         )
 
     def release(self) -> None:
-        self._body(required=False)
-        self._json(200, self.engine.release())
+        body = self._body(required=False) or {}
+        self._json(200, self.engine.release(weights=bool(body.get("weights", True))))
 
     def resume(self) -> None:
         self._body(required=False)
@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from .model import Runner, build_model
-    from .weights import ensure_weights, load_weights
+    from .weights import ensure_weights, load_into, load_weights
 
     threads = args.threads or min(2, os.cpu_count() or 1)
     torch.set_num_threads(threads)
@@ -437,7 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(cfg, weights, device)
     del weights
     kv_mib = args.kv_mib if args.kv_mib is not None else (1024 if device.type == "cuda" else 64)
-    runner = Runner(model, device, int(kv_mib * (1 << 20)), reload=lambda: load_weights(wpath, str(device), "mmap"))
+    runner = Runner(model, device, int(kv_mib * (1 << 20)), reload=lambda: load_weights(wpath, str(device), "mmap"),
+                    reload_into=lambda params: load_into(wpath, params))
     phase("build", t, params=sum(p.numel() for p in model.parameters()), kv_bytes=runner.kv_bytes)
 
     mode = None

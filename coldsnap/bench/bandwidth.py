@@ -1,0 +1,69 @@
+"""Bandwidths that bound a restore, measured in the same run as the benchmark (the physical limit beside each
+figure): host memcpy, reading a file from page cache, pinned host→device copies."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROBE = r"""
+import json, os, sys, time
+import numpy as np
+out = {}
+n = 1 << 30
+a = np.ones(n, dtype=np.uint8); b = np.empty_like(a)
+np.copyto(b, a); t = time.perf_counter(); np.copyto(b, a); out["host_memcpy_gbs"] = n / (time.perf_counter() - t) / 1e9
+path = sys.argv[1] if len(sys.argv) > 1 else ""
+if path and os.path.exists(path):
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:  # read twice: the second read is from page cache
+        while f.read(64 << 20): pass
+    t = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(64 << 20); mv = memoryview(buf)
+        while f.readinto(mv): pass
+    out["page_cache_read_gbs"] = size / (time.perf_counter() - t) / 1e9
+try:
+    import torch
+    if torch.cuda.is_available():
+        m = 4 << 30
+        h = torch.empty(m, dtype=torch.uint8).pin_memory(); d = torch.empty(m, dtype=torch.uint8, device="cuda")
+        d.copy_(h); torch.cuda.synchronize()
+        t = time.perf_counter(); d.copy_(h, non_blocking=True); torch.cuda.synchronize()
+        out["pinned_h2d_gbs"] = m / (time.perf_counter() - t) / 1e9
+except Exception as e:
+    out["h2d_error"] = str(e)
+print(json.dumps(out))
+"""
+
+
+def measure(sample_file: Path | None = None) -> dict:
+    r = subprocess.run([sys.executable, "-c", PROBE, str(sample_file or "")], capture_output=True, text=True,
+                       timeout=300)
+    try:
+        return {k: round(v, 2) if isinstance(v, float) else v for k, v in json.loads(r.stdout).items()}
+    except ValueError:
+        return {"error": (r.stderr or r.stdout)[-300:]}
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def restore_limit(bw: dict, images_bytes: int, weights_bytes: int, weights_mode: str) -> dict:
+    """Lower bound of a restore's data movement: CRIU's images pass through host memory once (page cache →
+    process pages, a memcpy); GPU state then crosses PCIe (pinned H2D). In native mode the GPU state is inside the
+    images (counted for both); in recovery mode the weights file is read from page cache and copied to the GPU."""
+    memcpy = bw.get("host_memcpy_gbs") or 0
+    h2d = bw.get("pinned_h2d_gbs") or 0
+    if not memcpy:
+        return {}
+    host_s = images_bytes / (memcpy * 1e9)
+    gpu_bytes = images_bytes if weights_mode == "native" else weights_bytes
+    gpu_s = gpu_bytes / (min(h2d, memcpy) * 1e9) if h2d else 0.0
+    return {"images_bytes": images_bytes, "gpu_bytes_upper": gpu_bytes, "host_s": round(host_s, 3),
+            "gpu_s": round(gpu_s, 3), "limit_s": round(host_s + gpu_s, 3),
+            "assumption": "bytes / measured bandwidth; native counts all image bytes as GPU bytes (an upper bound)"}

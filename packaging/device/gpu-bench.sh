@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# GPU qualification on the device machine: doctor, GPU tests, bench (recovery or native), sleep/wake.
+# Usage (from the repo root there, with .whl and .carry/criu carried): packaging/device/gpu-bench.sh MODE [SAMPLES]
+MODE=${1:-recovery}; N=${2:-5}; NV=${NV:-2}
+source packaging/device/env.sh
+CS="python3 -m coldsnap.cli"
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+SIZE=${SIZE:-"--engine-opt layers=6 --engine-opt hidden=6144 --engine-opt heads=48 --engine-opt kv_mib=4096"}
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
+if [ "${DOCTOR:-1}" = 1 ]; then
+  $CS doctor --json > "$OUT/doctor-gpu.json"; echo "doctor rc=$?"
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_reference_engine.py -k "gpu or cuda or GPU" \
+      -o addopts="" 2>&1 | tail -4
+fi
+echo "== bench $MODE"
+timeout ${BENCH_TIMEOUT:-420} $CS bench --device cuda -n "$N" --vanilla-samples "$NV" --weights-mode "$MODE" $SIZE \
+    --out "$OUT" --name "reference-cuda-$MODE"
+echo "bench rc=$?"
+if [ "${SLEEP:-0}" = 1 ]; then
+  echo "== sleep/wake"
+  D=$(python3 -c "import json;print(json.load(open('$OUT/reference-cuda-$MODE.json'))['capsule']['digest'])")
+  $CS restore --capsule "$D" --json > /dev/null && for i in 1 2 3; do
+    $CS sleep bench-reference --json | python3 -c "import json,sys;r=json.load(sys.stdin);print('sleep',r['result'])"
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader
+    $CS wake bench-reference --json | python3 -c "import json,sys;r=json.load(sys.stdin);print('wake',r['result']['time_to_first_token_s'],[(s['name'],s['duration_s']) for s in r['spans']])"
+  done
+  $CS stop bench-reference
+fi
+cp -r /tmp/coldsnap/receipts "$OUT/" 2>/dev/null; tar czf "$OUT/receipts.tgz" -C /tmp/coldsnap receipts 2>/dev/null; rm -rf "$OUT/receipts"
