@@ -9,7 +9,7 @@ SIZE=${SIZE:-"--engine-opt layers=6 --engine-opt hidden=6144 --engine-opt heads=
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
 if [ "${DOCTOR:-1}" = 1 ]; then
   $CS doctor --json > "$OUT/doctor-gpu.json"; echo "doctor rc=$?"
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_reference_engine.py -k "gpu or cuda or GPU" \
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_reference_engine.py -k "cuda or gpu" \
       -o addopts="" 2>&1 | tail -4
 fi
 echo "== bench $MODE"
