@@ -91,17 +91,28 @@ def workload_env(extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
+def uses_gpu(devices: list[str]) -> bool:
+    return any(d.startswith("cuda") for d in devices)
+
+
 def start_in_namespaces(argv: list[str], env: dict[str, str], plan: NetworkPlan, log_path: Path,
-                        cwd: str | None = None) -> int:
-    """Start argv as PID 1 of a new PID namespace inside plan's netns, as a session leader. Returns its host PID."""
+                        cwd: str | None = None, pid_namespace: bool = True) -> int:
+    """Start argv inside plan's netns as a session leader; by default as PID 1 of a new PID namespace.
+    Returns the host PID of the workload's root.
+
+    GPU workloads stay in the host PID namespace: the NVIDIA driver fails to initialise (CUDA error 304) in a
+    PID namespace that sees the host's /proc, and a private /proc would need a mount namespace for CRIU to carry."""
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    prefix = ["nsenter", f"--net={netns_path(plan.netns)}"]
+    prefix += ["unshare", "--pid", "--fork", "setsid"] if pid_namespace else ["setsid"]
     try:
-        launcher = subprocess.Popen(
-            ["nsenter", f"--net={netns_path(plan.netns)}", "unshare", "--pid", "--fork", "setsid", *argv],
-            stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd, env=env, cwd=cwd, close_fds=True,
-        )
+        launcher = subprocess.Popen([*prefix, *argv], stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
+                                    env=env, cwd=cwd, close_fds=True)
     finally:
         os.close(log_fd)
+    _LAUNCHERS[launcher.pid] = launcher  # reaped in kill_tree (avoids zombies holding PIDs)
+    if not pid_namespace:
+        return launcher.pid
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
@@ -118,12 +129,33 @@ def start_in_namespaces(argv: list[str], env: dict[str, str], plan: NetworkPlan,
     raise ColdSnapError(ErrorCode.WORKLOAD_FAILED, "workload's PID namespace init did not appear within 10 s")
 
 
+_LAUNCHERS: dict[int, subprocess.Popen] = {}
+
+
+def descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*") if Path(f"/proc/{p}/task").exists() else []:
+            try:
+                kids = [int(c) for c in (task / "children").read_text().split()]
+            except (FileNotFoundError, ProcessLookupError, ValueError):
+                kids = []
+            out += kids
+            todo += kids
+    return out
+
+
 def kill_tree(pid: int, timeout: float = 10.0) -> None:
-    """SIGKILL the init of a PID namespace: the kernel then kills every process in it."""
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        return
+    """SIGKILL the workload's root and every descendant (for a PID-namespace init the kernel does the rest)."""
+    for p in [pid, *descendants(pid)]:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for launcher_pid, launcher in list(_LAUNCHERS.items()):
+        if launcher.poll() is not None:
+            _LAUNCHERS.pop(launcher_pid, None)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -133,8 +165,14 @@ def kill_tree(pid: int, timeout: float = 10.0) -> None:
         except ChildProcessError:
             pass
         if not alive(pid):
-            return
+            break
         time.sleep(0.01)
+    for launcher_pid, launcher in list(_LAUNCHERS.items()):
+        try:
+            launcher.wait(timeout=max(0.0, deadline - time.monotonic()))
+            _LAUNCHERS.pop(launcher_pid, None)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def stop_workload(ws: WorkloadState) -> None:

@@ -23,7 +23,7 @@ from ..flows.capture import capture
 from ..flows.coldstart import start_cold
 from ..flows.restore import restore
 from ..net import allocate_plan, destroy_network
-from ..workload import kill_tree, load_state, stop_workload
+from ..workload import kill_tree, load_state, stop_workload, uses_gpu
 
 
 def _stats(xs: list[float]) -> dict:
@@ -126,7 +126,8 @@ def _cpus() -> int:
 
 def _vanilla_once(name: str, req: CaptureRequest, launch, expected: str | None) -> float:
     plan = allocate_plan(name, req.launch.port)
-    cold = start_cold(name, plan, launch.argv, launch.env, launch.cwd, req.validation, expected=expected)
+    cold = start_cold(name, plan, launch.argv, launch.env, launch.cwd, req.validation, expected=expected,
+                      gpu=uses_gpu(req.launch.devices))
     try:
         return cold.time_to_first_token
     finally:

@@ -3,6 +3,6 @@
 Pass-through code imports this package on every runc call: it must stay stdlib-only and cheap (json, os)."""
 
 from .argv import RuncArgv, parse_runc_argv
-from .spec import annotations, load_spec, write_spec
+from .spec import annotations_of, load_spec, write_spec
 
-__all__ = ["RuncArgv", "annotations", "load_spec", "parse_runc_argv", "write_spec"]
+__all__ = ["RuncArgv", "annotations_of", "load_spec", "parse_runc_argv", "write_spec"]

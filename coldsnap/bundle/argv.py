@@ -96,9 +96,19 @@ class RuncArgv:
     def detach(self) -> bool:
         return _truthy(self.flag("detach", "d"))
 
-    def global_argv(self) -> list[str]:
-        """The caller's global flags, verbatim (everything before the subcommand)."""
-        return list(self.argv[: self.command_index]) if self.command_index >= 0 else list(self.argv)
+    def global_argv(self, drop: tuple[str, ...] = ()) -> list[str]:
+        """The caller's global flags verbatim (everything before the subcommand), without the flags named in drop."""
+        tokens = list(self.argv[: self.command_index]) if self.command_index >= 0 else list(self.argv)
+        out: list[str] = []
+        i = 0
+        while i < len(tokens):
+            name = _flag_name(tokens[i])
+            takes_value = name in GLOBAL_VALUE and "=" not in tokens[i]
+            group = tokens[i:i + 2] if takes_value else tokens[i:i + 1]
+            if name not in drop:
+                out += group
+            i += len(group)
+        return out
 
 
 def _truthy(value: str | bool | None) -> bool:

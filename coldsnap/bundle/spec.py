@@ -40,7 +40,7 @@ def write_spec(bundle: str | os.PathLike, spec: dict) -> None:
         raise
 
 
-def annotations(spec: dict) -> dict[str, str]:
+def annotations_of(spec: dict) -> dict[str, str]:
     value = spec.get("annotations") or {}
     return {str(k): str(v) for k, v in value.items()} if isinstance(value, dict) else {}
 

@@ -28,7 +28,7 @@ from ..engines.base import get_adapter
 from ..host import host_profile
 from ..net import allocate_plan, destroy_network, netns_inode
 from ..spans import Timeline
-from ..workload import WorkloadState, kill_tree, run_dir, save_state
+from ..workload import WorkloadState, kill_tree, run_dir, save_state, uses_gpu
 from .coldstart import start_cold
 from .quiesce import wait_no_connections
 from .receipts import finish_receipt
@@ -74,7 +74,8 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> dict:
         progress(f"network {plan.netns}: {plan.workload_address}:{plan.port} (host side {plan.host_address})")
         progress(f"starting the {request.engine.name} engine cold (weights mode {launch.weights_mode})")
         with tl.span("cold-start"):
-            cold = start_cold(name, plan, launch.argv, launch.env, launch.cwd, request.validation)
+            cold = start_cold(name, plan, launch.argv, launch.env, launch.cwd, request.validation,
+                              gpu=uses_gpu(request.launch.devices))
         pid, probe, first = cold.state.pid, cold.probe, cold.first
         log = Path(cold.state.log)
         progress(f"ready after {cold.ready - cold.started:.1f} s; validated: {first.text!r}")

@@ -26,7 +26,7 @@ class ColdStart:
 
 
 def start_cold(name: str, plan: NetworkPlan, argv: list[str], env: dict[str, str], cwd: str | None,
-               validation: Validation, expected: str | None = None) -> ColdStart:
+               validation: Validation, expected: str | None = None, gpu: bool = False) -> ColdStart:
     """Network, start, ready, one validated completion. On failure nothing is left running."""
     wdir = run_dir(name)
     log = wdir / "engine.log"
@@ -35,7 +35,7 @@ def start_cold(name: str, plan: NetworkPlan, argv: list[str], env: dict[str, str
     try:
         create_network(plan)
         started = time.monotonic()
-        pid = start_in_namespaces(argv, workload_env(env), plan, log, cwd=cwd)
+        pid = start_in_namespaces(argv, workload_env(env), plan, log, cwd=cwd, pid_namespace=not gpu)
         probe = ValidationProbe(plan.workload_address, plan.port, validation)
         ready = probe.wait_ready(alive=lambda: alive(pid))
         first = probe.complete(expected=expected)

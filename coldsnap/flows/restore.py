@@ -26,7 +26,7 @@ from ..net import create_network, destroy_network, netns_path
 from ..probe import ValidationProbe
 from ..spans import Timeline
 from ..weights import verify_weights
-from ..workload import WorkloadState, alive, kill_tree, run_dir, save_state
+from ..workload import WorkloadState, alive, kill_tree, run_dir, save_state, uses_gpu
 from .admission import admit
 from .coldstart import start_cold
 from .receipts import finish_receipt
@@ -204,7 +204,8 @@ def cold_start(profile, request: RestoreRequest, progress: Progress) -> dict:
     plan = profile.network
     name = plan.netns.removeprefix("coldsnap-")
     cold = start_cold(name, plan, profile.launch.command, profile.launch.env, profile.launch.workdir,
-                      _validation(request, profile), expected=profile.expected_text)
+                      _validation(request, profile), expected=profile.expected_text,
+                      gpu=uses_gpu(profile.launch.devices))
     save_state(cold.state)
     progress(f"cold start validated: first token {cold.time_to_first_token:.2f} s after start")
     return {"workload": name, "pid": cold.state.pid, "url": cold.state.url,

@@ -7,7 +7,7 @@ CS="python3 -m coldsnap.cli"
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SIZE=${SIZE:-"--engine-opt layers=6 --engine-opt hidden=6144 --engine-opt heads=48 --engine-opt kv_mib=4096"}
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
-if [ "${DOCTOR:-1}" = 1 ]; then
+if [ "${DOCTOR:-0}" = 1 ]; then
   $CS doctor --json > "$OUT/doctor-gpu.json"; echo "doctor rc=$?"
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_reference_engine.py -k "cuda or gpu" \
       -o addopts="" 2>&1 | tail -4

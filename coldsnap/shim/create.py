@@ -1,0 +1,109 @@
+"""`create` (or `run -d`) of a bundle annotated with io.coldsnap.capsule: admit → stage → restore → hydrate, then
+record that the container is restored (its `start` is answered by the shim; the poststart hook validates and
+writes the receipt). A refusal or a failed restore falls back to plain `runc create` with the caller's argv when
+the policy allows, and never leaves a half-restored container behind."""
+
+from __future__ import annotations
+
+import subprocess
+
+from ..bundle.argv import RuncArgv
+from ..bundle.spec import annotations_of, write_spec
+from ..capsule import LoadedCapsule
+from ..contracts import ColdSnapError, ErrorCode
+from ..flows.restore import admission_for, load_capsule, stage
+from ..spans import Timeline
+from . import runclog, state
+from .delete import forget
+from .ocihooks import add_coldsnap_hooks
+from .record import ContainerRequest, request_from_annotations, timeline_to_dict, write_receipt
+from .restore import restore_container
+from .runc import exec_runc
+
+NO_FALLBACK = (ErrorCode.INVALID_REQUEST,)  # a malformed annotation is the caller's to fix, not to paper over
+
+
+def _admit(creq: ContainerRequest, tl: Timeline) -> LoadedCapsule:
+    policy = creq.request.policy
+    with tl.span("admit"):
+        capsule = load_capsule(creq.request.capsule, policy.allow_unpinned)
+        profile = capsule.profile
+        if profile.snapshot_driver != "criu-runc":
+            raise ColdSnapError(ErrorCode.INCOMPATIBLE, f"capsule {capsule.digest} was captured with the "
+                                f"{profile.snapshot_driver} driver; a container restores only criu-runc capsules")
+        if creq.image_digest and profile.image_digest and creq.image_digest != profile.image_digest:
+            raise ColdSnapError(ErrorCode.INCOMPATIBLE, f"container image {creq.image_digest} differs from the "
+                                f"captured image {profile.image_digest}")
+        verdict = admission_for(capsule, policy.compatibility)
+    if not verdict.admitted:
+        raise ColdSnapError(ErrorCode.INCOMPATIBLE, f"capsule refused on this host: {verdict.sentence()}")
+    return capsule
+
+
+def create_from_capsule(runc: str, parsed: RuncArgv, spec: dict) -> int:
+    from .start import start_restored
+
+    cid = parsed.container_id
+    try:
+        creq = request_from_annotations(annotations_of(spec))
+        if add_coldsnap_hooks(spec):
+            write_spec(parsed.bundle, spec)
+    except ColdSnapError as e:
+        return runclog.fail(parsed, f"coldsnap-runtime: {e}")
+    except OSError as e:
+        return runclog.fail(parsed, f"coldsnap-runtime: cannot update {parsed.bundle}/config.json: {e}")
+
+    tl = Timeline()
+    capsule = None
+    attempted = False
+    try:
+        if parsed.command == "run" and not parsed.detach:
+            raise ColdSnapError(ErrorCode.RUNTIME, "a foreground `runc run` cannot be restored (use create + start "
+                                "or run --detach)")
+        capsule = _admit(creq, tl)
+        with tl.span("stage"):
+            staged = stage(capsule)
+        attempted = True
+        restored = restore_container(runc, parsed, staged, creq.host, creq.port, tl)
+    except Exception as e:  # noqa: BLE001 - whatever went wrong, the container must still come up (or say why)
+        cause = e if isinstance(e, ColdSnapError) else ColdSnapError(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
+        return fall_back(runc, parsed, creq, tl, capsule, cause, attempted)
+
+    profile = capsule.profile
+    record = {
+        "outcome": "restored", "id": cid, "root": parsed.root, "bundle": parsed.bundle, "capsule": capsule.digest,
+        "request": creq.request.model_dump(mode="json"),
+        "validation": creq.validation(profile.validation).model_dump(mode="json"),
+        "expected_text": profile.expected_text, "weights_mode": profile.weights_mode,
+        "criu_options": profile.criu_options, "timeline": timeline_to_dict(tl), "started": False, **restored,
+    }
+    state.save(cid, record)
+    if parsed.command == "run":  # run --detach = create + start
+        return start_restored(runc, parsed, record)
+    return 0
+
+
+def _remove_container(runc: str, parsed: RuncArgv) -> None:
+    subprocess.run([runc, *parsed.global_argv(drop=("log", "log-format")), "delete", "--force", parsed.container_id],
+                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def fall_back(runc: str, parsed: RuncArgv, creq: ContainerRequest, tl: Timeline, capsule: LoadedCapsule | None,
+              cause: ColdSnapError, attempted: bool) -> int:
+    cid = parsed.container_id
+    if attempted:  # never leave a half-restored container (only ours: a restore was tried under this id)
+        _remove_container(runc, parsed)
+    forget(cid)
+    reason = f"{cause.code.value}: {cause.message}"
+    if cause.code in NO_FALLBACK or not creq.request.policy.fallback_to_cold:
+        write_receipt(creq.request, cid, tl, "refused" if cause.code == ErrorCode.INCOMPATIBLE else "failed",
+                      error=cause)
+        return runclog.fail(parsed, f"coldsnap-runtime: {reason}")
+    receipt = write_receipt(creq.request, cid, tl, "fell-back", result={
+        "container": cid, "capsule": capsule.digest if capsule else creq.request.capsule,
+        "fallback_reason": reason, "started": "cold"})
+    state.save(cid, {"outcome": "fell-back", "id": cid, "root": parsed.root, "bundle": parsed.bundle,
+                     "reason": reason, "receipt": receipt["_path"]})
+    runclog.log(parsed, "warning", f"coldsnap: {reason}; starting the container cold")
+    exec_runc(runc, parsed.argv)
+    return 127  # not reached

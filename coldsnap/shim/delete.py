@@ -1,0 +1,27 @@
+"""`delete` of a container the shim handled: runc deletes it, then the shim forgets it (its record and work dir).
+runc's poststop hooks (coldsnap-hook poststop among them) run inside runc's delete as usual."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+from ..bundle.argv import RuncArgv
+from . import state
+
+
+def forget(container_id: str) -> None:
+    record = state.load(container_id) or {}
+    work = record.get("work_dir")
+    if work:
+        shutil.rmtree(work, ignore_errors=True)
+    state.remove(container_id)
+
+
+def delete(runc: str, parsed: RuncArgv) -> int:
+    rc = subprocess.call([runc, *parsed.argv])
+    cid = parsed.container_id
+    if rc == 0 or not os.path.exists(os.path.join(parsed.root, cid)):  # deleted, or runc never knew it
+        forget(cid)
+    return rc

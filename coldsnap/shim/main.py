@@ -1,0 +1,63 @@
+"""`coldsnap-runtime`: runc, except that a container whose config.json carries the io.coldsnap.capsule annotation
+is restored from that capsule at `create` instead of being started cold.
+
+The decision sits here, in one place; the pass-through path (everything that is not create/run of an annotated
+bundle, or start/delete of a container this shim restored) is os.execv of the real runc with the caller's argv,
+unchanged, after importing only the stdlib-only bundle/state modules."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from ..bundle.argv import RuncArgv, parse_runc_argv
+from ..bundle.spec import annotations_of, load_spec
+from . import state
+from .runc import RuncNotFound, exec_runc, find_runc
+from .runclog import fail
+
+ANNOTATION_CAPSULE = "io.coldsnap.capsule"  # == coldsnap.contracts.capsule.ANNOTATION_CAPSULE (not imported: pydantic)
+
+
+def annotated_spec(parsed: RuncArgv) -> dict | None:
+    """The bundle's spec when it asks for a capsule; None (pass through) when it does not or cannot be read."""
+    try:
+        spec = load_spec(parsed.bundle)
+    except (OSError, ValueError):
+        return None  # runc reports an unreadable bundle better than we would
+    return spec if annotations_of(spec).get(ANNOTATION_CAPSULE, "").strip() else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    parsed = parse_runc_argv(args)
+    try:
+        runc = find_runc()
+    except RuncNotFound as e:
+        return fail(parsed, f"coldsnap-runtime: {e}")
+
+    command, cid = parsed.command, parsed.container_id
+    if command in ("create", "run") and cid:
+        spec = annotated_spec(parsed)
+        if spec is not None:
+            from .create import create_from_capsule
+
+            return create_from_capsule(runc, parsed, spec)
+    elif command == "start" and cid:
+        record = state.load(cid)
+        if state.belongs(record, parsed.root) and record.get("outcome") == "restored":
+            from .start import start_restored
+
+            return start_restored(runc, parsed, record)
+    elif command == "delete" and cid:
+        record = state.load(cid)
+        if state.belongs(record, parsed.root):
+            from .delete import delete
+
+            return delete(runc, parsed)
+    exec_runc(runc, args)
+    return 127  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())
