@@ -156,16 +156,17 @@ def kill_tree(pid: int, timeout: float = 10.0) -> None:
     for launcher_pid, launcher in list(_LAUNCHERS.items()):
         if launcher.poll() is not None:
             _LAUNCHERS.pop(launcher_pid, None)
+    # Wait until the PID is really free: a restore into the host PID namespace needs the same PIDs again, and a
+    # GPU process can take a while to exit (driver teardown).
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            wpid, _ = os.waitpid(pid, os.WNOHANG)  # ours if we restored it (rst_sibling)
+            wpid, _ = os.waitpid(pid, os.WNOHANG)  # ours if we restored it (rst_sibling): reap it
             if wpid == pid:
-                return
+                break
         except ChildProcessError:
-            pass
-        if not alive(pid):
-            break
+            if not alive(pid):  # gone, or a zombie someone else must reap
+                break
         time.sleep(0.01)
     for launcher_pid, launcher in list(_LAUNCHERS.items()):
         try:

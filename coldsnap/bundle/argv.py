@@ -9,7 +9,6 @@ carry `=`: the parse is only used to decide, never to rebuild what the caller wr
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 
 GLOBAL_VALUE = frozenset({"root", "log", "log-format", "criu", "rootless"})
 GLOBAL_BOOL = frozenset({"debug", "systemd-cgroup", "help", "h", "version", "v"})
@@ -42,14 +41,23 @@ def _flag_name(token: str) -> str | None:
     return name.split("=", 1)[0] or None
 
 
-@dataclass(frozen=True)
 class RuncArgv:
-    argv: tuple[str, ...]  # exactly what the caller passed (without argv[0])
-    globals: dict[str, str | bool] = field(default_factory=dict)
-    command: str | None = None
-    command_index: int = -1  # position of the subcommand in argv
-    flags: dict[str, str | bool] = field(default_factory=dict)
-    args: tuple[str, ...] = ()
+    """A parsed runc command line (a plain class: dataclasses would cost the pass-through path milliseconds)."""
+
+    __slots__ = ("argv", "globals", "command", "command_index", "flags", "args")
+
+    def __init__(self, argv: tuple[str, ...], globals: dict[str, str | bool] | None = None, command: str | None = None,
+                 command_index: int = -1, flags: dict[str, str | bool] | None = None, args: tuple[str, ...] = ()):
+        self.argv = argv  # exactly what the caller passed (without argv[0])
+        self.globals = globals or {}
+        self.command = command
+        self.command_index = command_index  # position of the subcommand in argv
+        self.flags = flags or {}
+        self.args = args
+
+    def __repr__(self) -> str:
+        return (f"RuncArgv(command={self.command!r}, globals={self.globals!r}, flags={self.flags!r}, "
+                f"args={self.args!r})")
 
     # --- globals ---
     @property

@@ -7,27 +7,28 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
-from pathlib import Path
 
 CONFIG = "config.json"
 
 
 def load_spec(bundle: str | os.PathLike) -> dict:
-    with open(Path(bundle) / CONFIG, encoding="utf-8") as f:
+    path = os.path.join(bundle, CONFIG)
+    with open(path, encoding="utf-8") as f:
         spec = json.load(f)
     if not isinstance(spec, dict):
-        raise ValueError(f"{Path(bundle) / CONFIG} is not a JSON object")
+        raise ValueError(f"{path} is not a JSON object")
     return spec
 
 
 def write_spec(bundle: str | os.PathLike, spec: dict) -> None:
-    dest = Path(bundle) / CONFIG
+    import tempfile  # not on the pass-through path
+
+    dest = os.path.join(bundle, CONFIG)
     try:
         mode = os.stat(dest).st_mode & 0o7777
     except FileNotFoundError:
         mode = 0o644
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=".config.json.")
+    fd, tmp = tempfile.mkstemp(dir=os.fspath(bundle), prefix=".config.json.")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(spec, f, indent=1, ensure_ascii=False)
@@ -36,7 +37,10 @@ def write_spec(bundle: str | os.PathLike, spec: dict) -> None:
         os.chmod(tmp, mode)
         os.replace(tmp, dest)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
         raise
 
 

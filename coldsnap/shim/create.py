@@ -17,7 +17,7 @@ from . import runclog, state
 from .delete import forget
 from .ocihooks import add_coldsnap_hooks
 from .record import ContainerRequest, request_from_annotations, timeline_to_dict, write_receipt
-from .restore import restore_container
+from .restore import restore_container, work_dir_path
 from .runc import exec_runc
 
 NO_FALLBACK = (ErrorCode.INVALID_REQUEST,)  # a malformed annotation is the caller's to fix, not to paper over
@@ -93,6 +93,7 @@ def fall_back(runc: str, parsed: RuncArgv, creq: ContainerRequest, tl: Timeline,
     cid = parsed.container_id
     if attempted:  # never leave a half-restored container (only ours: a restore was tried under this id)
         _remove_container(runc, parsed)
+    work = str(work_dir_path(cid))
     forget(cid)
     reason = f"{cause.code.value}: {cause.message}"
     if cause.code in NO_FALLBACK or not creq.request.policy.fallback_to_cold:
@@ -103,7 +104,7 @@ def fall_back(runc: str, parsed: RuncArgv, creq: ContainerRequest, tl: Timeline,
         "container": cid, "capsule": capsule.digest if capsule else creq.request.capsule,
         "fallback_reason": reason, "started": "cold"})
     state.save(cid, {"outcome": "fell-back", "id": cid, "root": parsed.root, "bundle": parsed.bundle,
-                     "reason": reason, "receipt": receipt["_path"]})
+                     "reason": reason, "receipt": receipt["_path"], "work_dir": work})
     runclog.log(parsed, "warning", f"coldsnap: {reason}; starting the container cold")
     exec_runc(runc, parsed.argv)
     return 127  # not reached

@@ -1,31 +1,38 @@
 """`coldsnap-runtime`: runc, except that a container whose config.json carries the io.coldsnap.capsule annotation
 is restored from that capsule at `create` instead of being started cold.
 
-The decision sits here, in one place; the pass-through path (everything that is not create/run of an annotated
+The decision sits here, in one place. The pass-through path (everything that is not create/run of an annotated
 bundle, or start/delete of a container this shim restored) is os.execv of the real runc with the caller's argv,
-unchanged, after importing only the stdlib-only bundle/state modules."""
+unchanged, after importing only the argv parser; the spec and state readers load only for the subcommands that
+need them, and the rest of ColdSnap (pydantic, CRIU, ...) only for an annotated create."""
 
 from __future__ import annotations
 
-import os
 import sys
 
 from ..bundle.argv import RuncArgv, parse_runc_argv
-from ..bundle.spec import annotations_of, load_spec
-from . import state
 from .runc import RuncNotFound, exec_runc, find_runc
-from .runclog import fail
 
 ANNOTATION_CAPSULE = "io.coldsnap.capsule"  # == coldsnap.contracts.capsule.ANNOTATION_CAPSULE (not imported: pydantic)
 
 
 def annotated_spec(parsed: RuncArgv) -> dict | None:
     """The bundle's spec when it asks for a capsule; None (pass through) when it does not or cannot be read."""
+    from ..bundle.spec import annotations_of, load_spec
+
     try:
         spec = load_spec(parsed.bundle)
     except (OSError, ValueError):
         return None  # runc reports an unreadable bundle better than we would
     return spec if annotations_of(spec).get(ANNOTATION_CAPSULE, "").strip() else None
+
+
+def _full_python() -> None:
+    """A fast launcher runs us with `python -S`: the heavy paths need site-packages (pydantic, pycriu)."""
+    if sys.flags.no_site:
+        import site
+
+        site.main()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,27 +41,32 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runc = find_runc()
     except RuncNotFound as e:
+        from .runclog import fail
+
         return fail(parsed, f"coldsnap-runtime: {e}")
 
     command, cid = parsed.command, parsed.container_id
     if command in ("create", "run") and cid:
         spec = annotated_spec(parsed)
         if spec is not None:
+            _full_python()
             from .create import create_from_capsule
 
             return create_from_capsule(runc, parsed, spec)
-    elif command == "start" and cid:
-        record = state.load(cid)
-        if state.belongs(record, parsed.root) and record.get("outcome") == "restored":
-            from .start import start_restored
+    elif command in ("start", "delete") and cid:
+        from . import state
 
-            return start_restored(runc, parsed, record)
-    elif command == "delete" and cid:
         record = state.load(cid)
         if state.belongs(record, parsed.root):
-            from .delete import delete
+            _full_python()
+            if command == "delete":
+                from .delete import delete
 
-            return delete(runc, parsed)
+                return delete(runc, parsed)
+            if record.get("outcome") == "restored":
+                from .start import start_restored
+
+                return start_restored(runc, parsed, record)
     exec_runc(runc, args)
     return 127  # not reached
 

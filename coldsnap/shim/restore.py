@@ -25,8 +25,13 @@ from ..spans import Timeline
 from . import state
 
 
+def work_dir_path(container_id: str) -> Path:
+    return Path(state.state_dir()) / "work" / container_id
+
+
 def work_dir(container_id: str) -> Path:
-    path = state.state_dir() / "work" / container_id
+    """A fresh work dir for this container's restore (runc's and CRIU's logs; removed when it is deleted)."""
+    path = work_dir_path(container_id)
     shutil.rmtree(path, ignore_errors=True)
     return private_dir(path)
 

@@ -5,7 +5,6 @@ Resolution order: $COLDSNAP_RUNC, then {"runc": PATH} in /etc/coldsnap/runtime.j
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -24,6 +23,10 @@ def _is_self(path: str) -> bool:
 
 
 def _from_config(path: str = RUNTIME_CONFIG) -> str | None:
+    if not os.path.exists(path):
+        return None
+    import json
+
     try:
         with open(path, encoding="utf-8") as f:
             value = json.load(f).get("runc")

@@ -8,17 +8,16 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 
-def state_dir() -> Path:
-    return Path(os.environ.get("COLDSNAP_RUN", "/run/coldsnap")) / "shim"
+def state_dir() -> str:
+    return os.path.join(os.environ.get("COLDSNAP_RUN", "/run/coldsnap"), "shim")
 
 
-def state_path(container_id: str) -> Path:
+def state_path(container_id: str) -> str:
     if not container_id or "/" in container_id or container_id.startswith("."):
         raise ValueError(f"unusable container id {container_id!r}")
-    return state_dir() / f"{container_id}.json"
+    return os.path.join(state_dir(), f"{container_id}.json")
 
 
 def load(container_id: str | None) -> dict | None:
@@ -31,10 +30,10 @@ def load(container_id: str | None) -> dict | None:
         return None
 
 
-def save(container_id: str, data: dict) -> Path:
+def save(container_id: str, data: dict) -> str:
     path = state_path(container_id)
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    tmp = os.path.join(os.path.dirname(path), f".{container_id}.json.{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=1)
@@ -45,8 +44,8 @@ def save(container_id: str, data: dict) -> Path:
 def remove(container_id: str | None) -> None:
     if container_id:
         try:
-            state_path(container_id).unlink(missing_ok=True)
-        except ValueError:
+            os.unlink(state_path(container_id))
+        except (ValueError, FileNotFoundError):
             pass
 
 
