@@ -265,7 +265,7 @@ def _read_local_manifest(store: CapsuleStore, digest: str) -> tuple[bytes, dict]
     if "sha256:" + hashlib.sha256(raw).hexdigest() != digest:
         raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"manifest {digest} in {store.root} fails verification")
     manifest = json.loads(raw)
-    if manifest.get("artifactType") != mt.ARTIFACT_TYPE:
+    if manifest.get("artifactType") not in (mt.ARTIFACT_TYPE, mt.PAYLOAD_ARTIFACT_TYPE):
         raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"{digest} is not a ColdSnap capsule "
                             f"(artifactType {manifest.get('artifactType')!r})")
     return raw, manifest
@@ -336,6 +336,10 @@ def push(store: CapsuleStore, digest: str, ref: str, insecure: bool = False,
     if remote.digest and remote.digest != digest:
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"{ref} names {remote.digest}, but the capsule is {digest}")
     raw, manifest = _read_local_manifest(store, digest)
+    payload = manifest.get("annotations", {}).get(mt.ANNOTATION_PAYLOAD)
+    payload_result = None
+    if payload:  # the weights payload goes first, by digest: a capsule in a registry never points at nothing
+        payload_result = push(store, payload, f"{remote.host}/{remote.repository}@{payload}", insecure, progress)
     descs = _descriptors(manifest, digest)
     for d in descs:
         path = store.blob_path(d.digest)
@@ -361,8 +365,9 @@ def push(store: CapsuleStore, digest: str, ref: str, insecure: bool = False,
         raise ColdSnapError(ErrorCode.REGISTRY, f"registry {remote.host} stored the manifest as {echoed}, "
                             f"not {digest}: it rewrote the manifest")
     return {"digest": digest, "ref": f"{remote.name}{':' + remote.tag if remote.tag else ''}@{digest}",
-            "bytes_transferred": sent, "manifest_bytes": len(raw), "blobs_uploaded": uploaded,
-            "blobs_present": present, "seconds": round(time.monotonic() - t0, 3)}
+            "bytes_transferred": sent + (payload_result or {}).get("bytes_transferred", 0),
+            "manifest_bytes": len(raw), "blobs_uploaded": uploaded,
+            "blobs_present": present, "payload": payload_result, "seconds": round(time.monotonic() - t0, 3)}
 
 
 # --- pull -----------------------------------------------------------------------------------------------------
@@ -506,7 +511,7 @@ def _fetch_blob(client: _Client, store: CapsuleStore, desc: Descriptor, progress
 
 
 def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: bool = False,
-         progress: Progress | None = None) -> PullResult:
+         progress: Progress | None = None, artifact_type: str = mt.ARTIFACT_TYPE) -> PullResult:
     """Fetch the capsule `ref` into `store`; returns its manifest digest (a PullResult: .bytes_transferred …)."""
     t0 = time.monotonic()
     remote = parse_remote(ref)
@@ -532,9 +537,15 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
         manifest = json.loads(raw)
     except ValueError:
         raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"manifest {digest} of {remote} is not JSON") from None
-    if manifest.get("artifactType") != mt.ARTIFACT_TYPE:
-        raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"{remote} is not a ColdSnap capsule "
+    if manifest.get("artifactType") != artifact_type:
+        raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"{remote} is not a ColdSnap "
+                            f"{'capsule' if artifact_type == mt.ARTIFACT_TYPE else 'payload'} "
                             f"(artifactType {manifest.get('artifactType')!r})")
+    payload = manifest.get("annotations", {}).get(mt.ANNOTATION_PAYLOAD) if artifact_type == mt.ARTIFACT_TYPE else None
+    payload_result = None
+    if payload:  # shared weights first: only their missing blobs move
+        payload_result = pull(store, f"{remote.host}/{remote.repository}@{payload}", insecure, True, progress,
+                              artifact_type=mt.PAYLOAD_ARTIFACT_TYPE)
     descs = _descriptors(manifest, digest)
     tag = f"{remote.name}:{remote.tag}" if remote.tag else None
 
@@ -564,9 +575,11 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
         if staged:
             _fsync_dir(store.blobs)
         mdesc = store.put_bytes(raw, manifest.get("mediaType", mt.MANIFEST_MEDIA_TYPE))
-        store.add_to_index(mdesc, tag)
+        if artifact_type == mt.ARTIFACT_TYPE:  # payloads are reached through their capsules, not listed
+            store.add_to_index(mdesc, tag)
     result = PullResult(digest)
-    result.bytes_transferred = received
+    result.payload_bytes = payload_result.bytes_transferred if payload_result else 0
+    result.bytes_transferred = received + result.payload_bytes
     result.blobs_fetched = fetched
     result.blobs_present = [d.digest for d in descs if d.digest not in fetched]
     result.resumed_bytes = resumed

@@ -16,3 +16,8 @@ ANNOTATION_MODEL = "io.coldsnap.model"
 ANNOTATION_REF_NAME = "org.opencontainers.image.ref.name"
 ANNOTATION_CREATED = "org.opencontainers.image.created"
 ANNOTATION_TITLE = "org.opencontainers.image.title"
+
+PAYLOAD_ARTIFACT_TYPE = "application/vnd.coldsnap.payload.v1+json"
+LAYER_WEIGHTS = "application/vnd.coldsnap.weights.safetensors.v1"
+ANNOTATION_PAYLOAD = "io.coldsnap.payload"
+ANNOTATION_PATH = "io.coldsnap.path"

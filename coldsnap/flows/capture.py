@@ -13,6 +13,7 @@ from typing import Callable
 
 from .. import gpu_support
 from ..capsule import CapsuleStore, pack_dir
+from ..capsule.payload import write_payload
 from ..config import private_dir, settings
 from ..contracts import (
     CapsuleProfile,
@@ -210,6 +211,9 @@ def _write_capsule(images: Path, wdir: Path, files: list[CapturedFile], profile:
     layers.append(store.put_bytes(json.dumps(weights_manifest, sort_keys=True).encode(), mt.LAYER_WEIGHTS_MANIFEST,
                                   {mt.ANNOTATION_TITLE: "weights-manifest"}))
     annotations = {mt.ANNOTATION_ENGINE: profile.engine.name}
+    if profile.weights_mode == "recovery" and profile.model and profile.model.weights:
+        # The pinned weights as a shared payload artifact: restores on a host that lacks them pull it once.
+        annotations[mt.ANNOTATION_PAYLOAD] = write_payload(store, profile.model.weights)
     if profile.model:
         annotations[mt.ANNOTATION_MODEL] = f"{profile.model.id}@{profile.model.revision}"
     return store.write_capsule(profile, layers, annotations, tag)

@@ -16,6 +16,7 @@ from typing import Callable
 
 from .. import gpu_support
 from ..capsule import CapsuleStore, LoadedCapsule, unpack_layer
+from ..capsule.payload import materialize
 from ..config import private_dir, settings
 from ..contracts import ColdSnapError, ErrorCode, RestoreRequest, Validation
 from ..contracts import capsule as mt
@@ -63,6 +64,9 @@ def stage(capsule: LoadedCapsule) -> Staged:
     store.verify(capsule)
     profile = capsule.profile
     if profile.weights_mode == "recovery" and profile.model:
+        payload = capsule.manifest.get("annotations", {}).get(mt.ANNOTATION_PAYLOAD)
+        if payload:
+            materialize(store, payload, profile.model.weights)
         verify_weights(profile.model.weights)
     root = private_dir(settings().run / "staged") / capsule.digest.split(":")[1]
     done = root / ".complete"

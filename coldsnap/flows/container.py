@@ -1,0 +1,190 @@
+"""capture_container: capture a running runc container (started by runc, podman, docker or containerd) into a
+criu-runc capsule. validate → release → quiesce → CUDA checkpoint → `runc checkpoint` → pack → receipt.
+
+The container stops, as a process-mode capture's workload does, unless leave_running. Any failure leaves no
+capsule (the store writes atomically) and, when the dump itself failed, the container running as it was."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+from .. import gpu_support
+from ..bundle import criu_runc
+from ..bundle.spec import annotations_of, load_spec
+from ..capsule import CapsuleStore
+from ..config import private_dir, settings
+from ..contracts import (
+    CapsuleProfile,
+    CaptureRequest,
+    ColdSnapError,
+    Engine,
+    ErrorCode,
+    Launch,
+    Lifecycle,
+    Model,
+    Policy,
+    Validation,
+)
+from ..contracts import capsule as mt
+from ..criu import CriuDriver, CriuOptions
+from ..criu.driver import _first_error
+from ..engines.base import get_adapter
+from ..hooks.target import Target, validate
+from ..host import host_profile
+from ..shim.record import ANNOTATION_IMAGE_DIGEST
+from ..spans import Timeline
+from .capture import CaptureResult, _engine_info, _write_capsule
+from .quiesce import wait_no_connections
+from .receipts import finish_receipt
+
+Progress = Callable[[str], None]
+DEFAULT_PORT = 8000
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+def container_state(runc: str, runc_root: str | Path, container_id: str) -> dict:
+    r = subprocess.run([runc, "--root", str(runc_root), "state", container_id], capture_output=True, text=True,
+                       stdin=subprocess.DEVNULL)
+    if r.returncode != 0:
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"container {container_id!r} under runc root {runc_root}: "
+                            f"{(r.stderr or r.stdout).strip() or 'runc state failed'}")
+    state = json.loads(r.stdout)
+    if state.get("status") != "running":
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"container {container_id!r} is {state.get('status')}, "
+                            "not running")
+    return state
+
+
+def container_options(leave_running: bool) -> CriuOptions:
+    """The one option table, with the network lock off: the container's network namespace belongs to its engine
+    (or to a pod) and may outlive the dump; a lock CRIU left there would black-hole whatever uses it next. The
+    capture quiesces first, so no connection needs the lock."""
+    return CriuOptions(leave_running=leave_running, network_lock="skip")
+
+
+def runc_checkpoint(runc: str, runc_root: str | Path, container_id: str, images: Path, work: Path,
+                    options: CriuOptions) -> list[str]:
+    flags, lines = criu_runc.split(options.cli_flags(), "checkpoint")
+    conf = criu_runc.write_config(work.parent / "criu.conf", lines)
+    argv = [runc, "--root", str(runc_root), "--criu", settings().criu, "checkpoint", "--image-path", str(images),
+            "--work-path", str(work), *flags, container_id]
+    r = subprocess.run(argv, env={**os.environ, "CRIU_CONFIG_FILE": str(conf)}, capture_output=True, text=True,
+                       stdin=subprocess.DEVNULL)
+    if r.returncode != 0:
+        raise ColdSnapError(ErrorCode.CRIU_FAILED, f"runc checkpoint of {container_id} failed (exit {r.returncode}): "
+                            f"{_first_error(work / 'dump.log')} (runc: {r.stderr.strip()[-300:]})")
+    return argv
+
+
+def capture_container(container_id: str, runc_root: str | Path = "/run/runc", bundle: str | Path | None = None, *,
+                      engine: str = "reference", port: int | None = None, validation: Validation | None = None,
+                      image_digest: str | None = None, weights_mode: str = "native", kv_discard: bool = True,
+                      leave_running: bool = False, model: Model | None = None, tag: str | None = None,
+                      runc: str = "runc", progress: Progress = _quiet) -> CaptureResult:
+    """Capture the running container into a capsule (snapshot_driver criu-runc). weights_mode says how the
+    engine in the container holds its weights (native: in the images; recovery: file-backed, reloaded)."""
+    state = container_state(runc, runc_root, container_id)
+    spec = load_spec(bundle or state["bundle"])
+    ann = annotations_of(spec)
+    try:
+        val_ann = json.loads(ann.get(mt.ANNOTATION_VALIDATION) or "{}")
+    except ValueError:
+        val_ann = {}
+    proc = spec.get("process") or {}
+    request = CaptureRequest(
+        operation="capture", engine=Engine(name=engine), model=model, tag=tag,
+        launch=Launch(command=list(proc.get("args") or []) or None, workdir=proc.get("cwd"),
+                      port=port or int(val_ann.get("port") or DEFAULT_PORT),
+                      image_digest=image_digest or ann.get(ANNOTATION_IMAGE_DIGEST) or None),
+        policy=Policy(weights_mode=weights_mode, kv_discard=kv_discard),
+        validation=validation or Validation(), lifecycle=Lifecycle(leave_running=leave_running))
+    if weights_mode not in ("native", "recovery"):
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, "weights_mode must be native or recovery for a container")
+    tl = Timeline()
+    op_id = f"capture-{container_id[:24]}-{uuid.uuid4().hex[:8]}"
+    try:
+        result = _capture(request, container_id, runc_root, int(state["pid"]), val_ann.get("host"), runc, tl, progress)
+    except ColdSnapError as e:
+        finish_receipt(request, op_id, "capture", tl, "failed", error=e)
+        raise
+    receipt = finish_receipt(request, op_id, "capture", tl, "succeeded", result=result)
+    return CaptureResult(capsule=result["capsule"], profile=result.pop("_profile"), receipt=receipt)
+
+
+def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str | None, runc: str, tl: Timeline,
+             progress: Progress) -> dict:
+    criu = CriuDriver()
+    adapter = get_adapter(request.engine.name)
+    target = Target(pid=pid, port=request.launch.port, host=host)
+    weights_mode, kv_discard = request.policy.weights_mode, request.policy.kv_discard
+    tmp = private_dir(settings().run / "capture" / uuid.uuid4().hex)
+    images, work = tmp / "images", private_dir(tmp / "work")
+    try:
+        progress(f"validating container {cid} at {target.describe()}")
+        with tl.span("validate"):
+            first = validate(target, request.validation, None)
+            validate(target, request.validation, first.text)  # determinism: restores are held to this text
+        info = target.call(_engine_info)
+        with tl.span("release"):
+            target.call(adapter.before_capture, kv_discard, weights_mode)
+        with tl.span("quiesce"):
+            wait_no_connections(pid, request.launch.port)
+        with tl.span("gpu-checkpoint"):
+            gpu = gpu_support.checkpoint_tree(pid)
+        progress(gpu.summary)
+        options = container_options(request.lifecycle.leave_running)
+        progress("checkpointing with runc + CRIU")
+        try:
+            with tl.span("criu-dump"):
+                argv = runc_checkpoint(runc, runc_root, cid, images, work, options)
+        except ColdSnapError:
+            _resume(target, adapter, gpu, kv_discard, weights_mode)  # the dump failed: the container runs on
+            raise
+        if request.lifecycle.leave_running:
+            with tl.span("resume"):
+                _resume(target, adapter, gpu, kv_discard, weights_mode)
+                validate(target, request.validation, first.text)
+        with tl.span("pack"):
+            progress("packing the capsule")
+            profile = CapsuleProfile(
+                created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                snapshot_driver="criu-runc",
+                host=host_profile(criu.version()),
+                engine=request.engine,
+                engine_version=info.get("version"),
+                model=request.model,
+                weights_mode=weights_mode,
+                kv_discarded=kv_discard,
+                launch=request.launch,
+                validation=request.validation.model_copy(update={"expected_text": first.text}),
+                expected_text=first.text,
+                network=None,
+                cuda_pids=len(gpu.pids),
+                criu_options=options.cli_flags(),
+                image_digest=request.launch.image_digest,
+            )
+            digest = _write_capsule(images, work, [], profile, request.tag)
+        size = sum(int(layer["size"]) for layer in json.loads(
+            CapsuleStore(settings().store).blob_path(digest).read_text())["layers"])
+        progress(f"capsule {digest} ({size / 2**20:.1f} MiB)")
+        return {"capsule": digest, "capsule_bytes": size, "tag": request.tag, "container": cid,
+                "left_running": request.lifecycle.leave_running, "validated_text": first.text,
+                "weights_mode": weights_mode, "cuda_processes": len(gpu.pids), "criu_options": options.cli_flags(),
+                "runc_checkpoint": argv, "_profile": profile}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _resume(target: Target, adapter, gpu, kv_discard: bool, weights_mode: str) -> None:
+    gpu_support.restore_tree(gpu)
+    target.call(adapter.after_capture_left_running, kv_discard, weights_mode)

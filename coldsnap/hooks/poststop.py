@@ -1,0 +1,10 @@
+"""poststop: the container is gone; so is the shim's record of it (and its restore work directory)."""
+
+from __future__ import annotations
+
+from ..shim.delete import forget
+
+
+def poststop(state: dict) -> int:
+    forget(state["id"])
+    return 0

@@ -1,0 +1,50 @@
+"""`start` of a container the shim restored: it is already running (CRIU brought it back as it was), so runc is
+not asked; the shim runs the spec's poststart hooks as runc would (coldsnap-hook validates there) and answers.
+A failed poststart hook stops the container and fails the start, as it does under runc."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+from ..bundle.argv import RuncArgv
+from ..bundle.spec import annotations_of, load_spec
+from . import runclog, state
+from .ocihooks import run_stage
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def oci_state(record: dict, spec: dict) -> str:
+    return json.dumps({"ociVersion": spec.get("ociVersion", "1.0.2"), "id": record["id"], "status": "running",
+                       "pid": record["pid"], "bundle": record["bundle"], "annotations": annotations_of(spec)})
+
+
+def start_restored(runc: str, parsed: RuncArgv, record: dict) -> int:
+    cid = parsed.container_id
+    if record.get("started"):
+        return runclog.fail(parsed, "cannot start an already running container")
+    if not _alive(record["pid"]):
+        return runclog.fail(parsed, f"coldsnap-runtime: the restored process {record['pid']} of container {cid} "
+                            "has exited")
+    try:
+        spec = load_spec(record["bundle"])
+    except (OSError, ValueError) as e:
+        return runclog.fail(parsed, f"coldsnap-runtime: cannot read {record['bundle']}/config.json: {e}")
+    error = run_stage(spec, "poststart", oci_state(record, spec))
+    if error:
+        subprocess.run([runc, *parsed.global_argv(drop=("log", "log-format")), "kill", cid, "KILL"],
+                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return runclog.fail(parsed, f"coldsnap-runtime: {error}")
+    record = state.load(cid) or record  # the hook may have added to it
+    record["started"] = True
+    state.save(cid, record)
+    return 0
+
+

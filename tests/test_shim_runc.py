@@ -1,0 +1,283 @@
+"""coldsnap-runtime under plain runc, for real (runc 1.1 + CRIU 4.2, no mocks).
+
+(a) a bundle without the annotation goes through the shim exactly as through runc;
+(b) a reference-engine container captured with capture_container is restored by `create` + `start` of an
+    annotated bundle, validated by coldsnap-hook (poststart) against the captured text, with a receipt;
+(c) a capsule that is incompatible, corrupt or fails to restore falls back to a cold start that serves,
+    and says why in the receipt; with fallback off the create fails cleanly, in runc's log format.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+
+from containers_fixture import (CRIU, ENGINE_ARGS, RUNTIME, NetNS, ensure, make_bundle, make_rootfs, needs_root,
+                                netns_http, run_detached, runc, state, wait_for)
+from coldsnap.capsule import CapsuleStore, Descriptor
+from coldsnap.config import settings
+from coldsnap.contracts import capsule as mt
+
+pytestmark = [pytest.mark.root, pytest.mark.slow]
+
+
+class Lab:
+    def __init__(self, base: Path):
+        self.base = base
+        self.rootfs = make_rootfs(base / "rootfs")
+        self.runc_root = base / "runc-root"
+        self.models = base / "models"
+        self.models.mkdir()
+        self.netns: list[NetNS] = []
+
+    def bundle(self, name: str, args: list[str] = ENGINE_ARGS, annotations: dict | None = None,
+               models: bool = True) -> tuple[Path, str]:
+        ns = NetNS("cstest")
+        self.netns.append(ns)
+        mounts = [{"destination": "/models", "type": "bind", "source": str(self.models), "options": ["rbind", "rw"]}]
+        path = make_bundle(self.base / "bundles" / name, self.rootfs, args, netns=ns.name, annotations=annotations,
+                           extra_mounts=mounts if models else [])
+        return path, ns.name
+
+    def shim(self, *args: str, log: Path | None = None) -> subprocess.CompletedProcess:
+        """coldsnap-runtime as a container engine calls it: --root, optional --log json, /dev/null stdin/stdout."""
+        glob = ["--root", str(self.runc_root)] + (["--log", str(log), "--log-format", "json"] if log else [])
+        with open(os.devnull, "r+b") as null:
+            return subprocess.run([str(RUNTIME), *glob, *args], stdin=null, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, timeout=600)
+
+    def cleanup(self) -> None:
+        r = runc(self.runc_root, "list", "-q")
+        for cid in r.stdout.split():
+            runc(self.runc_root, "delete", "-f", cid)
+        for ns in self.netns:
+            ns.delete()
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    needs_root()
+    if not os.access(CRIU, os.X_OK):
+        pytest.skip(f"CRIU not provisioned at {CRIU}: run `make setup`")
+    ensure("base")
+    base = tmp_path_factory.mktemp("shim-runc")
+    lab = Lab(base)
+    with pytest.MonkeyPatch.context() as mp:  # the shim, its hooks and capture_container all read these
+        mp.setenv("COLDSNAP_HOME", str(base / "home"))
+        mp.setenv("COLDSNAP_RUN", str(base / "run"))
+        mp.setenv("COLDSNAP_CRIU_PREFIX", str(Path(CRIU).parent.parent))
+        mp.delenv("COLDSNAP_STORE", raising=False)
+        mp.delenv("COLDSNAP_RUNC", raising=False)
+        try:
+            yield lab
+        finally:
+            lab.cleanup()
+
+
+def receipt(cid: str) -> dict:
+    return json.loads((settings().receipts / f"{cid}.json").read_text())
+
+
+def shim_record(cid: str) -> Path:
+    return settings().run / "shim" / f"{cid}.json"
+
+
+def wait_healthy(netns: str, timeout: float = 120) -> None:
+    wait_for(lambda: netns_http(netns, "/health", timeout=2)[0] == 200, timeout, f"the engine in {netns}")
+
+
+def complete(netns: str) -> str:
+    r = subprocess.run(["ip", "netns", "exec", netns, "curl", "-s", "-m", "60", "http://127.0.0.1:8000/v1/completions",
+                        "-d", json.dumps({"prompt": "ColdSnap says", "max_tokens": 16, "temperature": 0})],
+                       capture_output=True, text=True)
+    return json.loads(r.stdout)["choices"][0]["text"]
+
+
+def without(d: dict, *keys: str) -> dict:
+    return {k: v for k, v in d.items() if k not in keys}
+
+
+# --- (a) pass-through ---------------------------------------------------------------------------------------------
+def test_unannotated_bundle_behaves_exactly_as_runc(lab):
+    sleeper = ["/bin/sh", "-c", "sleep 1000"]
+    b_runc, _ = lab.bundle("plain-runc", sleeper)
+    b_shim, _ = lab.bundle("plain-shim", sleeper)
+    config_before = (b_shim / "config.json").read_bytes()
+    assert run_detached("runc", lab.runc_root, b_runc, "pt-runc").returncode == 0
+    assert run_detached(str(RUNTIME), lab.runc_root, b_shim, "pt-shim").returncode == 0
+    via_runc = json.loads(runc(lab.runc_root, "state", "pt-shim").stdout)
+    via_shim = json.loads(lab.shim("state", "pt-shim").stdout)
+    assert via_shim == via_runc and via_shim["status"] == "running"
+    other = json.loads(lab.shim("state", "pt-runc").stdout)
+    assert without(other, "id", "pid", "created", "bundle") == without(via_shim, "id", "pid", "created", "bundle")
+    assert (b_shim / "config.json").read_bytes() == config_before  # never touched
+    assert not shim_record("pt-shim").exists()
+
+    # errors: same exit status, same message (runc's own)
+    a, b = runc(lab.runc_root, "state", "no-such"), lab.shim("state", "no-such")
+    assert a.returncode == b.returncode == 1
+    assert a.stderr.split("msg=")[-1] == b.stderr.split("msg=")[-1]
+    v1 = subprocess.run(["runc", "--version"], capture_output=True, text=True)
+    v2 = subprocess.run([str(RUNTIME), "--version"], capture_output=True, text=True)
+    assert (v1.returncode, v1.stdout) == (v2.returncode, v2.stdout)
+
+    # a foreground run's exit status is the container's
+    b_fail, _ = lab.bundle("exit7", ["/bin/sh", "-c", "exit 7"])
+    assert lab.shim("run", "--bundle", str(b_fail), "pt-exit7").returncode == 7
+    assert runc(lab.runc_root, "run", "--bundle", str(b_fail), "pt-exit7b").returncode == 7
+
+    # kill / delete pass through
+    assert lab.shim("kill", "pt-shim", "KILL").returncode == 0
+    wait_for(lambda: (state(lab.runc_root, "pt-shim") or {}).get("status") == "stopped", 10, "pt-shim to stop")
+    assert lab.shim("delete", "pt-shim").returncode == 0
+    assert state(lab.runc_root, "pt-shim") is None
+    assert lab.shim("delete", "-f", "pt-runc").returncode == 0
+
+
+# --- (b) capture + restore ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def captured(lab):
+    from coldsnap.flows.container import capture_container
+
+    bundle, netns = lab.bundle("engine-cold")
+    r = run_detached("runc", lab.runc_root, bundle, "engine-cold")
+    assert r.returncode == 0, r.stderr
+    wait_healthy(netns)
+    cold_text = complete(netns)
+    res = capture_container("engine-cold", lab.runc_root, tag="shim-test")
+    return {"result": res, "cold_text": cold_text, "netns": netns}
+
+
+def test_capture_container_writes_a_criu_runc_capsule_and_stops_the_container(lab, captured):
+    res = captured["result"]
+    assert res.receipt["state"] == "succeeded" and res.receipt["operation"] == "capture"
+    assert {"validate", "release", "quiesce", "criu-dump", "pack"} <= {s["name"] for s in res.receipt["spans"]}
+    p = res.profile
+    assert p.snapshot_driver == "criu-runc" and p.network is None and p.weights_mode == "native"
+    assert p.expected_text == captured["cold_text"] and p.launch.command == ENGINE_ARGS and p.launch.port == 8000
+    assert "--network-lock=skip" in p.criu_options and "--tcp-established" in p.criu_options
+    store = CapsuleStore(settings().store)
+    cap = store.load(res.capsule)
+    store.verify(cap)
+    assert cap.layer(mt.LAYER_CRIU) is not None
+    assert state(lab.runc_root, "engine-cold") is None  # stopped and gone, as in process mode
+    assert not list((settings().run / "capture").iterdir())  # no temporary images left
+
+
+def test_annotated_create_and_start_restore_and_validate(lab, captured):
+    digest = captured["result"].capsule
+    bundle, netns = lab.bundle("engine-restored", annotations={mt.ANNOTATION_CAPSULE: digest})
+    cid = f"restored-{uuid.uuid4().hex[:6]}"
+    pid_file = lab.base / f"{cid}.pid"
+    r = lab.shim("create", "--bundle", str(bundle), "--pid-file", str(pid_file), cid)
+    assert r.returncode == 0, r.stderr
+    st = state(lab.runc_root, cid)
+    assert st["status"] == "running" and int(pid_file.read_text()) == st["pid"]
+    record = json.loads(shim_record(cid).read_text())
+    assert record["outcome"] == "restored" and record["started"] is False
+    spec = json.loads((bundle / "config.json").read_text())
+    assert [h["args"] for h in spec["hooks"]["poststart"]] == [["coldsnap-hook", "poststart"]]
+    assert spec["x-coldsnap-test"] == {"unknown": ["fields", "are", "kept"]}
+
+    r = lab.shim("start", cid)
+    assert r.returncode == 0, r.stderr
+    assert "validated" in r.stderr and cid in r.stderr  # the hook's one-line summary
+    rec = receipt(cid)
+    assert rec["state"] == "succeeded" and rec["operation"] == "restore" and rec["operation_id"] == cid
+    assert rec["result"]["validated_text"] == captured["cold_text"]
+    assert 0 < rec["result"]["time_to_first_token_s"] < 60
+    assert ["admit", "stage", "criu-restore", "hydrate", "validate"] == [s["name"] for s in rec["spans"]]
+    assert complete(netns) == captured["cold_text"]  # and it keeps serving
+
+    again = lab.shim("start", cid)
+    assert again.returncode == 1 and "already running" in again.stderr
+    assert lab.shim("kill", cid, "KILL").returncode == 0
+    wait_for(lambda: (state(lab.runc_root, cid) or {}).get("status") == "stopped", 10, "the container to stop")
+    assert lab.shim("delete", cid).returncode == 0
+    assert state(lab.runc_root, cid) is None and not shim_record(cid).exists()
+
+
+def test_run_detached_restores_a_second_time_from_the_same_capsule(lab, captured):
+    bundle, netns = lab.bundle("engine-restored-2", annotations={mt.ANNOTATION_CAPSULE: captured["result"].capsule})
+    cid = f"restored-{uuid.uuid4().hex[:6]}"
+    r = run_detached(str(RUNTIME), lab.runc_root, bundle, cid)
+    assert r.returncode == 0, r.stderr
+    assert receipt(cid)["state"] == "succeeded"
+    assert complete(netns) == captured["cold_text"]
+    assert lab.shim("delete", "-f", cid).returncode == 0 and not shim_record(cid).exists()
+
+
+# --- (c) fallback ---------------------------------------------------------------------------------------------------
+def _variant(captured, **host_changes) -> str:
+    """A capsule like the captured one but recorded on a different host."""
+    store = CapsuleStore(settings().store)
+    cap = store.load(captured["result"].capsule)
+    profile = cap.profile.model_copy(update={"host": cap.profile.host.model_copy(update=host_changes)})
+    return store.write_capsule(profile, cap.layers, {})
+
+
+def _corrupt(captured) -> str:
+    """A capsule whose CRIU layer blob does not hash to its digest (bit rot, a truncated copy)."""
+    store = CapsuleStore(settings().store)
+    cap = store.load(captured["result"].capsule)
+    data = b"not the images you are looking for"
+    fake = Descriptor(mt.LAYER_CRIU, "sha256:" + "e" * 64, len(data))
+    store.blob_path(fake.digest).write_bytes(data)
+    layers = [fake if d.media_type == mt.LAYER_CRIU else d for d in cap.layers]
+    return store.write_capsule(cap.profile, layers, {})
+
+
+@pytest.mark.parametrize("case", ["incompatible", "corrupt", "restore-fails"])
+def test_refused_or_failed_restore_falls_back_to_a_cold_start(lab, captured, case):
+    digest = {"incompatible": lambda: _variant(captured, kernel="0.0.0-elsewhere"),
+              "corrupt": lambda: _corrupt(captured),
+              "restore-fails": lambda: captured["result"].capsule}[case]()
+    # restore-fails: the bundle lacks a bind mount the dump had, so CRIU cannot rebuild the mount tree
+    bundle, netns = lab.bundle(f"fallback-{case}", annotations={mt.ANNOTATION_CAPSULE: digest},
+                               models=case != "restore-fails")
+    cid = f"fb-{case}-{uuid.uuid4().hex[:6]}"
+    log = lab.base / f"{cid}.log"
+    r = lab.shim("create", "--bundle", str(bundle), cid, log=log)
+    assert r.returncode == 0, r.stderr
+    assert state(lab.runc_root, cid)["status"] == "created"  # a plain runc create: cold
+    rec = receipt(cid)
+    assert rec["state"] == "fell-back" and rec["result"]["started"] == "cold"
+    want = {"incompatible": "incompatible: capsule refused on this host: kernel",
+            "corrupt": "capsule-corrupt", "restore-fails": "criu-failed"}[case]
+    assert rec["result"]["fallback_reason"].startswith(want), rec["result"]["fallback_reason"]
+    line = json.loads(log.read_text().splitlines()[-1])
+    assert line["level"] == "warning" and "cold" in line["msg"] and line["time"]
+    assert lab.shim("start", cid).returncode == 0
+    wait_healthy(netns)
+    assert complete(netns) == captured["cold_text"]  # the cold start serves the same model
+    assert lab.shim("delete", "-f", cid).returncode == 0
+    assert not shim_record(cid).exists() and state(lab.runc_root, cid) is None
+
+
+def test_without_fallback_a_refusal_fails_create_in_runc_log_format(lab, captured):
+    digest = _variant(captured, arch="sparc64")
+    bundle, _ = lab.bundle("no-fallback", annotations={mt.ANNOTATION_CAPSULE: digest,
+                                                        mt.ANNOTATION_POLICY: '{"fallback_to_cold": false}'})
+    cid = f"nofb-{uuid.uuid4().hex[:6]}"
+    log = lab.base / f"{cid}.log"
+    r = lab.shim("create", "--bundle", str(bundle), cid, log=log)
+    assert r.returncode == 1
+    assert "incompatible" in r.stderr and "architecture" in r.stderr
+    line = json.loads(log.read_text().splitlines()[-1])
+    assert set(line) == {"level", "msg", "time"} and line["level"] == "error" and "architecture" in line["msg"]
+    assert receipt(cid)["state"] == "refused" and receipt(cid)["error"]["code"] == "incompatible"
+    assert state(lab.runc_root, cid) is None and not shim_record(cid).exists()  # nothing left behind
+
+
+def test_malformed_annotation_fails_create_without_starting_anything(lab):
+    bundle, _ = lab.bundle("malformed", annotations={mt.ANNOTATION_CAPSULE: "sha256:" + "1" * 64,
+                                                      mt.ANNOTATION_POLICY: '{"fallback_to_cold": "perhaps"}'})
+    cid = f"bad-{uuid.uuid4().hex[:6]}"
+    r = lab.shim("create", "--bundle", str(bundle), cid)
+    assert r.returncode == 1 and "invalid-request" in r.stderr and "fallback_to_cold" in r.stderr
+    assert state(lab.runc_root, cid) is None
