@@ -207,14 +207,60 @@ def cmd_wake(args) -> int:
     return 0
 
 
-def cmd_ls(args) -> int:
+def _store():
     from .capsule import CapsuleStore
     from .config import settings
-    from .contracts import capsule as mt
 
-    store = CapsuleStore(settings().store)
-    rows = [{"digest": m["digest"], "tag": m.get("annotations", {}).get(mt.ANNOTATION_REF_NAME)} for m in store.list()]
-    _emit(args, {"capsules": rows}, "\n".join(f"{r['digest']}  {r['tag'] or ''}" for r in rows) or "no capsules")
+    return CapsuleStore(settings().store).init()
+
+
+def cmd_ls(args) -> int:
+    from .capsule.gc import list_capsules
+
+    rows = list_capsules(_store())
+    human = "\n".join(f"{r['digest']}  {r.get('tag') or '-':<28} {r.get('engine') or '-':<10} "
+                       f"{(r.get('size') or 0) / 2**20:9.1f} MiB  {r.get('created') or ''}" for r in rows)
+    _emit(args, {"capsules": rows}, human or "no capsules")
+    return 0
+
+
+def cmd_rm(args) -> int:
+    from .capsule.gc import remove
+
+    removed = remove(_store(), args.ref)
+    _emit(args, {"removed": removed}, f"removed {', '.join(removed)} from the index (blobs go at the next gc)")
+    return 0
+
+
+def cmd_gc(args) -> int:
+    from .capsule.gc import gc
+
+    r = gc(_store(), grace_s=args.grace)
+    _emit(args, r, f"freed {r['freed_bytes'] / 2**20:.1f} MiB ({len(r['removed_blobs'])} blobs)")
+    return 0
+
+
+def cmd_push(args) -> int:
+    from .capsule.registry import push
+
+    store = _store()
+    digest = store.resolve(args.capsule, allow_unpinned=args.allow_unpinned)
+    progress = _progress(args)
+    r = push(store, digest, args.ref, insecure=args.insecure,
+             progress=lambda d, done, total: None)
+    progress(f"pushed {r['bytes_transferred'] / 2**20:.1f} MiB in {r['seconds']:.1f} s")
+    _emit(args, r, f"pushed {r['ref']}")
+    return 0
+
+
+def cmd_pull(args) -> int:
+    from .capsule.registry import pull
+
+    r = pull(_store(), args.ref, insecure=args.insecure, allow_unpinned=args.allow_unpinned)
+    data = {"digest": str(r), "bytes_transferred": r.bytes_transferred, "payload_bytes": r.payload_bytes,
+            "blobs_fetched": r.blobs_fetched, "resumed_bytes": r.resumed_bytes, "seconds": r.seconds, "tag": r.tag}
+    _emit(args, data, f"pulled {r} ({r.bytes_transferred / 2**20:.1f} MiB moved, "
+                      f"{len(r.blobs_present)} blobs already here)")
     return 0
 
 
@@ -309,6 +355,23 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("name")
     sp.add_argument("--json", action="store_true")
     sp = add("ls", cmd_ls, "capsules in the local store")
+    sp.add_argument("--json", action="store_true")
+    sp = add("rm", cmd_rm, "remove a capsule from the local index (blobs stay until gc)")
+    sp.add_argument("ref")
+    sp.add_argument("--json", action="store_true")
+    sp = add("gc", cmd_gc, "delete blobs no capsule references")
+    sp.add_argument("--grace", type=float, default=600, help="keep unreferenced blobs younger than this (s)")
+    sp.add_argument("--json", action="store_true")
+    sp = add("push", cmd_push, "push a capsule (and its weights payload) to an OCI registry")
+    sp.add_argument("capsule", help="local capsule: sha256:… or NAME@sha256:…")
+    sp.add_argument("ref", help="HOST[:PORT]/REPO:TAG")
+    sp.add_argument("--insecure", action="store_true", help="plain HTTP (a local registry)")
+    sp.add_argument("--allow-unpinned", action="store_true")
+    sp.add_argument("--json", action="store_true")
+    sp = add("pull", cmd_pull, "pull a capsule (only missing blobs; resumes interrupted pulls)")
+    sp.add_argument("ref", help="HOST[:PORT]/REPO@sha256:… (or :TAG with --allow-unpinned)")
+    sp.add_argument("--insecure", action="store_true", help="plain HTTP (a local registry)")
+    sp.add_argument("--allow-unpinned", action="store_true")
     sp.add_argument("--json", action="store_true")
     sp = add("inspect", cmd_inspect, "a capsule's manifest and profile (environment values omitted)")
     sp.add_argument("ref")

@@ -35,17 +35,30 @@ def write_payload(store: CapsuleStore, weights: list[WeightFile]) -> str:
                 tmp.unlink(missing_ok=True)
                 raise ColdSnapError(ErrorCode.INCOMPATIBLE, f"weight file {wf.path} changed: it hashes to {actual}")
             os.replace(tmp, dest)
+        # The mode travels too: a restored process that maps the file finds it as it was (CRIU checks the mode).
+        mode = oct(os.stat(wf.path).st_mode & 0o7777)
         layers.append(Descriptor(mt.LAYER_WEIGHTS, digest, size,
-                                 {mt.ANNOTATION_TITLE: Path(wf.path).name, mt.ANNOTATION_PATH: wf.path}))
+                                 {mt.ANNOTATION_TITLE: Path(wf.path).name, mt.ANNOTATION_PATH: wf.path,
+                                  mt.ANNOTATION_MODE: mode}))
     config = store.put_bytes(EMPTY_CONFIG, "application/vnd.oci.empty.v1+json")
     manifest = {"schemaVersion": 2, "mediaType": mt.MANIFEST_MEDIA_TYPE, "artifactType": mt.PAYLOAD_ARTIFACT_TYPE,
                 "config": config.to_json(), "layers": [d.to_json() for d in layers]}
     return store.put_bytes(json.dumps(manifest, indent=1, sort_keys=True).encode(), mt.MANIFEST_MEDIA_TYPE).digest
 
 
+def _modes(store: CapsuleStore, payload_digest: str) -> dict[str, int]:
+    try:
+        manifest = json.loads(store.blob_path(payload_digest).read_bytes())
+    except (OSError, ValueError):
+        return {}
+    return {d["digest"]: int(d.get("annotations", {}).get(mt.ANNOTATION_MODE, "0o644"), 8)
+            for d in manifest.get("layers", [])}
+
+
 def materialize(store: CapsuleStore, payload_digest: str, weights: list[WeightFile]) -> list[str]:
-    """Put missing (or different) weight files back at their pinned paths from the payload's verified blobs."""
+    """Put missing weight files back at their pinned paths (and modes) from the payload's verified blobs."""
     placed = []
+    modes = _modes(store, payload_digest)
     for wf in weights:
         if os.path.exists(wf.path) and os.path.getsize(wf.path) > 0:
             continue  # verify_weights checks its digest
@@ -57,10 +70,14 @@ def materialize(store: CapsuleStore, payload_digest: str, weights: list[WeightFi
         src = store.verify_blob(desc)
         Path(wf.path).parent.mkdir(parents=True, exist_ok=True)
         tmp = wf.path + ".coldsnap-tmp"
+        mode = modes.get(desc.digest, 0o644)
         try:
+            if os.stat(src).st_mode & 0o7777 != mode:
+                raise OSError("mode differs: copy instead of sharing the inode")
             os.link(src, tmp)
         except OSError:
             shutil.copyfile(src, tmp)
+            os.chmod(tmp, mode)
         os.replace(tmp, wf.path)
         placed.append(wf.path)
     return placed

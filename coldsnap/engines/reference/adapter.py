@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from ...config import settings
@@ -57,7 +58,8 @@ class ReferenceAdapter(EngineAdapter):
     def describe_model(self, weights_path: str) -> Model:
         """Called once the engine has started (it writes its seeded weights on first use)."""
         digest = file_sha256(weights_path)
-        return Model(id=MODEL_ID, revision=f"sha256:{digest}", weights=[WeightFile(path=weights_path, sha256=digest)])
+        return Model(id=MODEL_ID, revision=f"sha256:{digest}", weights=[WeightFile(path=weights_path, sha256=digest,
+                                                                             size=os.path.getsize(weights_path))])
 
     def before_capture(self, host: str, port: int, kv_discard: bool, weights_mode: str) -> dict:
         # native: the weights travel in the capture, so only the KV cache goes; recovery: the weights go too

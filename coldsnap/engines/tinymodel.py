@@ -1,0 +1,128 @@
+"""A tiny Llama model made locally, with no download: random weights (seeded) and a byte-level BPE tokenizer trained
+on generated text. Real engines (vLLM, SGLang) load it like any Hugging Face model directory; greedy output is
+deterministic, so a restore can be checked token for token against the server it was captured from.
+
+    python -m coldsnap.engines.tinymodel DIR [--seed N]
+
+Needs torch, transformers and tokenizers (the engine venvs have them; ColdSnap's own venv need not). The result is
+byte-for-byte the same for the same seed and library versions; an existing complete directory is left as it is."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+from pathlib import Path
+
+MODEL_ID = "coldsnap/tiny-llama"
+STAMP = ".coldsnap-tinymodel.json"
+
+SHAPE = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=256, vocab_size=1024, max_position_embeddings=2048)
+SPECIAL = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+_WORDS = ("the a one cold snap server model token restore capture process memory kernel page socket engine "
+          "request answer fast slow small large warm start first last says checkpoint image layer file weight "
+          "cache batch queue thread worker scheduler graph tensor value key query head stream text prompt reply "
+          "hello world is was will be can may not and or but so then because when while if of to in on at by "
+          "for with from up down over under again every each all some many few more most less").split()
+
+
+def corpus(seed: int, lines: int = 4000) -> list[str]:
+    """Deterministic training text: sentences of common words, digits and punctuation."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(lines):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 16))]
+        if rng.random() < 0.3:
+            words.insert(rng.randrange(len(words)), str(rng.randint(0, 9999)))
+        sentence = " ".join(words)
+        out.append(sentence[0].upper() + sentence[1:] + rng.choice(".!?,;:") + ("\n" if i % 7 == 0 else ""))
+    return out
+
+
+def _build_tokenizer(seed: int, vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), min_frequency=2)
+    tok.train_from_iterator(corpus(seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="</s>", model_max_length=SHAPE["max_position_embeddings"],
+                                   clean_up_tokenization_spaces=False)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make(directory: str | os.PathLike, seed: int = 0, force: bool = False) -> Path:
+    """Write the model into directory (created). Returns the directory. Atomic: a half-written one never appears."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dest = Path(directory).resolve()
+    if not force and is_complete(dest, seed):
+        return dest
+    tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        tokenizer = _build_tokenizer(seed, SHAPE["vocab_size"])
+        torch.manual_seed(seed)
+        config = LlamaConfig(**SHAPE, bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False,
+                             rms_norm_eps=1e-5, rope_theta=10000.0, hidden_act="silu")
+        config.dtype = torch.float32
+        with torch.no_grad():
+            model = LlamaForCausalLM(config).to(torch.float32)
+            # A random init with std 0.02 gives near-uniform logits; a wider spread makes greedy decoding decisive
+            # (no ties that a different kernel could break differently).
+            for p in model.parameters():
+                if p.dim() >= 2:
+                    p.normal_(0.0, 0.3)
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        gen = tmp / "generation_config.json"
+        gen.write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "do_sample": False},
+                                  indent=2) + "\n")
+        (tmp / STAMP).write_text(json.dumps({"id": MODEL_ID, "seed": seed, "shape": SHAPE}, sort_keys=True) + "\n")
+        shutil.rmtree(dest, ignore_errors=True)
+        os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+def is_complete(directory: str | os.PathLike, seed: int | None = None) -> bool:
+    d = Path(directory)
+    try:
+        info = json.loads((d / STAMP).read_text())
+    except (OSError, ValueError):
+        return False
+    return (info.get("shape") == SHAPE and (seed is None or info.get("seed") == seed)
+            and any(d.glob("*.safetensors")) and (d / "tokenizer.json").exists())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m coldsnap.engines.tinymodel", description=__doc__.split("\n\n")[0])
+    ap.add_argument("directory")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--force", action="store_true", help="rebuild even when the directory is complete")
+    args = ap.parse_args(argv)
+    print(make(args.directory, seed=args.seed, force=args.force))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
