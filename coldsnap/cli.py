@@ -276,6 +276,18 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.registry:
+        from .capsule.registry_bench import run
+
+        progress = _progress(args)
+        progress(f"registry benchmark: a {args.size_mib} MiB capsule through a local registry vs curl")
+        data = run(args.out, size_mib=args.size_mib)
+        s = data["summary"]
+        _emit(args, data, f"push {s['push_MB_s']} MB/s ({s['push_vs_curl']}x curl PUT), pull {s['pull_MB_s']} MB/s "
+                          f"({s['pull_vs_curl_file_fsynced']}x curl to a synced file, {s['pull_vs_curl_devnull']}x "
+                          f"curl to /dev/null), peak RSS {s['peak_rss_mib_push']}/{s['peak_rss_mib_pull']} MiB; "
+                          f"wrote {args.out}/registry_bench.json and .png")
+        return 0
     from .bench.run import run_bench
 
     data = run_bench(args, progress=_progress(args))
@@ -391,6 +403,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", default="bench/results", help="directory for the JSON and PNG")
     sp.add_argument("--engine-opt", action="append", metavar="KEY=VALUE", help="engine option, repeatable")
     sp.add_argument("--name", help="result file stem (default ENGINE-DEVICE-MODE)")
+    sp.add_argument("--registry", action="store_true", help="benchmark push/pull through a local registry instead")
+    sp.add_argument("--size-mib", type=int, default=2048, help="capsule size for --registry")
     sp.add_argument("--json", action="store_true", help="print the result JSON, no progress")
     return p
 

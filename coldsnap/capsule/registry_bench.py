@@ -258,7 +258,32 @@ def run(out_dir, size_mib: int = 2048, repeats: int = 3) -> dict:
     _drop(work)
     _drop(shm)
     (out / "registry_bench.json").write_text(json.dumps(result, indent=1))
+    _chart(result, out / "registry_bench.png")
     return result
+
+
+def _chart(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    med = result["summary"]["median_MB_s"]
+    labels = [k for k in ("push", "curl_put", "pull", "pull_tmpfs", "curl_get_file", "curl_get_devnull") if k in med]
+    fig, ax = plt.subplots(figsize=(8, 4.2), dpi=120)
+    colors = ["#2b7bba" if not k.startswith("curl") else "#9a9a9a" for k in labels]
+    ax.bar(labels, [med[k] for k in labels], color=colors)
+    for i, k in enumerate(labels):
+        ax.annotate(f"{med[k]:.0f}", (i, med[k]), textcoords="offset points", xytext=(0, 4), ha="center")
+    ax.set_ylabel("MB/s (median)")
+    s = result["summary"]
+    ax.set_title(f"{result['size_bytes'] / 2**30:.0f} GiB capsule, local registry: push {s['push_vs_curl']}x curl PUT, "
+                 f"pull {s['pull_vs_curl_file_fsynced']}x curl-to-file; peak RSS {s['peak_rss_mib_push']:.0f}/"
+                 f"{s['peak_rss_mib_pull']:.0f} MiB", fontsize=9)
+    fig.text(0.01, 0.01, result["command"], fontsize=6, color="#555555")
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.savefig(path)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
