@@ -92,8 +92,7 @@ def run_bench(args, progress=lambda m: None) -> dict:
     ratio = round(v["median_s"] / rr["median_s"], 2)
     data = {
         "kind": "coldsnap.bench",
-        "command": "coldsnap " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[0].endswith(
-            "coldsnap") else " ".join(shlex.quote(a) for a in sys.argv),
+        "command": "coldsnap " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "host": {"machine": platform.machine(), "kernel": platform.release(), "cpus": _cpus(),
                  "cpu_model": cap.profile.host.cpu_model, "criu": cap.profile.host.criu_version,

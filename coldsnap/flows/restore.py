@@ -159,7 +159,8 @@ def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progr
             pid = criu.restore(staged.images, work, options, netns_path(plan.netns))
         with tl.span("hydrate"):
             gpu = gpu_support.restore_restored_tree(pid)
-            adapter.after_restore(plan.workload_address, plan.port, profile.kv_discarded, profile.weights_mode)
+            engine = adapter.after_restore(plan.workload_address, plan.port, profile.kv_discarded,
+                                           profile.weights_mode)
         probe = ValidationProbe(plan.workload_address, plan.port, validation)
         with tl.span("validate"):
             probe.wait_ready(alive=lambda: alive(pid), timeout=validation.ready_timeout_s)
@@ -177,6 +178,7 @@ def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progr
                 "url": f"http://{plan.workload_address}:{plan.port}",
                 "time_to_first_token_s": round(ttft, 4), "validated_text": res.text,
                 "cuda_processes": len(gpu.pids), "criu_options": options.cli_flags(),
+                "hydrate": {"cuda_restore_s": gpu.seconds, "engine_resume": engine},
                 "weights_mode": profile.weights_mode}
     finally:
         if not ok:
