@@ -147,7 +147,11 @@ def cmd_restore(args) -> int:
     else:
         if not args.capsule:
             raise ColdSnapError(ErrorCode.INVALID_REQUEST, "restore needs --capsule REF (or --request FILE)")
+        gpu_map = dict(pair.split("=", 1) for pair in (args.gpu_map or []) if "=" in pair)
+        if len(gpu_map) != len(args.gpu_map or []):
+            raise ColdSnapError(ErrorCode.INVALID_REQUEST, "--gpu-map expects CAPTURED_UUID=LOCAL_UUID")
         req = RestoreRequest(operation="prepare" if args.prepare_only else "restore", capsule=args.capsule,
+                             gpu_map=gpu_map,
                              policy=Policy(fallback_to_cold=not args.no_fallback, allow_unpinned=args.allow_unpinned,
                                            compatibility="relaxed" if args.relaxed else "strict"))
     r = restore(req, progress=_progress(args))
@@ -352,6 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--no-fallback", action="store_true", help="fail instead of starting cold")
     sp.add_argument("--allow-unpinned", action="store_true", help="accept a tag instead of a digest")
     sp.add_argument("--relaxed", action="store_true", help="relaxed compatibility (only what breaks a restore)")
+    sp.add_argument("--gpu-map", action="append", metavar="CAPTURED=HERE",
+                    help="restore onto another GPU of the same kind: GPU UUID pairs (repeatable)")
     sp.add_argument("--json", action="store_true")
 
     sp = add("status", cmd_status, "workloads on this host (active/sleeping)")
@@ -403,6 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", default="bench/results", help="directory for the JSON and PNG")
     sp.add_argument("--engine-opt", action="append", metavar="KEY=VALUE", help="engine option, repeatable")
     sp.add_argument("--name", help="result file stem (default ENGINE-DEVICE-MODE)")
+    sp.add_argument("--drop-caches", action="store_true", help="drop the page cache before every sample")
     sp.add_argument("--registry", action="store_true", help="benchmark push/pull through a local registry instead")
     sp.add_argument("--size-mib", type=int, default=2048, help="capsule size for --registry")
     sp.add_argument("--json", action="store_true", help="print the result JSON, no progress")

@@ -57,9 +57,12 @@ def run_bench(args, progress=lambda m: None) -> dict:
     expected = cap.profile.expected_text
     capsule_bytes = cap.receipt["result"]["capsule_bytes"]
 
+    drop = getattr(args, "drop_caches", False)
     nv = getattr(args, "vanilla_samples", None) or n
     vanilla, validated_vanilla = [], 0
     for i in range(nv):
+        if drop:
+            drop_page_cache()
         ttft = _vanilla_once(name, req, launch, expected)
         vanilla.append(ttft)
         validated_vanilla += 1
@@ -72,6 +75,8 @@ def run_bench(args, progress=lambda m: None) -> dict:
 
     restored, validated_restore, fell_back = [], 0, 0
     for i in range(n):
+        if drop:
+            drop_page_cache()
         r = restore(RestoreRequest(operation="restore", capsule=cap.capsule, policy=Policy(fallback_to_cold=False)))
         res = r["result"]
         restored.append(res["time_to_first_token_s"])
@@ -97,6 +102,7 @@ def run_bench(args, progress=lambda m: None) -> dict:
         "host": {"machine": platform.machine(), "kernel": platform.release(), "cpus": _cpus(),
                  "cpu_model": cap.profile.host.cpu_model, "criu": cap.profile.host.criu_version,
                  "gpus": [g.name for g in cap.profile.host.gpus]},
+        "page_cache": "dropped before every sample" if drop else "warm",
         "engine": args.engine, "device": device, "weights_mode": cap.profile.weights_mode,
         "samples": n,
         "clock": "issue of start/restore -> first non-empty streamed token; staging excluded and reported apart",
@@ -115,6 +121,13 @@ def run_bench(args, progress=lambda m: None) -> dict:
     _chart(data, stem.with_suffix(".png"))
     data["_summary"] = side_by_side(data) + f"\nwrote {stem}.json and {stem}.png"
     return data
+
+
+def drop_page_cache() -> None:
+    """Cold-cache samples: what a restore costs when its bytes come from disk, not memory."""
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3")
 
 
 def _cpus() -> int:

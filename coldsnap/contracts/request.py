@@ -124,6 +124,8 @@ class RestoreRequest(_Request):
     policy: Policy = Field(default_factory=Policy)
     validation: Validation | None = Field(default=None, description="Override the validation recorded at capture.")
     lifecycle: Lifecycle = Field(default_factory=Lifecycle)
+    gpu_map: dict[str, str] = Field(default_factory=dict, description="Captured GPU UUID → GPU UUID here: restore "
+                                    "onto another GPU of the same kind (driver r575+).")
 
 
 class WorkloadRequest(_Request):

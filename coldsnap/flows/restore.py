@@ -158,7 +158,7 @@ def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progr
             options = CriuOptions()
             pid = criu.restore(staged.images, work, options, netns_path(plan.netns))
         with tl.span("hydrate"):
-            gpu = gpu_support.restore_restored_tree(pid)
+            gpu = gpu_support.restore_restored_tree(pid, gpu_pairs=list(request.gpu_map.items()) or None)
             engine = adapter.after_restore(plan.workload_address, plan.port, profile.kv_discarded,
                                            profile.weights_mode)
         probe = ValidationProbe(plan.workload_address, plan.port, validation)
