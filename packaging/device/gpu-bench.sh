@@ -13,12 +13,19 @@ if [ "${DOCTOR:-0}" = 1 ]; then
       -o addopts="" 2>&1 | tail -4
 fi
 echo "== bench $MODE"
+NAME=reference-cuda-$MODE${DROP:+-cold}
 timeout ${BENCH_TIMEOUT:-420} $CS bench --device cuda -n "$N" --vanilla-samples "$NV" --weights-mode "$MODE" $SIZE \
-    --out "$OUT" --name "reference-cuda-$MODE"
+    --out "$OUT" --name "$NAME" ${DROP:+--drop-caches}
 echo "bench rc=$?"
+D=$(python3 -c "import json;print(json.load(open('$OUT/$NAME.json'))['capsule']['digest'])")
+if [ "${GPUMAP:-0}" = 1 ]; then
+  U=$(nvidia-smi --query-gpu=uuid --format=csv,noheader | head -1)
+  echo "== restore with --gpu-map $U=$U"
+  $CS restore --capsule "$D" --gpu-map "$U=$U" --no-fallback --json | python3 -c "import json,sys;r=json.load(sys.stdin);print(r['state'],r['result'].get('time_to_first_token_s'),r['result'].get('hydrate'))"
+  $CS stop bench-reference
+fi
 if [ "${SLEEP:-0}" = 1 ]; then
   echo "== sleep/wake"
-  D=$(python3 -c "import json;print(json.load(open('$OUT/reference-cuda-$MODE.json'))['capsule']['digest'])")
   $CS restore --capsule "$D" --json > /dev/null && for i in 1 2 3; do
     $CS sleep bench-reference --json | python3 -c "import json,sys;r=json.load(sys.stdin);print('sleep',r['result'])"
     nvidia-smi --query-gpu=memory.used --format=csv,noheader
