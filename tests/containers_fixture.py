@@ -189,3 +189,75 @@ def netns_http(netns: str, path: str, port: int = ENGINE_PORT, timeout: float = 
 
 def rm_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+def completion_in(pid: int, port: int = ENGINE_PORT) -> str:
+    """A greedy completion from inside the network namespace of pid (nsenter + curl)."""
+    r = subprocess.run(["nsenter", f"--net=/proc/{pid}/ns/net", "curl", "-s", "-m", "60",
+                        f"http://127.0.0.1:{port}/v1/completions",
+                        "-d", json.dumps({"prompt": "ColdSnap says", "max_tokens": 16, "temperature": 0})],
+                       capture_output=True, text=True)
+    return json.loads(r.stdout)["choices"][0]["text"]
+
+
+def healthy_in(pid: int, port: int = ENGINE_PORT) -> bool:
+    r = subprocess.run(["nsenter", f"--net=/proc/{pid}/ns/net", "curl", "-s", "-m", "2", "-o", "/dev/null",
+                        "-w", "%{http_code}", f"http://127.0.0.1:{port}/health"], capture_output=True, text=True)
+    return r.stdout.strip() == "200"
+
+
+def env_wrapper(path: Path, env: dict[str, str], target: Path = RUNTIME) -> Path:
+    """An executable that sets env and execs target. Engines start their runtime with an almost empty
+    environment (podman/conmon: PWD and XDG_RUNTIME_DIR only), so a test's private ColdSnap paths travel this way
+    (deployments use the defaults or /etc/coldsnap/runtime.json {"env": {...}})."""
+    exports = " ".join(f"{k}={v}" for k, v in env.items())
+    path.write_text(f"#!/bin/sh\nexport {exports}\nexec {target} \"$@\"\n")
+    path.chmod(0o755)
+    return path
+
+
+def coldsnap_env(base: Path) -> dict[str, str]:
+    return {"COLDSNAP_HOME": str(base / "home"), "COLDSNAP_RUN": str(base / "run"),
+            "COLDSNAP_CRIU_PREFIX": str(Path(CRIU).parent.parent)}
+
+
+def oci_archive(rootfs: Path, out: Path, name: str) -> Path:
+    """An OCI image archive (oci-layout, index.json, blobs/) of rootfs as one uncompressed layer, named `name`
+    (io.containerd.image.name), for `ctr images import`. Built here: no registry, no other engine needed."""
+    import hashlib
+    import io
+    import tarfile
+
+    def blob(tar: tarfile.TarFile, data: bytes) -> str:
+        digest = hashlib.sha256(data).hexdigest()
+        info = tarfile.TarInfo(f"blobs/sha256/{digest}")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+        return digest
+
+    layer = io.BytesIO()
+    with tarfile.open(fileobj=layer, mode="w") as lt:
+        lt.add(rootfs, arcname=".")
+    layer_bytes = layer.getvalue()
+    with tarfile.open(out, "w") as tar:
+        layer_digest = blob(tar, layer_bytes)
+        config = json.dumps({"architecture": "amd64", "os": "linux", "config": {"Cmd": ["/bin/sh"]},
+                             "rootfs": {"type": "layers", "diff_ids": [f"sha256:{layer_digest}"]}}).encode()
+        config_digest = blob(tar, config)
+        manifest = json.dumps({
+            "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": f"sha256:{config_digest}",
+                       "size": len(config)},
+            "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": f"sha256:{layer_digest}",
+                        "size": len(layer_bytes)}]}).encode()
+        manifest_digest = blob(tar, manifest)
+        for fname, data in (("oci-layout", json.dumps({"imageLayoutVersion": "1.0.0"}).encode()),
+                            ("index.json", json.dumps({"schemaVersion": 2, "manifests": [{
+                                "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                                "digest": f"sha256:{manifest_digest}", "size": len(manifest),
+                                "annotations": {"io.containerd.image.name": name,
+                                                "org.opencontainers.image.ref.name": name.rsplit(":", 1)[-1]}}]}).encode())):
+            info = tarfile.TarInfo(fname)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return out

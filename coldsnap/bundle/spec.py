@@ -49,6 +49,27 @@ def annotations_of(spec: dict) -> dict[str, str]:
     return {str(k): str(v) for k, v in value.items()} if isinstance(value, dict) else {}
 
 
+# For engines that cannot set OCI annotations on a container (Docker before 24 has no `run --annotation`), the
+# same settings are read from the container's environment. An annotation wins over its variable.
+ENV_ANNOTATIONS = {
+    "COLDSNAP_CAPSULE": "io.coldsnap.capsule",
+    "COLDSNAP_POLICY": "io.coldsnap.policy",
+    "COLDSNAP_VALIDATION": "io.coldsnap.validation",
+    "COLDSNAP_IMAGE_DIGEST": "io.coldsnap.image-digest",
+}
+
+
+def coldsnap_annotations(spec: dict) -> dict[str, str]:
+    """The spec's annotations, completed with io.coldsnap.* settings given as COLDSNAP_* process env vars."""
+    ann = annotations_of(spec)
+    for entry in (spec.get("process") or {}).get("env") or []:
+        name, sep, value = str(entry).partition("=")
+        key = ENV_ANNOTATIONS.get(name)
+        if sep and key and key not in ann:
+            ann[key] = value
+    return ann
+
+
 def hooks(spec: dict, stage: str) -> list[dict]:
     """The hooks of one stage (poststart, poststop, createRuntime, ...), [] when none."""
     value = (spec.get("hooks") or {}).get(stage) or []

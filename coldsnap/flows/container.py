@@ -17,7 +17,7 @@ from typing import Callable
 
 from .. import gpu_support
 from ..bundle import criu_runc
-from ..bundle.spec import annotations_of, load_spec
+from ..bundle.spec import coldsnap_annotations, load_spec
 from ..capsule import CapsuleStore
 from ..config import private_dir, settings
 from ..contracts import (
@@ -95,7 +95,7 @@ def capture_container(container_id: str, runc_root: str | Path = "/run/runc", bu
     engine in the container holds its weights (native: in the images; recovery: file-backed, reloaded)."""
     state = container_state(runc, runc_root, container_id)
     spec = load_spec(bundle or state["bundle"])
-    ann = annotations_of(spec)
+    ann = coldsnap_annotations(spec)
     try:
         val_ann = json.loads(ann.get(mt.ANNOTATION_VALIDATION) or "{}")
     except ValueError:

@@ -28,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1 or args[0] not in STAGES:
         print(f"usage: coldsnap-hook {{{'|'.join(STAGES)}}} < container-state.json", file=sys.stderr)
         return 2
+    from ..shim.runc import apply_config_env
+
+    apply_config_env()  # hooks from oci-hooks.d run with an empty environment, like the runtime
     try:
         state = read_state(sys.stdin.read())
     except ValueError as e:

@@ -5,10 +5,12 @@ the policy allows, and never leaves a half-restored container behind."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 
 from ..bundle.argv import RuncArgv
-from ..bundle.spec import annotations_of, write_spec
+from ..bundle.spec import coldsnap_annotations, write_spec
 from ..capsule import LoadedCapsule
 from ..contracts import ColdSnapError, ErrorCode
 from ..flows.restore import admission_for, load_capsule, stage
@@ -40,12 +42,22 @@ def _admit(creq: ContainerRequest, tl: Timeline) -> LoadedCapsule:
     return capsule
 
 
+def _stage(capsule: LoadedCapsule):
+    """stage(), once more if a concurrent restore of the same capsule won the race to publish the staged dir."""
+    try:
+        return stage(capsule)
+    except OSError:
+        return stage(capsule)
+
+
 def create_from_capsule(runc: str, parsed: RuncArgv, spec: dict) -> int:
     from .start import start_restored
 
     cid = parsed.container_id
+    if os.path.exists(os.path.join(parsed.root, cid)):  # runc's own refusal; and never touch that container
+        return runclog.fail(parsed, f"container with id exists: {cid}")
     try:
-        creq = request_from_annotations(annotations_of(spec))
+        creq = request_from_annotations(coldsnap_annotations(spec))
         if add_coldsnap_hooks(spec):
             write_spec(parsed.bundle, spec)
     except ColdSnapError as e:
@@ -62,7 +74,7 @@ def create_from_capsule(runc: str, parsed: RuncArgv, spec: dict) -> int:
                                 "or run --detach)")
         capsule = _admit(creq, tl)
         with tl.span("stage"):
-            staged = stage(capsule)
+            staged = _stage(capsule)
         attempted = True
         restored = restore_container(runc, parsed, staged, creq.host, creq.port, tl)
     except Exception as e:  # noqa: BLE001 - whatever went wrong, the container must still come up (or say why)
@@ -93,8 +105,8 @@ def fall_back(runc: str, parsed: RuncArgv, creq: ContainerRequest, tl: Timeline,
     cid = parsed.container_id
     if attempted:  # never leave a half-restored container (only ours: a restore was tried under this id)
         _remove_container(runc, parsed)
-    work = str(work_dir_path(cid))
     forget(cid)
+    shutil.rmtree(work_dir_path(cid), ignore_errors=True)  # what is worth keeping sits beside the receipt
     reason = f"{cause.code.value}: {cause.message}"
     if cause.code in NO_FALLBACK or not creq.request.policy.fallback_to_cold:
         write_receipt(creq.request, cid, tl, "refused" if cause.code == ErrorCode.INCOMPATIBLE else "failed",
@@ -104,7 +116,7 @@ def fall_back(runc: str, parsed: RuncArgv, creq: ContainerRequest, tl: Timeline,
         "container": cid, "capsule": capsule.digest if capsule else creq.request.capsule,
         "fallback_reason": reason, "started": "cold"})
     state.save(cid, {"outcome": "fell-back", "id": cid, "root": parsed.root, "bundle": parsed.bundle,
-                     "reason": reason, "receipt": receipt["_path"], "work_dir": work})
+                     "reason": reason, "receipt": receipt["_path"]})
     runclog.log(parsed, "warning", f"coldsnap: {reason}; starting the container cold")
     exec_runc(runc, parsed.argv)
     return 127  # not reached

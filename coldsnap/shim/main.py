@@ -11,24 +11,26 @@ from __future__ import annotations
 import sys
 
 from ..bundle.argv import RuncArgv, parse_runc_argv
-from .runc import RuncNotFound, exec_runc, find_runc
+from .runc import RuncNotFound, apply_config_env, exec_runc, find_runc
 
 ANNOTATION_CAPSULE = "io.coldsnap.capsule"  # == coldsnap.contracts.capsule.ANNOTATION_CAPSULE (not imported: pydantic)
 
 
 def annotated_spec(parsed: RuncArgv) -> dict | None:
     """The bundle's spec when it asks for a capsule; None (pass through) when it does not or cannot be read."""
-    from ..bundle.spec import annotations_of, load_spec
+    from ..bundle.spec import coldsnap_annotations, load_spec
 
     try:
         spec = load_spec(parsed.bundle)
     except (OSError, ValueError):
         return None  # runc reports an unreadable bundle better than we would
-    return spec if annotations_of(spec).get(ANNOTATION_CAPSULE, "").strip() else None
+    return spec if coldsnap_annotations(spec).get(ANNOTATION_CAPSULE, "").strip() else None
 
 
 def _full_python() -> None:
-    """A fast launcher runs us with `python -S`: the heavy paths need site-packages (pydantic, pycriu)."""
+    """Before anything beyond the pass-through: settings from runtime.json, and site-packages (pydantic, pycriu)
+    when a fast launcher runs us with `python -S`."""
+    apply_config_env()
     if sys.flags.no_site:
         import site
 
@@ -56,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     elif command in ("start", "delete") and cid:
         from . import state
 
+        apply_config_env()  # where the records are
         record = state.load(cid)
         if state.belongs(record, parsed.root):
             _full_python()

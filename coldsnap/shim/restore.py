@@ -41,9 +41,9 @@ def restore_argv(runc: str, parsed: RuncArgv, images: Path, work: Path, pid_file
     argv = [runc, *parsed.global_argv(drop=("criu", "log", "log-format")),
             "--log", str(work / "runc.log"), "--log-format", "json", "--criu", settings().criu,
             "restore", "--detach", "--image-path", str(images), "--work-path", str(work),
-            "--bundle", parsed.bundle, "--pid-file", pid_file]
+            "--bundle", parsed.bundle, "--pid-file", os.path.abspath(pid_file)]
     if parsed.console_socket:
-        argv += ["--console-socket", parsed.console_socket]
+        argv += ["--console-socket", os.path.abspath(parsed.console_socket)]
     if parsed.flag("no-pivot"):
         argv.append("--no-pivot")
     return argv + flags + [parsed.container_id]
@@ -65,6 +65,16 @@ def _runc_error(log: Path) -> str:
     return msg.strip() or "no error in runc's log"
 
 
+def _keep_log(log: Path, container_id: str) -> Path | None:
+    """CRIU's restore log beside the container's receipt: the work dir goes when the container does."""
+    if not log.exists():
+        return None
+    dest = private_dir(settings().receipts) / f"{container_id}.restore.log"
+    shutil.copyfile(log, dest)
+    dest.chmod(0o600)
+    return dest
+
+
 def runc_restore(runc: str, parsed: RuncArgv, staged: Staged, work: Path) -> tuple[int, list[str]]:
     """Returns (host pid of the restored init, the argv used). The container is running when this returns."""
     flags, lines = criu_runc.split(staged.capsule.profile.criu_options, "restore")
@@ -74,8 +84,9 @@ def runc_restore(runc: str, parsed: RuncArgv, staged: Staged, work: Path) -> tup
     # stdio is inherited: runc hands the caller's pipes (conmon's, containerd's) to the restored process.
     rc = subprocess.call(argv, env={**os.environ, "CRIU_CONFIG_FILE": str(conf)})
     if rc != 0:
+        kept = _keep_log(work / "restore.log", parsed.container_id)
         raise ColdSnapError(ErrorCode.CRIU_FAILED, f"runc restore failed (exit {rc}): {_runc_error(work / 'runc.log')}; "
-                            f"CRIU: {_first_error(work / 'restore.log')} (logs in {work})")
+                            f"CRIU: {_first_error(work / 'restore.log')}" + (f" (log: {kept})" if kept else ""))
     try:
         return int(Path(pid_file).read_text().strip()), argv
     except (OSError, ValueError):

@@ -1,7 +1,11 @@
 """The real runc: where it is, and how to hand over to it.
 
 Resolution order: $COLDSNAP_RUNC, then {"runc": PATH} in /etc/coldsnap/runtime.json, then `runc` on $PATH
-(skipping this wrapper itself, which may be installed under that name)."""
+(skipping this wrapper itself, which may be installed under that name).
+
+/etc/coldsnap/runtime.json may also hold {"env": {"COLDSNAP_HOME": ..., ...}}: container engines start their
+runtime with an almost empty environment (podman/conmon pass only PWD and XDG_RUNTIME_DIR), so where ColdSnap
+keeps its store, run state and receipts is configured there. Variables already set win."""
 
 from __future__ import annotations
 
@@ -22,17 +26,37 @@ def _is_self(path: str) -> bool:
     return real == me or os.path.basename(real) in WRAPPER_NAMES
 
 
-def _from_config(path: str = RUNTIME_CONFIG) -> str | None:
-    if not os.path.exists(path):
-        return None
-    import json
+_config: dict | None = None
 
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f).get("runc")
-    except (OSError, ValueError, AttributeError):
-        return None
+
+def runtime_config(path: str = RUNTIME_CONFIG) -> dict:
+    global _config
+    if _config is None:
+        _config = {}
+        if os.path.exists(path):
+            import json
+
+            try:
+                with open(path, encoding="utf-8") as f:
+                    value = json.load(f)
+                _config = value if isinstance(value, dict) else {}
+            except (OSError, ValueError):
+                pass
+    return _config
+
+
+def _from_config() -> str | None:
+    value = runtime_config().get("runc")
     return value if isinstance(value, str) and value else None
+
+
+def apply_config_env() -> None:
+    """COLDSNAP_* settings from runtime.json, for the paths that need them (never the pass-through)."""
+    env = runtime_config().get("env")
+    if isinstance(env, dict):
+        for key, value in env.items():
+            if isinstance(key, str) and key.startswith("COLDSNAP_") and isinstance(value, str):
+                os.environ.setdefault(key, value)
 
 
 def find_runc() -> str:

@@ -8,10 +8,11 @@
 #   setup.sh start-dockerd DIR      dockerd with DIR/daemon.json (from daemon.json here: data-root, exec-root,
 #                                   pidfile, socket under DIR; runtime "coldsnap" = the venv's coldsnap-runtime)
 #   setup.sh stop-dockerd DIR
-#   setup.sh install-launchers [BINDIR]   fast `python -S` launcher for coldsnap-runtime + coldsnap-hook in BINDIR
-#                                   (default /usr/local/bin) and the podman/CRI-O hooks in
-#                                   /usr/share/containers/oci/hooks.d
-# Environment: VENV (default: the repository's .venv), for the runtime path written into daemon.json.
+#   setup.sh install-launchers [BINDIR [HOOKSDIR]]  a fast `python -S` launcher for coldsnap-runtime and a
+#                                   coldsnap-hook link in BINDIR (default /usr/local/bin); the podman/CRI-O hooks
+#                                   in HOOKSDIR (default /usr/share/containers/oci/hooks.d; "-": none)
+# Environment: VENV (default: the repository's .venv); COLDSNAP_RUNTIME_PATH, the runtime written into
+# daemon.json (default: $VENV/bin/coldsnap-runtime).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
@@ -52,12 +53,12 @@ install() {
     [ ${#missing[@]} -gt 0 ] || return 0
     mapfile -t missing < <(printf '%s\n' "${missing[@]}" | sort -u)
     log "installing ${missing[*]}"
-    # Serialise with other installers on this host; the policy-rc.d keeps docker/containerd from autostarting.
+    # Serialise with other installers on this host (and wait for dpkg's lock). The packages' own system daemons
+    # are not ours to manage: ColdSnap's run on private paths (start-containerd, start-dockerd) beside them.
     exec 9>/var/lib/apt/coldsnap-containers.lock
     flock 9
-    if [ ! -e /usr/sbin/policy-rc.d ]; then printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d; chmod +x /usr/sbin/policy-rc.d; fi
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    apt-get -o DPkg::Lock::Timeout=600 update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 }
 
 wait_socket() {  # path seconds
@@ -97,7 +98,8 @@ start_dockerd() {
     local dir=$1
     mkdir -p "$dir"
     if [ -f "$dir/dockerd.pid" ] && kill -0 "$(cat "$dir/dockerd.pid")" 2>/dev/null; then cat "$dir/dockerd.pid"; return; fi
-    sed -e "s|@DIR@|$dir|g" -e "s|@RUNTIME@|$VENV/bin/coldsnap-runtime|g" "$HERE/daemon.json" >"$dir/daemon.json"
+    sed -e "s|@DIR@|$dir|g" -e "s|@RUNTIME@|${COLDSNAP_RUNTIME_PATH:-$VENV/bin/coldsnap-runtime}|g" \
+        "$HERE/daemon.json" >"$dir/daemon.json"
     setsid /usr/sbin/dockerd --config-file "$dir/daemon.json" >"$dir/dockerd.log" 2>&1 </dev/null &
     echo $! >"$dir/dockerd.pid"
     wait_socket "$dir/docker.sock" 60
@@ -105,7 +107,7 @@ start_dockerd() {
 }
 
 install_launchers() {
-    local bindir=${1:-/usr/local/bin}
+    local bindir=${1:-/usr/local/bin} hooksdir=${2:-/usr/share/containers/oci/hooks.d}
     mkdir -p "$bindir"
     # `python -S` skips site (and the editable-install finder): pass-through starts in ~9 ms instead of ~23 ms.
     # The shim calls site.main() itself before it imports anything outside the stdlib.
@@ -119,11 +121,13 @@ LAUNCHER
     chmod 755 "$bindir/coldsnap-runtime.tmp"
     mv "$bindir/coldsnap-runtime.tmp" "$bindir/coldsnap-runtime"
     ln -sfn "$VENV/bin/coldsnap-hook" "$bindir/coldsnap-hook"
-    mkdir -p /usr/share/containers/oci/hooks.d
+    log "installed $bindir/coldsnap-runtime and $bindir/coldsnap-hook"
+    [ "$hooksdir" = "-" ] && return 0
+    mkdir -p "$hooksdir"
     for f in "$REPO"/packaging/oci-hooks.d/*.json; do
-        sed "s|/usr/local/bin/coldsnap-hook|$bindir/coldsnap-hook|" "$f" >"/usr/share/containers/oci/hooks.d/$(basename "$f")"
+        sed "s|/usr/local/bin/coldsnap-hook|$bindir/coldsnap-hook|" "$f" >"$hooksdir/$(basename "$f")"
     done
-    log "installed $bindir/coldsnap-runtime, $bindir/coldsnap-hook and the OCI hooks"
+    log "installed the podman/CRI-O hooks in $hooksdir"
 }
 
 cmd=${1:-install}; shift || true

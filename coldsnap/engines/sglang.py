@@ -1,0 +1,74 @@
+"""Adapter for SGLang's OpenAI-compatible server on CPU (PyPI sglang 0.5.23 with SGLANG_USE_CPU_ENGINE=1, set up by
+packaging/engines/sglang-setup.sh with ColdSnap's pure-PyTorch sgl_kernel stand-in).
+
+The engine runs from its own venv (default /var/lib/coldsnap/venvs/sglang). What makes the tree checkpointable
+(measured, knowledge base "A real engine on CPU: SGLang"):
+  - io_uring blocked by a seccomp filter installed before exec (uvloop), as for vLLM;
+  - --sleep-on-idle: without it the idle scheduler busy-polls a core;
+  - own PID namespace, --tcp-established (the scheduler's TCPStore connection to itself), --link-remap (a POSIX
+    semaphore mapped under a deleted name): provided by the generic process-mode flow;
+  - /dev/shm/sglang_loads_*.shm and the semaphore's link_remap.N are state outside the CRIU images: see
+    coldsnap.engines.vllm.extra_files (the same hooks serve both engines);
+  - as PID 1 of its namespace the leader hangs on SIGTERM: stop it with SIGKILL (kill_tree does).
+
+Weights mode is native only. SGLang's /release_memory_occupation and /resume_memory_occupation are implemented with
+torch_memory_saver, which needs CUDA VMM (or Intel XPU); on CPU the adapter there is a no-op that logs "will not save
+memory", so releasing before the dump would shrink nothing, and the weights travel in the CRIU images.
+
+Engine options (request.engine.options):
+  venv                engine venv (default /var/lib/coldsnap/venvs/sglang, or $COLDSNAP_SGLANG_VENV); the default
+                      one is built on first use by packaging/engines/sglang-setup.sh
+  model               model directory (default /var/lib/coldsnap/fixtures/tiny-llama, made locally on first use)
+  served_model_name   default coldsnap/tiny-llama for the tiny model, else the directory name
+  dtype               auto (default: the checkpoint's, float32 for the tiny model) | float32 | bfloat16
+  max_total_tokens    default 4096 (the KV pool: an explicit size, not a fraction of what /proc reports)
+  mem_fraction_static default 0.05
+  attention_backend   default torch_native
+  seed                --random-seed, default 0
+  any other key       passed as --key-with-dashes VALUE (true: bare flag, false: --no-flag)
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..contracts import CaptureRequest, ColdSnapError, ErrorCode
+from . import tinymodel
+from .base import EngineAdapter, PreparedLaunch
+from .vllm import ShmStateMixin, base_env, dist_version, ensure_venv, option_flags, resolve_model, seccomp_prefix
+
+DEFAULT_VENV = "/var/lib/coldsnap/venvs/sglang"
+
+
+class SglangAdapter(ShmStateMixin, EngineAdapter):
+    name = "sglang"
+    supports_recovery = False  # see the module docstring: no memory release on CPU
+
+    def prepare(self, request: CaptureRequest) -> PreparedLaunch:
+        mode = self.resolve_weights_mode(request.policy.weights_mode)
+        if any(d.startswith("cuda") for d in request.launch.devices):
+            raise ColdSnapError(ErrorCode.INVALID_REQUEST, "the sglang adapter drives SGLang's CPU engine only "
+                                "(launch.devices must be empty)")
+        opts = dict(request.engine.options)
+        venv = ensure_venv("sglang", Path(str(opts.pop("venv", None) or os.environ.get("COLDSNAP_SGLANG_VENV")
+                                              or DEFAULT_VENV)), DEFAULT_VENV)
+        python = venv / "bin" / "python"
+        model_dir, served = resolve_model(opts, python)
+        argv = request.launch.command or [
+            *seccomp_prefix(),
+            str(python), "-m", "sglang.launch_server",
+            "--model-path", str(model_dir), "--served-model-name", served,
+            "--host", "0.0.0.0", "--port", str(request.launch.port),
+            "--device", "cpu", "--disable-cuda-graph", "--sleep-on-idle",
+            "--attention-backend", str(opts.pop("attention_backend", "torch_native")),
+            "--max-total-tokens", str(int(opts.pop("max_total_tokens", 4096))),
+            "--mem-fraction-static", str(float(opts.pop("mem_fraction_static", 0.05))),
+            "--dtype", str(opts.pop("dtype", "auto")),
+            "--random-seed", str(int(opts.pop("seed", 0))),
+            *option_flags(opts),
+        ]
+        env = {**base_env(), "SGLANG_USE_CPU_ENGINE": "1", **request.launch.env}
+        model = request.model or tinymodel.describe_model_dir(model_dir, served)
+        return PreparedLaunch(argv=argv, env=env, weights_mode=mode, model=model, cwd=request.launch.workdir,
+                              engine_version=dist_version(venv, "sglang"))

@@ -1,0 +1,201 @@
+"""`coldsnap runtime configure --runtime=docker|containerd|podman [--dry-run] [--set-default] [--config PATH]`:
+register coldsnap-runtime with a container engine, the way `nvidia-ctk runtime configure` does.
+
+  docker      daemon.json: "runtimes": {"coldsnap": {"path": …}} (+ "default-runtime": "coldsnap")
+  containerd  config.toml: a runc-v2 runtime "coldsnap" whose options.BinaryName is coldsnap-runtime, passing
+              io.coldsnap.* pod/container annotations through CRI (+ default_runtime_name); and a Kubernetes
+              RuntimeClass "coldsnap" (printed; written where runtime_class_path says)
+  podman      containers.conf: [engine.runtimes] coldsnap = [path] (+ [engine] runtime = "coldsnap")
+
+Every key already in the file is kept; the file is replaced atomically (same mode) and only when it changes;
+dry_run prints the unified diff and writes nothing. TOML is edited as text (the stdlib cannot write TOML) and the
+result is parsed back with tomllib before it is written."""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ..contracts import ColdSnapError, ErrorCode
+
+NAME = "coldsnap"
+DEFAULTS = {"docker": "/etc/docker/daemon.json", "containerd": "/etc/containerd/config.toml",
+            "podman": "/etc/containers/containers.conf"}
+CRI = 'plugins."io.containerd.grpc.v1.cri".containerd'
+RUNTIME_CLASS = f"""apiVersion: node.k8s.io/v1
+kind: RuntimeClass
+metadata:
+  name: {NAME}
+handler: {NAME}
+"""
+
+
+@dataclass
+class Configured:
+    path: Path
+    changed: bool
+    diff: str
+    written: bool
+    notes: list[str]
+
+
+def default_runtime_path() -> str:
+    return shutil.which("coldsnap-runtime") or str(Path(sys.prefix) / "bin" / "coldsnap-runtime")
+
+
+# --- docker ------------------------------------------------------------------------------------------------------
+def docker_config(text: str, runtime: str, set_default: bool) -> str:
+    try:
+        data = json.loads(text) if text.strip() else {}
+    except ValueError as e:
+        raise ColdSnapError(ErrorCode.ENVIRONMENT, f"daemon.json is not valid JSON ({e}); not touching it") from None
+    if not isinstance(data, dict):
+        raise ColdSnapError(ErrorCode.ENVIRONMENT, "daemon.json is not a JSON object; not touching it")
+    runtimes = data.setdefault("runtimes", {})
+    entry = runtimes.get(NAME) if isinstance(runtimes.get(NAME), dict) else {}
+    runtimes[NAME] = {**entry, "path": runtime}
+    if set_default:
+        data["default-runtime"] = NAME
+    return json.dumps(data, indent=2) + "\n"
+
+
+# --- TOML as text ------------------------------------------------------------------------------------------------
+_HEADER = re.compile(r"^\s*\[\[?\s*(.+?)\s*\]\]?\s*(#.*)?$")
+
+
+def _norm(header: str) -> str:
+    return re.sub(r"\s*\.\s*", ".", header.strip())
+
+
+def _table_span(lines: list[str], table: str) -> tuple[int, int] | None:
+    """(header index, end index) of [table], or None."""
+    start = None
+    for i, line in enumerate(lines):
+        m = _HEADER.match(line)
+        if not m:
+            continue
+        if start is not None:
+            return start, i
+        if _norm(m.group(1)) == _norm(table):
+            start = i
+    return (start, len(lines)) if start is not None else None
+
+
+def set_toml_key(text: str, table: str, key: str, value: str) -> str:
+    """key = value (a TOML literal) in [table]; the table is appended when missing."""
+    lines = text.splitlines()
+    span = _table_span(lines, table)
+    if span is None:
+        lines += ["", f"[{table}]", f"  {key} = {value}"]
+        return "\n".join(lines).lstrip("\n") + "\n"
+    start, end = span
+    pat = re.compile(rf"^(\s*){re.escape(key)}\s*=")
+    for i in range(start + 1, end):
+        m = pat.match(lines[i])
+        if m:
+            lines[i] = f"{m.group(1) or '  '}{key} = {value}"
+            return "\n".join(lines) + "\n"
+    indent = re.match(r"^(\s*)", lines[start]).group(1) + "  "
+    lines.insert(start + 1, f"{indent}{key} = {value}")
+    return "\n".join(lines) + "\n"
+
+
+def _parse_toml(text: str, what: str) -> dict:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ColdSnapError(ErrorCode.ENVIRONMENT, f"{what} is not valid TOML ({e}); not touching it") from None
+
+
+def _dig(data: dict, dotted: str):
+    for part in re.findall(r'"[^"]*"|[^.]+', dotted):
+        data = data.get(part.strip('"'), {}) if isinstance(data, dict) else {}
+    return data
+
+
+# --- containerd --------------------------------------------------------------------------------------------------
+def containerd_config(text: str, runtime: str, set_default: bool) -> str:
+    _parse_toml(text, "config.toml")
+    if not text.strip():
+        text = "version = 2\n"
+    table = f"{CRI}.runtimes.{NAME}"
+    text = set_toml_key(text, table, "runtime_type", '"io.containerd.runc.v2"')
+    text = set_toml_key(text, table, "pod_annotations", '["io.coldsnap.*"]')
+    text = set_toml_key(text, table, "container_annotations", '["io.coldsnap.*"]')
+    text = set_toml_key(text, f"{table}.options", "BinaryName", json.dumps(runtime))
+    if set_default:
+        text = set_toml_key(text, CRI, "default_runtime_name", json.dumps(NAME))
+    data = _parse_toml(text, "the new config.toml")
+    assert _dig(data, f"{table}.options").get("BinaryName") == runtime
+    return text
+
+
+# --- podman ------------------------------------------------------------------------------------------------------
+def podman_config(text: str, runtime: str, set_default: bool) -> str:
+    _parse_toml(text, "containers.conf")
+    text = set_toml_key(text, "engine.runtimes", NAME, json.dumps([runtime]))
+    if set_default:
+        text = set_toml_key(text, "engine", "runtime", json.dumps(NAME))
+    data = _parse_toml(text, "the new containers.conf")
+    assert data["engine"]["runtimes"][NAME] == [runtime]
+    return text
+
+
+EDITORS: dict[str, Callable[[str, str, bool], str]] = {
+    "docker": docker_config, "containerd": containerd_config, "podman": podman_config}
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    mode = path.stat().st_mode & 0o7777 if path.exists() else 0o644
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def configure(runtime: str, *, dry_run: bool = False, set_default: bool = False, config: str | Path | None = None,
+              runtime_path: str | None = None, runtime_class_path: str | Path | None = None,
+              out: Callable[[str], None] = print) -> Configured:
+    if runtime not in EDITORS:
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"--runtime must be one of {', '.join(EDITORS)} (got {runtime!r})")
+    path = Path(config or DEFAULTS[runtime])
+    try:
+        old = path.read_text(encoding="utf-8") if path.exists() else ""
+    except OSError as e:
+        raise ColdSnapError(ErrorCode.ENVIRONMENT, f"cannot read {path}: {e.strerror}") from None
+    new = EDITORS[runtime](old, runtime_path or default_runtime_path(), set_default)
+    diff = "".join(difflib.unified_diff(old.splitlines(keepends=True), new.splitlines(keepends=True),
+                                        f"{path} (current)", f"{path} (with coldsnap)"))
+    changed = new != old
+    notes = []
+    if runtime == "containerd":
+        if runtime_class_path and not dry_run:
+            _atomic_write(Path(runtime_class_path), RUNTIME_CLASS)
+            notes.append(f"RuntimeClass written to {runtime_class_path}")
+        out(RUNTIME_CLASS.rstrip())
+    if dry_run:
+        out(diff.rstrip() or f"{path}: already configured")
+    elif changed:
+        _atomic_write(path, new)
+    restart = {"docker": "restart dockerd", "containerd": "restart containerd",
+               "podman": "nothing to restart (podman reads containers.conf per command)"}[runtime]
+    if changed and not dry_run:
+        notes.append(f"{path} updated; {restart}")
+    return Configured(path=path, changed=changed, diff=diff, written=changed and not dry_run, notes=notes)

