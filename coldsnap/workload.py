@@ -147,7 +147,11 @@ def descendants(pid: int) -> list[int]:
 
 
 def kill_tree(pid: int, timeout: float = 10.0) -> None:
-    """SIGKILL the workload's root and every descendant (for a PID-namespace init the kernel does the rest)."""
+    """SIGKILL the workload's root and every descendant (for a PID-namespace init the kernel does the rest), then
+    remove the host /dev/shm files it used (a SIGKILLed engine leaves its queues and semaphores behind)."""
+    from .hoststate import tree_shm_files
+
+    shm = tree_shm_files(pid)
     for p in [pid, *descendants(pid)]:
         try:
             os.kill(p, signal.SIGKILL)
@@ -168,6 +172,8 @@ def kill_tree(pid: int, timeout: float = 10.0) -> None:
             if not alive(pid):  # gone, or a zombie someone else must reap
                 break
         time.sleep(0.01)
+    for path in shm:
+        Path(path).unlink(missing_ok=True)
     for launcher_pid, launcher in list(_LAUNCHERS.items()):
         try:
             launcher.wait(timeout=max(0.0, deadline - time.monotonic()))

@@ -35,6 +35,8 @@ ENGINE_ARGS = [str(VENV / "bin" / "python"), "-m", "coldsnap.engines.reference.s
 def needs_root() -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root: runc, CRIU and namespaces")
+    if not os.access(CRIU, os.X_OK):
+        pytest.skip(f"CRIU not provisioned at {CRIU}: run `make setup`")
 
 
 def ensure(*parts: str) -> None:
@@ -181,8 +183,8 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
 
 def netns_http(netns: str, path: str, port: int = ENGINE_PORT, timeout: float = 5.0) -> tuple[int, str]:
     """GET http://127.0.0.1:port/path from inside a named netns (curl via `ip netns exec`)."""
-    r = subprocess.run(["ip", "netns", "exec", netns, "curl", "-s", "-m", str(timeout), "-o", "-", "-w", "\n%{http_code}",
-                        f"http://127.0.0.1:{port}{path}"], capture_output=True, text=True)
+    r = subprocess.run(["ip", "netns", "exec", netns, "curl", "-s", "-m", str(timeout), "-o", "-",
+                        "-w", "\n%{http_code}", f"http://127.0.0.1:{port}{path}"], capture_output=True, text=True)
     body, _, code = r.stdout.rpartition("\n")
     return int(code or 0), body
 
@@ -251,12 +253,12 @@ def oci_archive(rootfs: Path, out: Path, name: str) -> Path:
             "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": f"sha256:{layer_digest}",
                         "size": len(layer_bytes)}]}).encode()
         manifest_digest = blob(tar, manifest)
+        index = {"schemaVersion": 2, "manifests": [{
+            "mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": f"sha256:{manifest_digest}",
+            "size": len(manifest), "annotations": {"io.containerd.image.name": name,
+                                                   "org.opencontainers.image.ref.name": name.rsplit(":", 1)[-1]}}]}
         for fname, data in (("oci-layout", json.dumps({"imageLayoutVersion": "1.0.0"}).encode()),
-                            ("index.json", json.dumps({"schemaVersion": 2, "manifests": [{
-                                "mediaType": "application/vnd.oci.image.manifest.v1+json",
-                                "digest": f"sha256:{manifest_digest}", "size": len(manifest),
-                                "annotations": {"io.containerd.image.name": name,
-                                                "org.opencontainers.image.ref.name": name.rsplit(":", 1)[-1]}}]}).encode())):
+                            ("index.json", json.dumps(index).encode())):
             info = tarfile.TarInfo(fname)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))

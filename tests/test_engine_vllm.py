@@ -158,40 +158,6 @@ def completions(host: str, port: int, model: str, prompts=PROMPTS, max_tokens: i
     return out
 
 
-class ShmCarry:
-    """Carries the engine's /dev/shm files with the capsule — what the capture/restore flows should do themselves
-    (the adapters' extra_files / put_back_file hooks). Used only while the flows do not: then the capsule's
-    profile lists no /dev/shm file, and without this a capsule restores only once per host."""
-
-    def __init__(self, adapter, capsule: str, store: Path):
-        from coldsnap.flows.restore import load_capsule, stage
-
-        staged = stage(load_capsule(capsule, False))
-        self.needed = not any(f.path.startswith("/dev/shm/") for f in staged.capsule.profile.files)
-        self.adapter, self.files, self.store = adapter, [], store
-        if self.needed:
-            store.mkdir(parents=True, exist_ok=True)
-            # Right after capture() the dumped tree is dead: the files hold their dump-time bytes.
-            self.files = adapter.extra_files(staged.images)
-            for i, f in enumerate(self.files):
-                adapter.put_back_file(f.path, f.model_copy(update={"path": str(store / str(i))}))
-                os.unlink(f.path)  # as on a host that never ran the engine
-
-    def put_back(self) -> None:
-        for i, f in enumerate(self.files):
-            self.adapter.put_back_file(self.store / str(i), f)
-
-
-def stop_and_clean(adapter, pid: int, stop) -> None:
-    files = adapter.workload_files(pid)
-    stop()
-    for path in files:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-
-
 def cold_capture_restore(engine: str, options: dict, workdir: Path, name: str, restores: int = 2) -> dict:
     """Vanilla server → 10 completions; capture; restore `restores` times: each validated against the captured text
     and answering the same 10 completions identically."""
@@ -213,23 +179,26 @@ def cold_capture_restore(engine: str, options: dict, workdir: Path, name: str, r
     try:
         before = completions(plan.workload_address, plan.port, served)
     finally:
-        stop_and_clean(adapter, cold.state.pid, lambda: (kill_tree(cold.state.pid), destroy_network(plan)))
+        kill_tree(cold.state.pid)  # also removes the /dev/shm files the tree used
+        destroy_network(plan)
     assert len(set(before)) > 1, before  # not degenerate
 
-    # 2. capture (the model contract passed explicitly: the capture flow does not read PreparedLaunch.model yet)
-    cap = capture(req.model_copy(update={"model": launch.model}))
+    # 2. capture
+    cap = capture(req)
     assert cap.receipt["state"] == "succeeded"
     profile = cap.profile
     assert profile.engine.name == engine and profile.weights_mode == "native"
     assert profile.expected_text == cold.first.text  # greedy output is deterministic across starts
     assert profile.model == launch.model and profile.model.weights
     assert list_states() == []
-    carry = ShmCarry(adapter, cap.capsule, workdir / "shm")
+    # State outside the CRIU images travels in the capsule, and capture removed the dumped tree's copies: every
+    # restore below puts them back from the capsule, as on a host that never ran the engine.
+    carried = [f.path for f in profile.files if f.path.startswith("/dev/shm/")]
+    assert all(not os.path.exists(p) for p in carried)
 
     # 3. restores
     results = []
     for i in range(restores):
-        carry.put_back()
         r = restore(RestoreRequest(operation="restore", capsule=cap.capsule, policy=Policy(fallback_to_cold=False)))
         res = r["result"]
         ws = load_state(res["workload"])
@@ -241,9 +210,8 @@ def cold_capture_restore(engine: str, options: dict, workdir: Path, name: str, r
             assert after == before, f"restore {i + 1}: completions differ"
             results.append(res)
         finally:
-            stop_and_clean(adapter, ws.pid, lambda: stop_workload(ws))
-    return {"capture": cap, "restores": results, "before": before, "carried": [f.path for f in carry.files],
-            "carry_needed": carry.needed}
+            stop_workload(ws)
+    return {"capture": cap, "restores": results, "before": before, "carried": carried}
 
 
 @pytest.fixture
@@ -285,7 +253,6 @@ def test_vllm_cold_capture_restore_identical(engine_home):
     cap = out["capture"]
     assert "--link-remap" in cap.profile.criu_options
     # vLLM's shm message queues and its semaphore's link_remap are what the capsule must carry besides the images
-    if out["carry_needed"]:
-        assert any(p.startswith("/dev/shm/psm_") for p in out["carried"]), out["carried"]
+    assert any(p.startswith("/dev/shm/psm_") for p in out["carried"]), out["carried"]
     for res in out["restores"]:
         assert res["time_to_first_token_s"] < cap.receipt["result"]["cold_time_to_first_token_s"]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from containers_fixture import (CRIU, ENGINE_ARGS, REPO, coldsnap_env, completion_in, ensure, env_wrapper, healthy_in,
+from containers_fixture import (ENGINE_ARGS, REPO, coldsnap_env, completion_in, ensure, env_wrapper, healthy_in,
                                 make_rootfs, needs_root, shared_binds, unique, wait_for)
 from coldsnap.capsule import CapsuleStore
 from coldsnap.config import settings

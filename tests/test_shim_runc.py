@@ -67,8 +67,6 @@ class Lab:
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     needs_root()
-    if not os.access(CRIU, os.X_OK):
-        pytest.skip(f"CRIU not provisioned at {CRIU}: run `make setup`")
     ensure("base")
     base = tmp_path_factory.mktemp("shim-runc")
     lab = Lab(base)
@@ -310,7 +308,8 @@ def test_pass_through_adds_little_to_runc(lab, tmp_path):
     assert r.returncode == 0, r.stderr
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}  # as installed: bytecode cached
     report = []
-    for label, wrapper in (("console script", str(RUNTIME)), ("fast launcher", str(tmp_path / "bin" / "coldsnap-runtime"))):
+    fast = str(tmp_path / "bin" / "coldsnap-runtime")
+    for label, wrapper in (("console script", str(RUNTIME)), ("fast launcher", fast)):
         for args in (["--version"], ["--root", str(lab.runc_root), "state", "no-such"]):
             subprocess.run([wrapper, *args], capture_output=True, env=env)  # warm the bytecode cache
             added = _median_ms([wrapper, *args], env) - _median_ms(["runc", *args], env)
@@ -328,3 +327,28 @@ def test_fast_launcher_restores_too(lab, captured, tmp_path):
     assert receipt(cid)["state"] == "succeeded"
     assert complete(netns) == captured["cold_text"]
     assert lab.shim("delete", "-f", cid).returncode == 0
+
+
+def test_a_failed_capture_leaves_the_container_serving_and_no_capsule(lab, tmp_path):
+    """CRIU cannot dump a container whose stderr is a host file: the capture fails, nothing is half-written."""
+    from coldsnap.contracts import ColdSnapError, ErrorCode
+    from coldsnap.flows.container import capture_container
+
+    bundle, netns = lab.bundle("engine-unfit")
+    cid = unique("unfit")
+    with open(os.devnull, "rb") as null, open(tmp_path / "stderr.log", "w") as err:
+        r = subprocess.run(["runc", "--root", str(lab.runc_root), "run", "-d", "--bundle", str(bundle), cid],
+                           stdin=null, stdout=err, stderr=err)
+    assert r.returncode == 0
+    wait_healthy(netns)
+    text = complete(netns)
+    store = CapsuleStore(settings().store).init()
+    before = store.index()
+    with pytest.raises(ColdSnapError) as e:
+        capture_container(cid, lab.runc_root, tag="unfit")
+    assert e.value.code == ErrorCode.CRIU_FAILED and "Can't lookup mount" in e.value.message
+    assert store.index() == before
+    assert state(lab.runc_root, cid)["status"] == "running"
+    assert complete(netns) == text  # resumed: KV back, serving as before
+    assert not list((settings().run / "capture").iterdir())
+    runc(lab.runc_root, "delete", "-f", cid)

@@ -36,12 +36,12 @@ from pathlib import Path
 from ..contracts import CaptureRequest, ColdSnapError, ErrorCode
 from . import tinymodel
 from .base import EngineAdapter, PreparedLaunch
-from .vllm import ShmStateMixin, base_env, dist_version, ensure_venv, option_flags, resolve_model, seccomp_prefix
+from .vllm import base_env, dist_version, ensure_venv, option_flags, resolve_model, seccomp_prefix
 
 DEFAULT_VENV = "/var/lib/coldsnap/venvs/sglang"
 
 
-class SglangAdapter(ShmStateMixin, EngineAdapter):
+class SglangAdapter(EngineAdapter):
     name = "sglang"
     supports_recovery = False  # see the module docstring: no memory release on CPU
 

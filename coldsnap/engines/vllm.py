@@ -5,7 +5,8 @@ tree checkpointable with CRIU (measured, see the knowledge base "A real engine o
   - io_uring blocked by a seccomp filter installed before exec (coldsnap.engines.seccomp): uvloop/libuv opens an
     io_uring fd that CRIU cannot dump, and UV_USE_IO_URING=0 does not stop it;
   - an explicit KV cache size (VLLM_CPU_KVCACHE_SPACE): automatic sizing reads /proc of the wrong PID namespace;
-  - a long HTTP keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), so no server-side timer races the dump;
+  - a long HTTP keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE; the knowledge base lists it among what the measured
+    capture needed: no keep-alive timer of uvicorn's should expire around the dump and restore);
   - TORCHINDUCTOR_COMPILE_THREADS=1: no compile worker pool left in the tree;
   - its own PID namespace, --link-remap (POSIX semaphore / shm queues under unlinked names in /dev/shm) and
     --tcp-established: the generic process-mode flow provides these.
@@ -30,11 +31,10 @@ Engine options (request.engine.options):
 from __future__ import annotations
 
 import os
-import stat
 import sys
 from pathlib import Path
 
-from ..contracts import CaptureRequest, CapturedFile, ColdSnapError, ErrorCode
+from ..contracts import CaptureRequest, ColdSnapError, ErrorCode
 from . import tinymodel
 from .base import EngineAdapter, PreparedLaunch
 
@@ -74,6 +74,13 @@ def dist_version(venv: Path, *names: str) -> str | None:
         for d in sorted(venv.glob(f"lib/python3*/site-packages/{name}-*.dist-info")):
             return d.name[len(name) + 1:].removesuffix(".dist-info")
     return None
+
+
+def as_bool(value) -> bool:
+    """An option that a JSON request may also spell as a string."""
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
 
 
 def option_flags(opts: dict) -> list[str]:
@@ -119,148 +126,7 @@ def base_env() -> dict[str, str]:
     }
 
 
-# --- state outside the CRIU images ----------------------------------------------------------------------------
-# In process mode the engine's /dev/shm is the host's, and CRIU does not put the contents of files in it into the
-# images: shared mappings of a named file (vLLM's shm message queues psm_*, 160 + 240 MB, sparse) are dumped as
-# references to the file, and a file open under a name that was since unlinked while another link remains (glibc's
-# sem_open creates sem.XXXXXX, links it to sem.NAME and unlinks the temporary name) is dumped with --link-remap as a
-# hard link /dev/shm/link_remap.N that restore links back and then deletes. So a capsule restores once, on this
-# host, while those files happen to still be there; the second restore fails with
-#   Error (criu/files-reg.c:2258): Can't link dev/shm/link_remap.237 -> dev/shm/sem.8SOzZI: No such file or directory
-# and a restore after the shared memory changed (another run of the capsule) would see foreign queue contents.
-# These helpers let the flows carry those files in the capsule like the run dir's log file.
-SHM_DIRS = ("/dev/shm/",)
-
-
-def extra_files(images: Path) -> list[CapturedFile]:
-    """Files outside the run dir that a restore of `images` needs back with their dump-time bytes: every regular
-    file under /dev/shm the dumped tree held open or mapped, and CRIU's link_remap.N links to such files. Call it
-    right after the dump (the dumped tree is dead, so the files hold their dump-time bytes). Sizes are the files'
-    real ones (CRIU records none for link_remap entries); files already gone are skipped (CRIU ghosted them)."""
-    from ..criu import criu_images_open_files
-
-    out: dict[str, CapturedFile] = {}
-    for f in criu_images_open_files(images):
-        path = f["path"]
-        if not path.startswith(SHM_DIRS) or path in out:
-            continue
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            continue
-        if stat.S_ISREG(st.st_mode):
-            out[path] = CapturedFile(path=path, size=st.st_size, mode=stat.S_IMODE(st.st_mode))
-    return sorted(out.values(), key=lambda f: f.path)
-
-
-def copy_sparse(src: str | os.PathLike, dst: str | os.PathLike, size: int, block: int = 1 << 20) -> None:
-    """Copy the first `size` bytes of src to dst, leaving holes where src has holes or zero blocks: the shm queues
-    are hundreds of MB of which a few KB are written, and a hole in tmpfs costs no memory."""
-    zero = bytes(block)
-    with open(src, "rb") as fi, open(dst, "wb") as fo:
-        fdi = fi.fileno()
-        pos = 0
-        while pos < size:
-            try:
-                data_at = os.lseek(fdi, pos, os.SEEK_DATA)
-            except OSError:  # ENXIO: only a hole is left
-                break
-            if data_at >= size:
-                break
-            try:
-                hole_at = min(os.lseek(fdi, data_at, os.SEEK_HOLE), size)
-            except OSError:
-                hole_at = size
-            os.lseek(fdi, data_at, os.SEEK_SET)
-            pos = data_at
-            while pos < hole_at:
-                chunk = os.read(fdi, min(block, hole_at - pos))
-                if not chunk:
-                    hole_at = pos
-                    break
-                if chunk != zero[:len(chunk)]:
-                    os.pwrite(fo.fileno(), chunk, pos)
-                pos += len(chunk)
-        fo.truncate(size)
-
-
-def put_back_file(src: str | os.PathLike | None, f: CapturedFile) -> None:
-    """Put one captured file back at its path (atomically, sparse, dump-time size and mode)."""
-    Path(f.path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = f"{f.path}.coldsnap-tmp{os.getpid()}"
-    if src is not None and os.path.exists(src):
-        copy_sparse(src, tmp, f.size)
-    else:
-        with open(tmp, "wb") as fo:
-            fo.truncate(f.size)
-    os.chmod(tmp, f.mode)
-    os.replace(tmp, f.path)
-
-
-def tree_shm_files(pid: int) -> list[str]:
-    """/dev/shm files of the live tree rooted at pid: every name in /dev/shm whose inode the tree maps or holds open
-    (so also a POSIX semaphore's real name when the tree maps it under glibc's deleted temporary name). Call before
-    killing the tree, unlink after: a SIGKILLed engine leaves its queues and semaphores behind."""
-    from ..workload import descendants
-
-    inodes: set[tuple[int, int]] = set()
-    for p in [pid, *descendants(pid)]:
-        try:
-            for line in Path(f"/proc/{p}/maps").read_text().splitlines():
-                parts = line.split(None, 5)
-                if len(parts) == 6 and parts[5].startswith(SHM_DIRS):
-                    try:
-                        st = os.stat(f"/proc/{p}/map_files/{parts[0]}")
-                        inodes.add((st.st_dev, st.st_ino))
-                    except OSError:
-                        pass
-            for fd in Path(f"/proc/{p}/fd").iterdir():
-                try:
-                    if os.readlink(fd).startswith(SHM_DIRS):
-                        st = os.stat(fd)
-                        inodes.add((st.st_dev, st.st_ino))
-                except OSError:
-                    continue
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-    found = []
-    for d in SHM_DIRS:
-        try:
-            entries = list(os.scandir(d))
-        except OSError:
-            continue
-        for e in entries:
-            try:
-                st = e.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            if (st.st_dev, st.st_ino) in inodes:
-                found.append(e.path)
-    return sorted(found)
-
-
-def remove_files(paths: list[str]) -> None:
-    for path in paths:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-
-
-class ShmStateMixin:
-    """The hooks the process-mode flows call for engines with state in /dev/shm (see extra_files above)."""
-
-    def extra_files(self, images: Path) -> list[CapturedFile]:
-        return extra_files(images)
-
-    def put_back_file(self, src: str | os.PathLike | None, f: CapturedFile) -> None:
-        put_back_file(src, f)
-
-    def workload_files(self, pid: int) -> list[str]:
-        return tree_shm_files(pid)
-
-
-class VllmAdapter(ShmStateMixin, EngineAdapter):
+class VllmAdapter(EngineAdapter):
     name = "vllm"
     supports_recovery = False  # see the module docstring: no sleep mode on CPU
 
@@ -280,7 +146,7 @@ class VllmAdapter(ShmStateMixin, EngineAdapter):
         dtype = str(opts.pop("dtype", "float32"))
         max_len = int(opts.pop("max_model_len", 1024))
         seed = int(opts.pop("seed", 0))
-        eager = bool(opts.pop("enforce_eager", False))
+        eager = as_bool(opts.pop("enforce_eager", False))
         argv = request.launch.command or [
             *seccomp_prefix(),
             str(python), "-m", "vllm.entrypoints.openai.api_server",

@@ -11,7 +11,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from .. import gpu_support
+from .. import gpu_support, hoststate
 from ..capsule import CapsuleStore, pack_dir
 from ..capsule.payload import write_payload
 from ..config import private_dir, settings
@@ -71,6 +71,8 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> dict:
     images = private_dir(cfg.run / "capture" / uuid.uuid4().hex) / "images"
     cold = None
     workload_kept = False
+    shm_names: list[str] = []
+    extra: list[CapturedFile] = []
     try:
         progress(f"network {plan.netns}: {plan.workload_address}:{plan.port} (host side {plan.host_address})")
         progress(f"starting the {request.engine.name} engine cold (weights mode {launch.weights_mode})")
@@ -83,7 +85,7 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> dict:
         with tl.span("validate"):
             probe.complete(expected=first.text)  # determinism: a restore will be held to this text
 
-        model = request.model
+        model = request.model or launch.model
         info = _engine_info(plan.workload_address, plan.port)
         if model is None and hasattr(adapter, "describe_model") and info.get("weights", {}).get("path"):
             model = adapter.describe_model(info["weights"]["path"])
@@ -93,6 +95,8 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> dict:
                                               launch.weights_mode)
         with tl.span("quiesce"):
             wait_no_connections(pid, plan.port)
+        # Host /dev/shm names the tree uses (a semaphore's real name among them): removed with the dumped tree.
+        shm_names = hoststate.tree_shm_files(pid)
 
         with tl.span("gpu-checkpoint"):
             gpu = gpu_support.checkpoint_tree(pid)
@@ -102,6 +106,12 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> dict:
         progress("dumping with CRIU")
         with tl.span("criu-dump"):
             criu.dump(pid, images, options, netns_inode(plan.netns))
+        # State outside the images (host /dev/shm files): snapshot their dump-time bytes before anything resumes.
+        extra = hoststate.extra_files(images)
+        extra_src = {}
+        for i, f in enumerate(extra):
+            extra_src[f.path] = str(private_dir(images.parent / "extra") / str(i))
+            hoststate.put_back_file(f.path, f.model_copy(update={"path": extra_src[f.path]}))
 
         if request.lifecycle.leave_running:
             with tl.span("resume"):
@@ -109,7 +119,7 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> dict:
                 adapter.after_capture_left_running(plan.workload_address, plan.port, request.policy.kv_discard,
                                                    launch.weights_mode)
                 probe.complete(expected=first.text)
-        files = _captured_files(images, wdir)
+        files = _captured_files(images, wdir) + extra
         with tl.span("pack"):
             progress("packing the capsule")
             profile = CapsuleProfile(
@@ -130,7 +140,7 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> dict:
                 cuda_pids=len(gpu.pids),
                 criu_options=options.cli_flags(),
             )
-            digest = _write_capsule(images, wdir, files, profile, request.tag)
+            digest = _write_capsule(images, wdir, files, profile, request.tag, extra_src)
         size = sum(int(layer["size"]) for layer in json.loads(
             CapsuleStore(cfg.store).blob_path(digest).read_text())["layers"])
         progress(f"capsule {digest} ({size / 2**20:.1f} MiB)")
@@ -158,6 +168,8 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> dict:
             if cold is not None:
                 kill_tree(cold.state.pid)
                 destroy_network(plan)
+                for path in set(shm_names) | {f.path for f in extra}:  # the dumped tree's, orphaned now
+                    Path(path).unlink(missing_ok=True)
             shutil.rmtree(wdir, ignore_errors=True)
         shutil.rmtree(images.parent, ignore_errors=True)
 
@@ -186,7 +198,7 @@ def _captured_files(images: Path, wdir: Path) -> list[CapturedFile]:
 
 
 def _write_capsule(images: Path, wdir: Path, files: list[CapturedFile], profile: CapsuleProfile,
-                   tag: str | None) -> str:
+                   tag: str | None, sources: dict[str, str] | None = None) -> str:
     store = CapsuleStore(settings().store).init()
     tmp = private_dir(store.root / "tmp")
     layers = []
@@ -198,8 +210,8 @@ def _write_capsule(images: Path, wdir: Path, files: list[CapturedFile], profile:
         try:
             for i, f in enumerate(files):
                 # Only the bytes that existed at the dump: restore truncates to this size anyway.
-                with open(f.path, "rb") as src, open(staging / str(i), "wb") as dst:
-                    dst.write(src.read(f.size))
+                # sparse: shm queues are hundreds of MB of holes
+                hoststate.copy_sparse((sources or {}).get(f.path, f.path), staging / str(i), f.size)
             files_tar = tmp / f"files-{uuid.uuid4().hex}.tar.zst"
             pack_dir(staging, files_tar)
             layers.append(store.put_file(files_tar, mt.LAYER_FILES, {mt.ANNOTATION_TITLE: "captured-files"},

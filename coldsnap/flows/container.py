@@ -135,20 +135,21 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
             first = validate(target, request.validation, None)
             validate(target, request.validation, first.text)  # determinism: restores are held to this text
         info = target.call(_engine_info)
+        options = container_options(request.lifecycle.leave_running)
+        gpu = gpu_support.GpuCheckpoint()
         with tl.span("release"):
             target.call(adapter.before_capture, kv_discard, weights_mode)
-        with tl.span("quiesce"):
-            wait_no_connections(pid, request.launch.port)
-        with tl.span("gpu-checkpoint"):
-            gpu = gpu_support.checkpoint_tree(pid)
-        progress(gpu.summary)
-        options = container_options(request.lifecycle.leave_running)
-        progress("checkpointing with runc + CRIU")
         try:
+            with tl.span("quiesce"):
+                wait_no_connections(pid, request.launch.port)
+            with tl.span("gpu-checkpoint"):
+                gpu = gpu_support.checkpoint_tree(pid)
+            progress(gpu.summary)
+            progress("checkpointing with runc + CRIU")
             with tl.span("criu-dump"):
                 argv = runc_checkpoint(runc, runc_root, cid, images, work, options)
         except ColdSnapError:
-            _resume(target, adapter, gpu, kv_discard, weights_mode)  # the dump failed: the container runs on
+            _resume(target, adapter, gpu, kv_discard, weights_mode)  # no dump: the container serves on as it was
             raise
         if request.lifecycle.leave_running:
             with tl.span("resume"):

@@ -10,13 +10,18 @@ from ..contracts import ColdSnapError, ErrorCode
 LIVE_STATES = {"01", "02", "03", "04", "05", "08", "09", "0B"}
 
 
-def open_connections(pid: int) -> int:
+def open_connections(pid: int, port: int | None = None) -> int:
+    """Live TCP connections in the workload's network namespace; with `port`, only those to the served port (an
+    engine's own loopback connections, e.g. SGLang's TCPStore to itself, live as long as it does)."""
     count = 0
     for table in ("tcp", "tcp6"):
         try:
             with open(f"/proc/{pid}/net/{table}") as f:
                 next(f)
-                count += sum(1 for line in f if line.split()[3] in LIVE_STATES)
+                for line in f:
+                    cols = line.split()
+                    if cols[3] in LIVE_STATES and (port is None or int(cols[1].rsplit(":", 1)[1], 16) == port):
+                        count += 1
         except FileNotFoundError:
             continue
     return count
@@ -25,7 +30,7 @@ def open_connections(pid: int) -> int:
 def wait_no_connections(pid: int, port: int, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
-        n = open_connections(pid)
+        n = open_connections(pid, port)
         if n == 0:
             return
         if time.monotonic() > deadline:

@@ -5,7 +5,6 @@ A refused or failed restore falls back to a cold start when the policy allows it
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -14,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .. import gpu_support
+from .. import gpu_support, hoststate
 from ..capsule import CapsuleStore, LoadedCapsule, unpack_layer
 from ..capsule.payload import materialize
 from ..config import private_dir, settings
@@ -88,18 +87,10 @@ def stage(capsule: LoadedCapsule) -> Staged:
 
 
 def _put_back_files(staged: Staged) -> None:
-    """Files the process held open must look as they did at the dump (CRIU checks their size)."""
+    """Files the process held open must look as they did at the dump (CRIU checks their size): the run dir's log,
+    host /dev/shm state. Sparse, atomic, with their recorded mode."""
     for i, f in enumerate(staged.capsule.profile.files):
-        Path(f.path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        src = staged.files / str(i) if staged.files else None
-        tmp = f.path + ".restore-tmp"
-        if src and src.exists():
-            shutil.copyfile(src, tmp)
-        else:
-            Path(tmp).write_bytes(b"")
-        os.truncate(tmp, f.size)
-        os.chmod(tmp, f.mode)
-        os.replace(tmp, f.path)
+        hoststate.put_back_file(staged.files / str(i) if staged.files else None, f)
 
 
 # --- the whole restore -------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ containerd, plain runc) set up, is from inside: a forked child setns()es into /p
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import pickle
 import select
@@ -41,6 +42,9 @@ def call_in_netns(pid: int, fn: Callable[..., Any], *args: Any, timeout: float =
     r, w = os.pipe()
     child = os.fork()
     if child == 0:  # pragma: no cover - runs in the child
+        # No cyclic GC here: it would finalize the parent's objects (e.g. a compressor with worker threads that
+        # do not exist in this child) and crash. The child lives for one call and leaves by os._exit.
+        gc.disable()
         os.close(r)
         try:
             _setns(path)
@@ -72,9 +76,10 @@ def call_in_netns(pid: int, fn: Callable[..., Any], *args: Any, timeout: float =
                     break
                 chunks.append(chunk)
     finally:
-        os.waitpid(child, 0)
+        _, status = os.waitpid(child, 0)
     if not chunks:
-        raise ColdSnapError(ErrorCode.INTERNAL, f"the helper in the network namespace of pid {pid} died")
+        how = f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit {os.waitstatus_to_exitcode(status)}"
+        raise ColdSnapError(ErrorCode.INTERNAL, f"the helper in the network namespace of pid {pid} died ({how})")
     payload = pickle.loads(b"".join(chunks))
     if payload[0] == "ok":
         return payload[1]

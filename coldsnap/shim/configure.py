@@ -174,7 +174,8 @@ def configure(runtime: str, *, dry_run: bool = False, set_default: bool = False,
               runtime_path: str | None = None, runtime_class_path: str | Path | None = None,
               out: Callable[[str], None] = print) -> Configured:
     if runtime not in EDITORS:
-        raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"--runtime must be one of {', '.join(EDITORS)} (got {runtime!r})")
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST,
+                            f"--runtime must be one of {', '.join(EDITORS)} (got {runtime!r})")
     path = Path(config or DEFAULTS[runtime])
     try:
         old = path.read_text(encoding="utf-8") if path.exists() else ""

@@ -112,11 +112,14 @@ def fall_back(runc: str, parsed: RuncArgv, creq: ContainerRequest, tl: Timeline,
         write_receipt(creq.request, cid, tl, "refused" if cause.code == ErrorCode.INCOMPATIBLE else "failed",
                       error=cause)
         return runclog.fail(parsed, f"coldsnap-runtime: {reason}")
-    receipt = write_receipt(creq.request, cid, tl, "fell-back", result={
-        "container": cid, "capsule": capsule.digest if capsule else creq.request.capsule,
-        "fallback_reason": reason, "started": "cold"})
-    state.save(cid, {"outcome": "fell-back", "id": cid, "root": parsed.root, "bundle": parsed.bundle,
-                     "reason": reason, "receipt": receipt["_path"]})
+    try:  # bookkeeping must not stand between the container and its cold start
+        receipt = write_receipt(creq.request, cid, tl, "fell-back", result={
+            "container": cid, "capsule": capsule.digest if capsule else creq.request.capsule,
+            "fallback_reason": reason, "started": "cold"})
+        state.save(cid, {"outcome": "fell-back", "id": cid, "root": parsed.root, "bundle": parsed.bundle,
+                         "reason": reason, "receipt": receipt["_path"]})
+    except Exception as e:  # noqa: BLE001
+        reason += f" (and no receipt: {e})"
     runclog.log(parsed, "warning", f"coldsnap: {reason}; starting the container cold")
     exec_runc(runc, parsed.argv)
     return 127  # not reached

@@ -85,7 +85,8 @@ def runc_restore(runc: str, parsed: RuncArgv, staged: Staged, work: Path) -> tup
     rc = subprocess.call(argv, env={**os.environ, "CRIU_CONFIG_FILE": str(conf)})
     if rc != 0:
         kept = _keep_log(work / "restore.log", parsed.container_id)
-        raise ColdSnapError(ErrorCode.CRIU_FAILED, f"runc restore failed (exit {rc}): {_runc_error(work / 'runc.log')}; "
+        raise ColdSnapError(ErrorCode.CRIU_FAILED,
+                            f"runc restore failed (exit {rc}): {_runc_error(work / 'runc.log')}; "
                             f"CRIU: {_first_error(work / 'restore.log')}" + (f" (log: {kept})" if kept else ""))
     try:
         return int(Path(pid_file).read_text().strip()), argv
