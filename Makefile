@@ -8,7 +8,7 @@ setup:
 	@VENV=$(VENV) packaging/setup.sh
 
 setup-containers: setup
-	@packaging/containers/setup.sh
+	@packaging/containers/setup.sh install all
 
 demo: setup
 	$(VENV)/bin/coldsnap demo

@@ -126,10 +126,16 @@ def engine_options(pairs: list[str] | None) -> dict:
 
 
 def cmd_capture(args) -> int:
-    from .flows.capture import capture
+    if args.container:
+        from .flows.container import capture_container
 
-    req = _capture_request(args)
-    res = capture(req, progress=_progress(args))
+        res = capture_container(args.container, args.runc_root, args.bundle, engine=args.engine or "reference",
+                                image_digest=args.image_digest, weights_mode=args.weights_mode or "native",
+                                leave_running=args.leave_running, tag=args.tag, progress=_progress(args))
+    else:
+        from .flows.capture import capture
+
+        res = capture(_capture_request(args), progress=_progress(args))
     r = res.receipt
     _emit(args, r, f"captured {r['result']['capsule']} ({r['result']['capsule_bytes'] / 2**20:.1f} MiB); "
                    f"receipt {r['_path']}")
@@ -216,6 +222,19 @@ def _store():
     from .config import settings
 
     return CapsuleStore(settings().store).init()
+
+
+def cmd_runtime(args) -> int:
+    from .shim.configure import configure
+
+    if args.action != "configure":
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"unknown runtime action {args.action!r}")
+    r = configure(args.runtime, dry_run=args.dry_run, set_default=args.set_default, config=args.config,
+                  runtime_path=args.runtime_path, runtime_class_path=args.runtime_class,
+                  out=(lambda m: None) if args.json else print)
+    if args.json:
+        print(json.dumps(r.__dict__ if hasattr(r, "__dict__") else r, default=str, indent=1))
+    return 0
 
 
 def cmd_ls(args) -> int:
@@ -347,6 +366,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--leave-running", action="store_true", help="keep the captured workload running")
     sp.add_argument("--engine-opt", action="append", metavar="KEY=VALUE",
                     help="engine option, repeatable (reference: layers, hidden, heads, kv_mib, compile=false, ...)")
+    sp.add_argument("--container", metavar="ID", help="capture a running runc container instead (runc checkpoint)")
+    sp.add_argument("--runc-root", default="/run/runc", help="runc --root of that container (podman: /run/runc; "
+                    "docker: <exec-root>/runtime-runc/moby; containerd: /run/containerd/runc/<namespace>)")
+    sp.add_argument("--bundle", help="the container's bundle (default: from runc state)")
+    sp.add_argument("--image-digest", help="bind the capsule to this image digest (sha256:…)")
     sp.add_argument("--json", action="store_true", help="print the receipt as JSON, no progress")
 
     sp = add("restore", cmd_restore, "restore a workload from a capsule (falls back to a cold start if refused)")
@@ -365,6 +389,17 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true")
     sp = add("stop", cmd_stop, "stop a workload and remove its network namespace")
     sp.add_argument("name")
+    sp.add_argument("--json", action="store_true")
+    sp = add("runtime", cmd_runtime, "register coldsnap-runtime with docker, containerd (+ a Kubernetes "
+             "RuntimeClass) or podman, keeping existing settings")
+    sp.add_argument("action", choices=["configure"])
+    sp.add_argument("--runtime", required=True, choices=["docker", "containerd", "podman"])
+    sp.add_argument("--dry-run", action="store_true", help="print the diff, write nothing")
+    sp.add_argument("--set-default", action="store_true",
+                    help="make coldsnap the default runtime: unannotated containers still run exactly as with runc")
+    sp.add_argument("--config", help="configuration file to edit (default: the engine's usual path)")
+    sp.add_argument("--runtime-path", help="path of coldsnap-runtime (default: the installed one)")
+    sp.add_argument("--runtime-class", help="containerd: where to write the RuntimeClass manifest")
     sp.add_argument("--json", action="store_true")
     sp = add("sleep", cmd_sleep, "release a workload's GPU memory in place (CUDA checkpoint); process kept")
     sp.add_argument("name")

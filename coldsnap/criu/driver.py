@@ -78,7 +78,7 @@ class CriuOptions:
         opts.log_level = self.log_level
 
 
-def _first_error(log: Path) -> str:
+def first_error_line(log: Path) -> str:
     """The first meaningful CRIU error line (the RLIMIT_NOFILE one is noise on hosts without CAP_SYS_RESOURCE)."""
     try:
         for line in log.read_text(errors="replace").splitlines():
@@ -136,7 +136,7 @@ class CriuDriver:
                 client.dump()
             except self.pycriu.CRIUException as e:
                 raise ColdSnapError(
-                    ErrorCode.CRIU_FAILED, f"criu dump of pid {pid} failed: {_first_error(images_dir / 'dump.log')} "
+                    ErrorCode.CRIU_FAILED, f"criu dump of pid {pid} failed: {first_error_line(images_dir / 'dump.log')} "
                     f"(log: {images_dir / 'dump.log'}; {e})"
                 ) from None
             return time.monotonic() - t0
@@ -167,7 +167,7 @@ class CriuDriver:
                 resp = client.restore()
             except self.pycriu.CRIUException as e:
                 raise ColdSnapError(
-                    ErrorCode.CRIU_FAILED, f"criu restore failed: {_first_error(work_dir / 'restore.log')} "
+                    ErrorCode.CRIU_FAILED, f"criu restore failed: {first_error_line(work_dir / 'restore.log')} "
                     f"(log: {work_dir / 'restore.log'}; {e})"
                 ) from None
             return resp.pid

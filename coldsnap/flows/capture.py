@@ -86,7 +86,7 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> dict:
             probe.complete(expected=first.text)  # determinism: a restore will be held to this text
 
         model = request.model or launch.model
-        info = _engine_info(plan.workload_address, plan.port)
+        info = engine_info(plan.workload_address, plan.port)
         if model is None and hasattr(adapter, "describe_model") and info.get("weights", {}).get("path"):
             model = adapter.describe_model(info["weights"]["path"])
 
@@ -140,7 +140,7 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> dict:
                 cuda_pids=len(gpu.pids),
                 criu_options=options.cli_flags(),
             )
-            digest = _write_capsule(images, wdir, files, profile, request.tag, extra_src)
+            digest = write_capsule(images, wdir, files, profile, request.tag, extra_src)
         size = sum(int(layer["size"]) for layer in json.loads(
             CapsuleStore(cfg.store).blob_path(digest).read_text())["layers"])
         progress(f"capsule {digest} ({size / 2**20:.1f} MiB)")
@@ -174,7 +174,7 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> dict:
         shutil.rmtree(images.parent, ignore_errors=True)
 
 
-def _engine_info(host: str, port: int) -> dict:
+def engine_info(host: str, port: int) -> dict:
     import http.client
 
     try:
@@ -197,7 +197,7 @@ def _captured_files(images: Path, wdir: Path) -> list[CapturedFile]:
     return out
 
 
-def _write_capsule(images: Path, wdir: Path, files: list[CapturedFile], profile: CapsuleProfile,
+def write_capsule(images: Path, wdir: Path, files: list[CapturedFile], profile: CapsuleProfile,
                    tag: str | None, sources: dict[str, str] | None = None) -> str:
     store = CapsuleStore(settings().store).init()
     tmp = private_dir(store.root / "tmp")

@@ -34,13 +34,13 @@ from ..contracts import (
 )
 from ..contracts import capsule as mt
 from ..criu import CriuDriver, CriuOptions
-from ..criu.driver import _first_error
+from ..criu.driver import first_error_line
 from ..engines.base import get_adapter
 from ..hooks.target import Target, validate
 from ..host import host_profile
-from ..shim.record import ANNOTATION_IMAGE_DIGEST
+from ..contracts.capsule import ANNOTATION_IMAGE_DIGEST
 from ..spans import Timeline
-from .capture import CaptureResult, _engine_info, _write_capsule
+from .capture import CaptureResult, engine_info, write_capsule
 from .quiesce import wait_no_connections
 from .receipts import finish_receipt
 
@@ -82,7 +82,7 @@ def runc_checkpoint(runc: str, runc_root: str | Path, container_id: str, images:
                        stdin=subprocess.DEVNULL)
     if r.returncode != 0:
         raise ColdSnapError(ErrorCode.CRIU_FAILED, f"runc checkpoint of {container_id} failed (exit {r.returncode}): "
-                            f"{_first_error(work / 'dump.log')} (runc: {r.stderr.strip()[-300:]})")
+                            f"{first_error_line(work / 'dump.log')} (runc: {r.stderr.strip()[-300:]})")
     return argv
 
 
@@ -134,7 +134,7 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
         with tl.span("validate"):
             first = validate(target, request.validation, None)
             validate(target, request.validation, first.text)  # determinism: restores are held to this text
-        info = target.call(_engine_info)
+        info = target.call(engine_info)
         options = container_options(request.lifecycle.leave_running)
         gpu = gpu_support.GpuCheckpoint()
         with tl.span("release"):
@@ -174,7 +174,7 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
                 criu_options=options.cli_flags(),
                 image_digest=request.launch.image_digest,
             )
-            digest = _write_capsule(images, work, [], profile, request.tag)
+            digest = write_capsule(images, work, [], profile, request.tag)
         size = sum(int(layer["size"]) for layer in json.loads(
             CapsuleStore(settings().store).blob_path(digest).read_text())["layers"])
         progress(f"capsule {digest} ({size / 2**20:.1f} MiB)")

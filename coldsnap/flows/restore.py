@@ -78,7 +78,12 @@ def stage(capsule: LoadedCapsule) -> Staged:
             if files_layer:
                 unpack_layer(store.blob_path(files_layer.digest), tmp / "files")
             (tmp / ".complete").write_text(capsule.digest)
-            os.replace(tmp, root)
+            try:
+                os.replace(tmp, root)
+            except OSError:
+                if not done.exists():  # not a concurrent stager that finished first
+                    raise
+                shutil.rmtree(tmp, ignore_errors=True)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -22,7 +22,7 @@ from ..contracts.parse import first_error
 from ..flows.receipts import finish_receipt
 from ..spans import Timeline
 
-ANNOTATION_IMAGE_DIGEST = "io.coldsnap.image-digest"
+from ..contracts.capsule import ANNOTATION_IMAGE_DIGEST  # noqa: F401  (re-exported)
 
 
 @dataclass

@@ -16,7 +16,7 @@ from ..bundle import criu_runc
 from ..bundle.argv import RuncArgv
 from ..config import private_dir, settings
 from ..contracts import ColdSnapError, ErrorCode
-from ..criu.driver import _first_error
+from ..criu.driver import first_error_line
 from ..engines.base import get_adapter
 from ..flows.restore import Staged
 from ..hooks.netns import call_in_netns, loopback_up
@@ -87,7 +87,7 @@ def runc_restore(runc: str, parsed: RuncArgv, staged: Staged, work: Path) -> tup
         kept = _keep_log(work / "restore.log", parsed.container_id)
         raise ColdSnapError(ErrorCode.CRIU_FAILED,
                             f"runc restore failed (exit {rc}): {_runc_error(work / 'runc.log')}; "
-                            f"CRIU: {_first_error(work / 'restore.log')}" + (f" (log: {kept})" if kept else ""))
+                            f"CRIU: {first_error_line(work / 'restore.log')}" + (f" (log: {kept})" if kept else ""))
     try:
         return int(Path(pid_file).read_text().strip()), argv
     except (OSError, ValueError):
