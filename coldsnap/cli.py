@@ -311,6 +311,12 @@ def cmd_bench(args) -> int:
                           f"curl to /dev/null), peak RSS {s['peak_rss_mib_push']}/{s['peak_rss_mib_pull']} MiB; "
                           f"wrote {args.out}/registry_bench.json and .png")
         return 0
+    if getattr(args, "via", None):
+        from .bench.via import run_via_bench
+
+        data = run_via_bench(args, progress=_progress(args))
+        _emit(args, data, data.get("_summary"))
+        return 0
     from .bench.run import run_bench
 
     data = run_bench(args, progress=_progress(args))
@@ -447,6 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--drop-caches", action="store_true", help="drop the page cache before every sample")
     sp.add_argument("--registry", action="store_true", help="benchmark push/pull through a local registry instead")
     sp.add_argument("--size-mib", type=int, default=2048, help="capsule size for --registry")
+    sp.add_argument("--via", choices=["podman", "docker"], help="the reference engine in a container: `podman|docker "
+                    "run` cold vs restored by coldsnap-runtime, plus its pass-through overhead (reference-VIA-cpu)")
     sp.add_argument("--json", action="store_true", help="print the result JSON, no progress")
     return p
 

@@ -196,7 +196,8 @@ def test_capabilities_document():
     assert doc["engines"] == ["reference", "vllm", "sglang"]
     assert doc["snapshot_drivers"] == ["criu-process", "criu-runc", "cuda-checkpoint"]
     assert doc["weights_modes"] == ["native", "recovery", "auto"]
-    assert doc["qualified"] == {"criu-process/cpu": "qualified on Debian 12, kernel 6.18, CRIU 4.2.1 (make test)"}
+    assert {"criu-process/cpu", "criu-process/cuda", "registry"} <= set(doc["qualified"])
+    assert all(isinstance(v, str) and v for v in doc["qualified"].values())
 
 
 def test_paths_exist():
