@@ -47,6 +47,20 @@ class EngineAdapter:
         return self.after_restore(host, port, kv_discarded, weights_mode)
 
 
+def option_flags(opts: dict) -> list[str]:
+    """Engine options as command-line flags: key_name → --key-name VALUE; True → --key-name; False → --no-key-name."""
+    argv: list[str] = []
+    for key, value in opts.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is False:
+            argv.append("--no-" + key.replace("_", "-"))
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
 def post_json(host: str, port: int, path: str, body: dict | None = None, timeout: float = 120.0) -> dict:
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:

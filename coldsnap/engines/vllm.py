@@ -36,7 +36,7 @@ from pathlib import Path
 
 from ..contracts import CaptureRequest, ColdSnapError, ErrorCode
 from . import tinymodel
-from .base import EngineAdapter, PreparedLaunch
+from .base import EngineAdapter, PreparedLaunch, option_flags
 
 DEFAULT_VENV = "/var/lib/coldsnap/venvs/vllm"
 KEEP_ALIVE_S = 7 * 24 * 3600
@@ -81,19 +81,6 @@ def as_bool(value) -> bool:
     if isinstance(value, str):
         return value.strip().lower() in ("1", "true", "yes", "on")
     return bool(value)
-
-
-def option_flags(opts: dict) -> list[str]:
-    argv: list[str] = []
-    for key, value in opts.items():
-        flag = "--" + key.replace("_", "-")
-        if value is True:
-            argv.append(flag)
-        elif value is False:
-            argv.append("--no-" + key.replace("_", "-"))
-        else:
-            argv += [flag, str(value)]
-    return argv
 
 
 def resolve_model(opts: dict, python: Path) -> tuple[Path, str]:

@@ -8,7 +8,7 @@ import sys
 from ...config import settings
 from ...contracts import CaptureRequest, Model, WeightFile
 from ...weights import file_sha256
-from ..base import EngineAdapter, PreparedLaunch, post_json
+from ..base import EngineAdapter, PreparedLaunch, option_flags, post_json
 
 MODEL_ID = "coldsnap/reference-tiny"
 
@@ -42,14 +42,7 @@ class ReferenceAdapter(EngineAdapter):
             # recovery: weights stay file-backed (mmap), so CRIU images exclude them; native: anonymous copies.
             "--weights-load", "mmap" if mode == "recovery" else "copy",
         ]
-        for key, value in opts.items():
-            flag = "--" + key.replace("_", "-")
-            if value is True:
-                argv.append(flag)
-            elif value is False:
-                argv.append("--no-" + key.replace("_", "-"))
-            else:
-                argv += [flag, str(value)]
+        argv += option_flags(opts)
         env = {"TORCHINDUCTOR_COMPILE_THREADS": "1", **request.launch.env}
         model = request.model
         return PreparedLaunch(argv=argv, env=env, weights_mode=mode, model=model, engine_version=__version__,
