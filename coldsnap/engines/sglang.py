@@ -36,7 +36,7 @@ from pathlib import Path
 from ..contracts import CaptureRequest, ColdSnapError, ErrorCode
 from . import tinymodel
 from .base import EngineAdapter, PreparedLaunch, option_flags
-from .vllm import base_env, dist_version, ensure_venv, resolve_model, seccomp_prefix
+from .venv_engine import base_env, dist_version, ensure_venv, resolve_model, seccomp_prefix
 
 DEFAULT_VENV = "/var/lib/coldsnap/venvs/sglang"
 

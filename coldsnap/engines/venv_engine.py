@@ -1,0 +1,85 @@
+"""What the engines that run from their own venv (vLLM, SGLang) share: building that venv, the local tiny model,
+the io_uring-blocking launch prefix and an offline environment."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from ..contracts import ColdSnapError, ErrorCode
+from . import tinymodel
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def default_model_dir() -> Path:
+    return Path(os.environ.get("COLDSNAP_TINY_MODEL", "/var/lib/coldsnap/fixtures/tiny-llama"))
+
+
+def ensure_venv(engine: str, venv: Path, default: str) -> Path:
+    """The engine's venv. The default one is built (or repaired) by packaging/engines/<engine>-setup.sh when its
+    stamp is missing; a venv elsewhere is the caller's and used as it is."""
+    python = venv / "bin" / "python"
+    if (venv / ".coldsnap-stamp").exists() and python.exists():
+        return venv
+    script = REPO / "packaging" / "engines" / f"{engine}-setup.sh"
+    if str(venv) != default:
+        if python.exists():
+            return venv
+        raise ColdSnapError(ErrorCode.ENVIRONMENT, f"no {engine} venv at {venv}: run {script} {venv}")
+    if not script.exists():
+        raise ColdSnapError(ErrorCode.ENVIRONMENT, f"no {engine} venv at {venv} and no setup script {script}")
+    import subprocess
+
+    r = subprocess.run(["bash", str(script), str(venv)], capture_output=True, text=True)
+    if r.returncode != 0 or not python.exists():
+        raise ColdSnapError(ErrorCode.ENVIRONMENT, f"{script} failed: {(r.stderr or r.stdout)[-400:]}")
+    return venv
+
+
+def dist_version(venv: Path, *names: str) -> str | None:
+    """A distribution's version from the venv's metadata (no import of the engine)."""
+    for name in names:
+        for d in sorted(venv.glob(f"lib/python3*/site-packages/{name}-*.dist-info")):
+            return d.name[len(name) + 1:].removesuffix(".dist-info")
+    return None
+
+
+def as_bool(value) -> bool:
+    """An option that a JSON request may also spell as a string."""
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
+
+
+def resolve_model(opts: dict, python: Path) -> tuple[Path, str]:
+    """(model dir, served name) from the options. A missing or empty directory gets the tiny model (made locally,
+    deterministic); a directory with other contents must be a Hugging Face model (config.json)."""
+    model_opt = opts.pop("model", None)
+    model_dir = Path(str(model_opt)) if model_opt else default_model_dir()
+    if not model_dir.is_absolute():
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"model directory must be absolute: {model_dir}")
+    if not (model_dir / "config.json").exists():
+        if model_dir.exists() and any(model_dir.iterdir()):
+            raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"model directory {model_dir} has no config.json")
+        tinymodel.ensure(model_dir, str(python))
+    served = str(opts.pop("served_model_name", None) or
+                 (tinymodel.MODEL_ID if tinymodel.is_complete(model_dir) else model_dir.name))
+    return model_dir, served
+
+
+def seccomp_prefix() -> list[str]:
+    """ColdSnap's interpreter installs the io_uring filter, then execs the engine's: nothing of ColdSnap stays in
+    the engine's process or its environment."""
+    return [sys.executable, "-m", "coldsnap.engines.seccomp", "--"]
+
+
+def base_env() -> dict[str, str]:
+    return {
+        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
+        "DO_NOT_TRACK": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1", "PYTHONUNBUFFERED": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+
+
