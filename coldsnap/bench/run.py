@@ -160,7 +160,8 @@ def _chart(data: dict, path: Path) -> None:
     ax.bar(labels, meds, color=["#9a9a9a", "#2b7bba"], alpha=0.8)
     for i, xs in enumerate(series):
         ax.scatter([i] * len(xs), xs, color="black", s=12, zorder=3)
-        ax.annotate(f"{meds[i]:.2f} s", (i, meds[i]), textcoords="offset points", xytext=(0, 6), ha="center")
+        top = max(xs) if xs else meds[i]  # above the highest dot, so the label stays readable
+        ax.annotate(f"{meds[i]:.2f} s", (i, top), textcoords="offset points", xytext=(0, 6), ha="center")
     ax.set_ylabel("seconds to first token (median, samples as dots)")
     ax.set_title(f"{data['engine']} on {data['device']} ({data['weights_mode']}): {data['ratio_median']}x sooner, "
                  f"n={data['samples']}", fontsize=10)
