@@ -21,27 +21,10 @@ def load_spec(bundle: str | os.PathLike) -> dict:
 
 
 def write_spec(bundle: str | os.PathLike, spec: dict) -> None:
-    import tempfile  # not on the pass-through path
+    from ..fsutil import KEEP_MODE, atomic_write  # not on the pass-through path
 
-    dest = os.path.join(bundle, CONFIG)
-    try:
-        mode = os.stat(dest).st_mode & 0o7777
-    except FileNotFoundError:
-        mode = 0o644
-    fd, tmp = tempfile.mkstemp(dir=os.fspath(bundle), prefix=".config.json.")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(spec, f, indent=1, ensure_ascii=False)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, dest)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    data = json.dumps(spec, indent=1, ensure_ascii=False).encode("utf-8")
+    atomic_write(os.path.join(bundle, CONFIG), data, KEEP_MODE)
 
 
 def annotations_of(spec: dict) -> dict[str, str]:

@@ -35,7 +35,8 @@ import requests
 
 from ..contracts import ColdSnapError, ErrorCode
 from ..contracts import capsule as mt
-from .store import DIGEST_RE, CapsuleStore, Descriptor, _fsync_dir
+from ..fsutil import fsync_dir as _fsync_dir
+from .store import DIGEST_RE, CapsuleStore, Descriptor
 
 UPLOAD_CHUNK = 16 << 20  # PATCH size of a chunked upload
 READ_CHUNK = 1 << 20  # download read/hash/write granularity

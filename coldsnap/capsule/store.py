@@ -13,7 +13,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -21,6 +20,8 @@ from pathlib import Path
 from typing import Iterator
 
 from ..config import private_dir
+from ..fsutil import atomic_write
+
 from ..contracts import CapsuleProfile, ColdSnapError, ErrorCode
 from ..contracts import capsule as mt
 
@@ -69,14 +70,6 @@ def parse_reference(ref: str) -> tuple[str | None, str | None]:
     return ref, None
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def sha256_file(path: Path) -> tuple[str, int]:
     h = hashlib.sha256()
     size = 0
@@ -111,18 +104,7 @@ class CapsuleStore:
                           indent=1, sort_keys=True).encode()
 
     def _atomic_write(self, dest: Path, data: bytes) -> None:
-        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=".tmp-")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, 0o600)
-            os.replace(tmp, dest)
-            _fsync_dir(dest.parent)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        atomic_write(dest, data, 0o600)
 
     @contextmanager
     def _locked(self) -> Iterator[None]:

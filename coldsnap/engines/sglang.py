@@ -30,13 +30,11 @@ Engine options (request.engine.options):
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 
-from ..contracts import CaptureRequest, ColdSnapError, ErrorCode
+from ..contracts import CaptureRequest
 from . import tinymodel
 from .base import EngineAdapter, PreparedLaunch, option_flags
-from .venv_engine import base_env, dist_version, ensure_venv, resolve_model, seccomp_prefix
+from .venv_engine import base_env, cpu_engine_setup, dist_version, seccomp_prefix
 
 DEFAULT_VENV = "/var/lib/coldsnap/venvs/sglang"
 
@@ -47,14 +45,7 @@ class SglangAdapter(EngineAdapter):
 
     def prepare(self, request: CaptureRequest) -> PreparedLaunch:
         mode = self.resolve_weights_mode(request.policy.weights_mode)
-        if any(d.startswith("cuda") for d in request.launch.devices):
-            raise ColdSnapError(ErrorCode.INVALID_REQUEST, "the sglang adapter drives SGLang's CPU engine only "
-                                "(launch.devices must be empty)")
-        opts = dict(request.engine.options)
-        venv = ensure_venv("sglang", Path(str(opts.pop("venv", None) or os.environ.get("COLDSNAP_SGLANG_VENV")
-                                              or DEFAULT_VENV)), DEFAULT_VENV)
-        python = venv / "bin" / "python"
-        model_dir, served = resolve_model(opts, python)
+        opts, python, model_dir, served = cpu_engine_setup("sglang", request, "COLDSNAP_SGLANG_VENV", DEFAULT_VENV)
         argv = request.launch.command or [
             *seccomp_prefix(),
             str(python), "-m", "sglang.launch_server",
@@ -71,4 +62,4 @@ class SglangAdapter(EngineAdapter):
         env = {**base_env(), "SGLANG_USE_CPU_ENGINE": "1", **request.launch.env}
         model = request.model or tinymodel.describe_model_dir(model_dir, served)
         return PreparedLaunch(argv=argv, env=env, weights_mode=mode, model=model, cwd=request.launch.workdir,
-                              engine_version=dist_version(venv, "sglang"))
+                              engine_version=dist_version(python.parent.parent, "sglang"))

@@ -83,3 +83,17 @@ def base_env() -> dict[str, str]:
     }
 
 
+
+
+def cpu_engine_setup(engine: str, request, env_var: str, default_venv: str) -> tuple[dict, Path, Path, str]:
+    """What every venv engine's prepare() starts with: CPU only, its venv (built on first use), its model.
+    Returns (remaining options, venv python, model dir, served model name)."""
+    if any(d.startswith("cuda") for d in request.launch.devices):
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"the {engine} adapter drives the engine's CPU build only "
+                            "(launch.devices must be empty)")
+    opts = dict(request.engine.options)
+    venv = ensure_venv(engine, Path(str(opts.pop("venv", None) or os.environ.get(env_var) or default_venv)),
+                       default_venv)
+    python = venv / "bin" / "python"
+    model_dir, served = resolve_model(opts, python)
+    return opts, python, model_dir, served

