@@ -48,6 +48,7 @@ def host_profile(criu_version: str) -> HostProfile:
         driver_version=gpu.driver_version,
         cuda_version=gpu.cuda_version,
         gpus=gpu.gpus,
+        gpu_links=gpu.links,
     )
 
 

@@ -371,7 +371,10 @@ def test_lock_failure_rolls_back_the_locked_ones():
     with pytest.raises(ColdSnapError, match="rolled back"):
         checkpoint_tree(1, api=api, pids=[10, 11, 12])
     assert set(api.states.values()) == {"running"}
-    assert ("lock", 12) not in api.log
+    # The ranks are locked side by side: whichever got locked is unlocked again, and nothing was checkpointed.
+    locked = {pid for op, pid in api.log if op == "lock" and pid != 11}
+    assert locked <= {pid for op, pid in api.log if op == "unlock"}
+    assert not [op for op, _ in api.log if op == "checkpoint"]
 
 
 def test_rollback_problems_are_reported():

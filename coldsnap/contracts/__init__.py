@@ -2,7 +2,7 @@
 
 from .base import FORMAT_VERSION, Strict, canonical_json, sha256_hex
 from .errors import EXIT_CODES, ColdSnapError, ErrorCode
-from .profile import Capabilities, CapsuleProfile, CapturedFile, GpuInfo, HostProfile, NetworkPlan
+from .profile import Capabilities, CapsuleProfile, CapturedFile, Distributed, GpuInfo, HostProfile, NetworkPlan
 from .receipt import ErrorInfo, Origin, Receipt, Span
 from .request import (
     OPERATIONS,

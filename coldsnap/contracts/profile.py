@@ -29,6 +29,18 @@ class HostProfile(Strict):
     driver_version: str | None = None
     cuda_version: str | None = None
     gpus: list[GpuInfo] = Field(default_factory=list)
+    gpu_links: list[str] = Field(default_factory=list, description="How each pair of GPUs is connected, e.g. "
+                                 "'0-1:NV18' (18 NVLinks) or '0-1:SYS' (NVML's common-ancestor level).")
+
+
+class Distributed(Strict):
+    """A workload of several ranks (one process each) captured as one unit."""
+
+    world_size: int
+    backend: str = Field(description="torch.distributed backend: nccl (one GPU per rank) or gloo (CPU).")
+    devices: list[str] = Field(description="The device of each rank, by rank.")
+    settings: dict[str, str] = Field(default_factory=dict, description="The environment that made the tree safe to "
+                                     "capture (NCCL transports, interfaces): every rank started under it.")
 
 
 class NetworkPlan(Strict):
@@ -68,6 +80,7 @@ class CapsuleProfile(Strict):
     network: NetworkPlan | None = Field(default=None, description="Process mode: the netns plan. Containers: None.")
     files: list[CapturedFile] = Field(default_factory=list)
     cuda_pids: int = 0
+    distributed: Distributed | None = None
     criu_options: list[str] = Field(default_factory=list, description="The CRIU options used, replayable by hand.")
     image_digest: str | None = None
 

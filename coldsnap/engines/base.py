@@ -7,7 +7,7 @@ import http.client
 import json
 from dataclasses import dataclass, field
 
-from ..contracts import CaptureRequest, ColdSnapError, ErrorCode, Model
+from ..contracts import CaptureRequest, ColdSnapError, Distributed, ErrorCode, Model
 
 
 @dataclass
@@ -35,6 +35,10 @@ class EngineAdapter:
             raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"engine {self.name} cannot release its weights: "
                                 "use weights_mode native")
         return requested
+
+    def distributed(self, info: dict) -> Distributed | None:
+        """The ranks of a multi-process (tensor-parallel) workload, from what the running engine reports."""
+        return None
 
     # Hooks around capture and restore; default: nothing to release.
     def before_capture(self, host: str, port: int, kv_discard: bool, weights_mode: str) -> dict:

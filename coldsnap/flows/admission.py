@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..contracts import HostProfile
+from ..contracts import Distributed, HostProfile
 
 
 @dataclass
@@ -21,8 +21,11 @@ def _major_minor(v: str | None) -> str:
     return ".".join((v or "").split(".")[:2])
 
 
-def admit(captured: HostProfile, host: HostProfile, strictness: str = "strict") -> Admission:
-    """strict: everything the capsule recorded must match. relaxed: only what is known to break a restore."""
+def admit(captured: HostProfile, host: HostProfile, strictness: str = "strict",
+          distributed: Distributed | None = None) -> Admission:
+    """strict: everything the capsule recorded must match. relaxed: only what is known to break a restore.
+    A distributed capsule (several ranks, one GPU each) needs the same GPU count and the same links between them:
+    each rank's CUDA state names its device, and NCCL chose its paths for the topology it found."""
     blocking: list[str] = []
     soft: list[str] = []
 
@@ -53,4 +56,11 @@ def admit(captured: HostProfile, host: HostProfile, strictness: str = "strict") 
                   f"NVIDIA driver branch {captured.driver_version} vs {host.driver_version} here", False)
             check(captured.cuda_version == host.cuda_version,
                   f"CUDA {captured.cuda_version} vs {host.cuda_version} here", False)
+    if distributed is not None and distributed.backend == "nccl":
+        check(len(captured.gpus) == len(host.gpus),
+              f"captured with {distributed.world_size} ranks on a host of {len(captured.gpus)} GPU(s), "
+              f"this host has {len(host.gpus)}", False)
+        check(captured.gpu_links == host.gpu_links,
+              f"GPU topology {', '.join(captured.gpu_links) or 'unknown'} vs {', '.join(host.gpu_links) or 'none'} "
+              "here", False)
     return Admission(admitted=not blocking, differences=blocking, warnings=soft)

@@ -101,6 +101,9 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> dict:
         with tl.span("gpu-checkpoint"):
             gpu = gpu_support.checkpoint_tree(pid)
         progress(gpu.summary)
+        ranks = (info.get("tensor_parallel") or {}).get("size", 1)
+        if ranks > 1:
+            progress(f"{ranks} tensor-parallel ranks in one tree: one dump")
 
         options = CriuOptions(leave_running=request.lifecycle.leave_running)
         progress("dumping with CRIU")
@@ -138,6 +141,7 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> dict:
                 network=plan,
                 files=files,
                 cuda_pids=len(gpu.pids),
+                distributed=adapter.distributed(info),
                 criu_options=options.cli_flags(),
             )
             digest = write_capsule(images, wdir, files, profile, request.tag, extra_src)

@@ -53,7 +53,7 @@ def load_capsule(ref: str, allow_unpinned: bool) -> LoadedCapsule:
 
 def admission_for(capsule: LoadedCapsule, strictness: str):
     criu = CriuDriver()
-    return admit(capsule.profile.host, host_profile(criu.version()), strictness)
+    return admit(capsule.profile.host, host_profile(criu.version()), strictness, capsule.profile.distributed)
 
 
 # --- stage -------------------------------------------------------------------------------------------------------

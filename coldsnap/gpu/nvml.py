@@ -12,6 +12,7 @@ class NvmlReport:
     driver_version: str | None = None  # "580.159.04"
     cuda_version: str | None = None  # "13.0"
     gpus: list[GpuInfo] = field(default_factory=list)
+    links: list[str] = field(default_factory=list)  # "0-1:NV18" per pair of GPUs
     error: str | None = None  # why NVML gave nothing (None when it answered)
 
 
@@ -53,6 +54,7 @@ def discover() -> NvmlReport:
                     compute_capability=f"{major}.{minor}",
                 )
             )
+        report.links = gpu_links(pynvml)
     except Exception as e:  # noqa: BLE001
         report.error = f"NVML query failed: {e}"
     finally:
@@ -61,6 +63,40 @@ def discover() -> NvmlReport:
         except Exception:  # noqa: BLE001
             pass
     return report
+
+
+# nvmlDeviceGetTopologyCommonAncestor levels, named as `nvidia-smi topo -m` names them.
+TOPOLOGY_LEVELS = {0: "SELF", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
+
+
+def gpu_links(pynvml) -> list[str]:
+    """How each pair of GPUs is connected: 'i-j:NVn' with n active NVLinks between them, else 'i-j:LEVEL' from the
+    PCIe/CPU topology. What a tensor-parallel capture recorded must match at restore (NCCL chose its paths)."""
+    n = pynvml.nvmlDeviceGetCount()
+    handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(n)]
+    bus = [_text(pynvml.nvmlDeviceGetPciInfo(h).busId).lower() for h in handles]
+    out = []
+    for i in range(n):
+        for j in range(i + 1, n):
+            links = 0
+            for link in range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)):
+                try:
+                    if pynvml.nvmlDeviceGetNvLinkState(handles[i], link) != pynvml.NVML_FEATURE_ENABLED:
+                        continue
+                    remote = pynvml.nvmlDeviceGetNvLinkRemotePciInfo_v2(handles[i], link)
+                except Exception:  # noqa: BLE001 - no such link, or no NVLink at all
+                    continue
+                if _text(remote.busId).lower() == bus[j]:
+                    links += 1
+            if links:
+                out.append(f"{i}-{j}:NV{links}")
+                continue
+            try:
+                level = pynvml.nvmlDeviceGetTopologyCommonAncestor(handles[i], handles[j])
+                out.append(f"{i}-{j}:{TOPOLOGY_LEVELS.get(int(level), str(level))}")
+            except Exception:  # noqa: BLE001
+                out.append(f"{i}-{j}:unknown")
+    return out
 
 
 def driver_version() -> str | None:

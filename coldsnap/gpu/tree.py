@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
@@ -173,14 +174,27 @@ class TreeReport:
         }
 
 
-def _timed(report: TreeReport, step: str, pid: int, fn: Callable[[], None]) -> None:
+def _each(report: TreeReport, step: str, pids: Sequence[int], fn: Callable[[int], None]) -> None:
+    """Run one step on every pid at once (the ranks of a tensor-parallel tree are restored side by side: the
+    driver calls release the GIL). report.seconds[step] is the wall time of the step, per_pid each pid's own.
+    Raises the first failure, after every call has returned."""
+    def timed(pid: int) -> None:
+        t = time.perf_counter()
+        try:
+            fn(pid)
+        finally:
+            report.per_pid.setdefault(pid, {})[step] = time.perf_counter() - t
+
     t0 = time.perf_counter()
     try:
-        fn()
+        if len(pids) == 1:
+            timed(pids[0])
+        elif pids:
+            with ThreadPoolExecutor(len(pids), thread_name_prefix=f"cuda-{step}") as pool:
+                for f in [pool.submit(timed, pid) for pid in pids]:
+                    f.result()
     finally:
-        dt = time.perf_counter() - t0
-        report.seconds[step] = report.seconds.get(step, 0.0) + dt
-        report.per_pid.setdefault(pid, {})[step] = dt
+        report.seconds[step] = report.seconds.get(step, 0.0) + time.perf_counter() - t0
 
 
 def _roll_back(api: CudaCheckpointAPI, pids: Sequence[int]) -> list[str]:
@@ -224,11 +238,9 @@ def checkpoint_tree(
     report.pids = found
     touched: list[int] = []  # every pid a step was attempted on: the rollback set
     try:
-        for pid in found:
-            touched.append(pid)
-            _timed(report, "lock", pid, lambda: api.lock(pid, lock_timeout_ms))
-        for pid in found:
-            _timed(report, "checkpoint", pid, lambda: api.checkpoint(pid))
+        touched.extend(found)
+        _each(report, "lock", found, lambda pid: api.lock(pid, lock_timeout_ms))
+        _each(report, "checkpoint", found, api.checkpoint)
     except ColdSnapError as e:
         problems = _roll_back(api, touched)
         after = (
@@ -257,15 +269,11 @@ def restore_tree(
         return report
     api = api or CudaCheckpointAPI()
     states = {pid: api.state(pid) for pid in pids}
-    for pid in pids:
-        if states[pid] == "checkpointed":
-            _timed(report, "restore", pid, lambda: api.restore(pid, gpu_pairs))
-            states[pid] = "locked"
-        elif states[pid] == "failed":
-            raise ColdSnapError(ErrorCode.GPU_FAILED, f"pid {pid}: CUDA process state is 'failed'; cannot restore it")
-    for pid in pids:
-        if states[pid] == "locked":
-            _timed(report, "unlock", pid, lambda: api.unlock(pid))
+    failed = [pid for pid in pids if states[pid] == "failed"]
+    if failed:
+        raise ColdSnapError(ErrorCode.GPU_FAILED, f"pid {failed[0]}: CUDA process state is 'failed'; cannot restore it")
+    _each(report, "restore", [p for p in pids if states[p] == "checkpointed"], lambda pid: api.restore(pid, gpu_pairs))
+    _each(report, "unlock", [p for p in pids if states[p] in ("checkpointed", "locked")], api.unlock)
     report.seconds.setdefault("restore", 0.0)
     report.seconds.setdefault("unlock", 0.0)
     report.message = f"restored {len(pids)} CUDA process(es)"

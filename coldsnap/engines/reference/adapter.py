@@ -6,7 +6,7 @@ import os
 import sys
 
 from ...config import settings
-from ...contracts import CaptureRequest, Model, WeightFile
+from ...contracts import CaptureRequest, Distributed, Model, WeightFile
 from ...weights import file_sha256
 from ..base import EngineAdapter, PreparedLaunch, option_flags, post_json
 
@@ -44,6 +44,10 @@ class ReferenceAdapter(EngineAdapter):
         ]
         argv += option_flags(opts)
         env = {"TORCHINDUCTOR_COMPILE_THREADS": "1", **request.launch.env}
+        if int(opts.get("tensor_parallel", 1)) > 1:
+            from .tp import CAPTURE_SAFE_ENV
+
+            env = {**CAPTURE_SAFE_ENV, **env}  # in the launch (and so in the profile), not only inside the engine
         model = request.model
         return PreparedLaunch(argv=argv, env=env, weights_mode=mode, model=model, engine_version=__version__,
                               cwd=request.launch.workdir)
@@ -53,6 +57,13 @@ class ReferenceAdapter(EngineAdapter):
         digest = file_sha256(weights_path)
         return Model(id=MODEL_ID, revision=f"sha256:{digest}", weights=[WeightFile(path=weights_path, sha256=digest,
                                                                              size=os.path.getsize(weights_path))])
+
+    def distributed(self, info: dict) -> Distributed | None:
+        tp = info.get("tensor_parallel") or {}
+        if int(tp.get("size", 1)) <= 1:
+            return None
+        return Distributed(world_size=tp["size"], backend=tp["backend"], devices=tp["devices"],
+                           settings=tp.get("settings") or {})
 
     def before_capture(self, host: str, port: int, kv_discard: bool, weights_mode: str) -> dict:
         # native: the weights travel in the capture, so only the KV cache goes; recovery: the weights go too

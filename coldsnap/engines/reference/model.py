@@ -70,6 +70,47 @@ class ModelConfig:
         return self.layers * 2 * self.max_seq * self.hidden * itemsize
 
 
+# Tensor parallelism (Megatron style): these weights are split across ranks along the given dimension; the rest
+# (embeddings, norms, lm_head) are replicated. Column-parallel q/k/v and w1/w3 (output features, so whole heads
+# per rank), row-parallel wo and w2 (input features) followed by one all-reduce each.
+SHARD_DIMS = {"attn.wq.weight": 0, "attn.wk.weight": 0, "attn.wv.weight": 0, "attn.wo.weight": 1,
+              "mlp.w1.weight": 0, "mlp.w3.weight": 0, "mlp.w2.weight": 1}
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The part of a full weight one rank holds: [start, stop) along dim."""
+
+    dim: int
+    start: int
+    stop: int
+
+
+def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
+    if tp < 1:
+        raise ValueError("tensor parallel size must be at least 1")
+    if cfg.heads % tp or cfg.intermediate % tp:
+        raise ValueError(f"heads ({cfg.heads}) and intermediate ({cfg.intermediate}) must be multiples of the "
+                         f"tensor parallel size {tp}")
+
+
+def shard_of(name: str, shape: tuple[int, ...], tp: int, rank: int) -> Shard | None:
+    """Which part of weight `name` (full shape) rank holds; None when the rank holds all of it."""
+    dim = SHARD_DIMS.get(name.split(".", 2)[-1]) if name.startswith("layers.") else None
+    if tp == 1 or dim is None:
+        return None
+    size = shape[dim] // tp
+    return Shard(dim, rank * size, (rank + 1) * size)
+
+
+def local_shape(shape: tuple[int, ...], shard: Shard | None) -> tuple[int, ...]:
+    if shard is None:
+        return shape
+    out = list(shape)
+    out[shard.dim] = shard.stop - shard.start
+    return tuple(out)
+
+
 def param_specs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], float]]:
     """(name, shape, init std) of every weight, in a fixed order; std 0 means all ones (norm gains)."""
     h, i, v = cfg.hidden, cfg.intermediate, cfg.vocab_size
@@ -144,14 +185,26 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
 
+def all_reduce(x: torch.Tensor, tp: int) -> torch.Tensor:
+    """Sum over the tensor-parallel ranks; functional collectives, so torch.compile traces it into the graph."""
+    if tp == 1:
+        return x
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol.all_reduce(x, "sum", dist.group.WORLD)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: int = 1) -> None:
         super().__init__()
-        self.heads, self.head_dim = cfg.heads, cfg.head_dim
-        self.wq = Linear(cfg.hidden, cfg.hidden)
-        self.wk = Linear(cfg.hidden, cfg.hidden)
-        self.wv = Linear(cfg.hidden, cfg.hidden)
-        self.wo = Linear(cfg.hidden, cfg.hidden)
+        self.tp = tp
+        self.heads, self.head_dim = cfg.heads // tp, cfg.head_dim  # this rank's heads
+        local = self.heads * self.head_dim
+        self.wq = Linear(cfg.hidden, local)
+        self.wk = Linear(cfg.hidden, local)
+        self.wv = Linear(cfg.hidden, local)
+        self.wo = Linear(local, cfg.hidden)
         # This layer's KV cache, [1, heads, max_seq, head_dim] each; the Runner allocates them. Separate
         # tensors (not views of one buffer) written in place with index_put_, so the compiled step
         # updates them in place instead of copying a whole cache per layer.
@@ -167,27 +220,28 @@ class Attention(nn.Module):
         self.k_cache[:, :, positions] = k
         self.v_cache[:, :, positions] = v
         out = F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask)
-        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+        return all_reduce(self.wo(out.transpose(1, 2).reshape(b, t, -1)), self.tp)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: int = 1) -> None:
         super().__init__()
-        self.w1 = Linear(cfg.hidden, cfg.intermediate)
-        self.w3 = Linear(cfg.hidden, cfg.intermediate)
-        self.w2 = Linear(cfg.intermediate, cfg.hidden)
+        self.tp = tp
+        self.w1 = Linear(cfg.hidden, cfg.intermediate // tp)
+        self.w3 = Linear(cfg.hidden, cfg.intermediate // tp)
+        self.w2 = Linear(cfg.intermediate // tp, cfg.hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return all_reduce(self.w2(F.silu(self.w1(x)) * self.w3(x)), self.tp)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: int = 1) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, tp)
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, x, cos, sin, positions, mask):
         x = x + self.attn(self.attn_norm(x), cos, sin, positions, mask)
@@ -209,11 +263,13 @@ class Transformer(nn.Module):
     buffers (attn.k_cache / attn.v_cache, [1, heads, max_seq, head_dim]), which the Runner attaches.
     """
 
-    def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu") -> None:
+    def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu", tp: int = 1) -> None:
         super().__init__()
+        check_tensor_parallel(cfg, tp)
         self.cfg = cfg
+        self.tp = tp
         self.embed = Embedding(cfg.vocab_size, cfg.hidden)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.layers = nn.ModuleList(Block(cfg, tp) for _ in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.lm_head = Linear(cfg.hidden, cfg.vocab_size)
         with torch.device(device):
@@ -222,7 +278,7 @@ class Transformer(nn.Module):
 
     def kv_shape(self) -> tuple[int, ...]:
         c = self.cfg
-        return (1, c.heads, c.max_seq, c.head_dim)
+        return (1, c.heads // self.tp, c.max_seq, c.head_dim)
 
     def forward(self, tokens: torch.Tensor, start_pos: torch.Tensor) -> torch.Tensor:
         t = tokens.shape[1]
@@ -258,11 +314,14 @@ class Runner:
     """
 
     def __init__(self, model: Transformer, device: torch.device | str, kv_bytes: int = 0, reload=None,
-                 reload_into=None) -> None:
+                 reload_into=None, peers=None) -> None:
         self.model = model
         self.cfg = model.cfg
         self.device = torch.device(device)
-        need = self.cfg.kv_bytes()
+        # Rank 0 of a tensor-parallel group: the other ranks (coldsnap.engines.reference.tp.Peers), told every step
+        # and every release/resume, so all ranks run the same collectives in the same order.
+        self.peers = peers
+        need = self.cfg.kv_bytes() // model.tp
         self.kv_bytes = max(int(kv_bytes) // 4 * 4, need)
         self._reload = reload  # () -> dict[name, tensor]: the weights again, for resume() on CUDA
         self._reload_into = reload_into  # (params) -> stats: hydrate the parameters in place
@@ -291,6 +350,12 @@ class Runner:
         self.compile_mode = mode
 
     def _run(self, ids: list[int], start: int) -> torch.Tensor:
+        if self.peers is not None:
+            self.peers.send({"op": "step", "ids": ids, "start": start})
+        return self.run_step(ids, start)
+
+    def run_step(self, ids: list[int], start: int) -> torch.Tensor:
+        """One step on this rank only (tensor-parallel peers call this when rank 0 says so)."""
         graph = self._graphs.get(len(ids))
         if graph is not None:
             g, tokens, pos, out = graph
@@ -379,7 +444,16 @@ class Runner:
                 yield tok
 
     def release(self, weights: bool = True) -> dict[str, Any]:
-        """Drop the KV cache (and, on CUDA, the weights unless weights=False). Idempotent."""
+        """Drop the KV cache (and, on CUDA, the weights unless weights=False). Idempotent.
+        Tensor-parallel peers release at the same time; the answer counts every rank's bytes."""
+        if self.peers is not None:
+            self.peers.send({"op": "release", "weights": weights})
+        out = self._release_local(weights)
+        if self.peers is not None:
+            out["freed_bytes"] += sum(int(p.get("freed_bytes", 0)) for p in self.peers.replies())
+        return out
+
+    def _release_local(self, weights: bool) -> dict[str, Any]:
         freed = 0
         with torch.no_grad():
             self.synchronize()
@@ -398,7 +472,16 @@ class Runner:
         return {"freed_bytes": freed}
 
     def resume(self) -> dict[str, Any]:
-        """Re-allocate (and zero) the KV cache; on CUDA reload the weights from their file. Idempotent."""
+        """Re-allocate (and zero) the KV cache; on CUDA reload the weights from their file. Idempotent.
+        Tensor-parallel peers resume at the same time (each reloads its own shard)."""
+        if self.peers is not None:
+            self.peers.send({"op": "resume"})
+        out = self._resume_local()
+        if self.peers is not None:
+            out["peers"] = self.peers.replies()
+        return out
+
+    def _resume_local(self) -> dict[str, Any]:
         with torch.no_grad():
             hydrate = None
             if self.weights_released:
@@ -424,14 +507,27 @@ class Runner:
         return {"kv_bytes": self.kv_bytes, "cuda_graphs": len(self._graphs), "weights_reload": hydrate}
 
 
-def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device | str) -> Transformer:
-    """Build the model around the given tensors without copying them (mmap views stay mmap views)."""
-    model = Transformer(cfg, device)
+def shards(cfg: ModelConfig, tp: int = 1, rank: int = 0) -> dict[str, Shard]:
+    """The weights rank holds only part of, and which part."""
+    out = {}
+    for name, shape, _ in param_specs(cfg):
+        s = shard_of(name, shape, tp, rank)
+        if s is not None:
+            out[name] = s
+    return out
+
+
+def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device | str,
+                tp: int = 1, rank: int = 0) -> Transformer:
+    """Build the model (this rank's part of it) around the given tensors without copying them (mmap views stay
+    mmap views)."""
+    model = Transformer(cfg, device, tp)
     specs = param_specs(cfg)
     missing = {n for n, _, _ in specs} - set(weights)
     if missing:
         raise ValueError(f"weights lack {sorted(missing)[:5]}")
-    for name, shape, _ in specs:
+    for name, full, _ in specs:
+        shape = local_shape(full, shard_of(name, full, tp, rank))
         if tuple(weights[name].shape) != shape:
             raise ValueError(f"weight {name} has shape {tuple(weights[name].shape)}, config wants {shape}")
     model.load_state_dict({n: weights[n] for n, _, _ in specs}, strict=True, assign=True)

@@ -368,6 +368,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default min(2, cpu count))")
     p.add_argument("--warmup-tokens", type=int, default=8, help="tokens generated per warm-up prompt")
     p.add_argument("--model-id", default=DEFAULT_MODEL_ID)
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="ranks (one process each, one GPU each from --device on; gloo on CPU); rank 0 serves HTTP")
+    p.add_argument("--tp-port", type=int, default=None, help="torch.distributed rendezvous port on 127.0.0.1 "
+                   "(default --port + 1)")
+    p.add_argument("--tp-rank", type=int, default=0, help=argparse.SUPPRESS)  # set by rank 0 for its peers
+    p.add_argument("--tp-reply-fd", type=int, default=None, help=argparse.SUPPRESS)
     return p
 
 
@@ -393,9 +399,23 @@ def resolve_config(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     _compile_cache_env(args)  # before torch is imported: inductor reads these at import
     phases: dict[str, float] = {}
+    world, rank = args.tensor_parallel, args.tp_rank
+    if world < 1 or not 0 <= rank < world:
+        emit("fatal", error=f"--tensor-parallel {world} with rank {rank} makes no sense")
+        return 2
+    if rank > 0:
+        from .tp import die_with_parent
+
+        die_with_parent()
+    capture_env = {}
+    if world > 1 and rank == 0:
+        from .tp import make_capture_safe
+
+        capture_env = make_capture_safe()  # before any rank or TCPStore exists
 
     def phase(name: str, t: float, **extra: Any) -> None:
         phases[name] = round(time.monotonic() - t, 4)
@@ -407,49 +427,81 @@ def main(argv: list[str] | None = None) -> int:
     from .model import Runner, build_model
     from .weights import ensure_weights, load_into, load_weights
 
-    threads = args.threads or min(2, os.cpu_count() or 1)
+    from . import tp as tpmod
+    from .model import check_tensor_parallel, shards
+    from .weights import check_shapes
+
+    threads = args.threads or max(1, min(2, (os.cpu_count() or 1) // world))
     torch.set_num_threads(threads)
     phase("import", t, torch=torch.__version__)
 
     try:
         cfg = resolve_config(args)
+        check_tensor_parallel(cfg, world)
     except (ValueError, TypeError) as e:
         emit("fatal", error=f"bad model config: {e}")
         return 2
-    device = torch.device(args.device)
+    device = torch.device(tpmod.rank_device(args.device, rank) if world > 1 else args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         emit("fatal", error="--device cuda but torch sees no GPU")
+        return 2
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        emit("fatal", error=f"rank {rank} needs {device} but torch sees {torch.cuda.device_count()} GPU(s)")
+        return 2
+    graphs = args.cuda_graphs if args.cuda_graphs is not None else (device.type == "cuda" and world == 1)
+    if graphs and world > 1:
+        emit("fatal", error="CUDA graphs are not supported with --tensor-parallel above 1 (collectives in graphs)")
         return 2
 
     t = time.monotonic()
     try:
-        wpath, digest = ensure_weights(args.weights, cfg, seed=args.seed)
+        if rank == 0:
+            wpath, digest = ensure_weights(args.weights, cfg, seed=args.seed)
+        else:  # rank 0 made (and hashed) the file before starting this rank
+            wpath, digest = os.path.abspath(args.weights), None
+            check_shapes(wpath, cfg)
     except (ValueError, OSError) as e:
         emit("fatal", error=str(e))
         return 2
     phase("weights", t, path=wpath, sha256=digest)
 
+    peers = None
+    if world > 1:
+        t = time.monotonic()
+        if rank == 0:
+            peers = tpmod.Peers([sys.executable, "-m", "coldsnap.engines.reference.server", *argv], world,
+                                on_exit=lambda why: emit("fatal", error=why))
+        port = args.tp_port or args.port + 1
+        tpmod.init_group(rank, world, str(device), port)
+        phase("distributed", t, world=world, rank=rank, backend=tpmod.backend_for(str(device)), port=port)
+
+    mine = shards(cfg, world, rank)
     t = time.monotonic()
-    weights = load_weights(wpath, str(device), args.weights_load)
+    weights = load_weights(wpath, str(device), args.weights_load, shards=mine)
     phase("load", t, mode=args.weights_load)
 
     t = time.monotonic()
-    model = build_model(cfg, weights, device)
+    model = build_model(cfg, weights, device, world, rank)
     del weights
     kv_mib = args.kv_mib if args.kv_mib is not None else (1024 if device.type == "cuda" else 64)
-    runner = Runner(model, device, int(kv_mib * (1 << 20)), reload=lambda: load_weights(wpath, str(device), "mmap"),
-                    reload_into=lambda params: load_into(wpath, params))
+    runner = Runner(model, device, int(kv_mib * (1 << 20)),
+                    reload=lambda: load_weights(wpath, str(device), "mmap", shards=mine),
+                    reload_into=lambda params: load_into(wpath, params, shards=mine), peers=peers)
     phase("build", t, params=sum(p.numel() for p in model.parameters()), kv_bytes=runner.kv_bytes)
 
-    mode = None
-    if args.compile:
-        mode = args.compile_mode
-        t = time.monotonic()
+    mode = args.compile_mode if args.compile else None
+    if mode:
         runner.compile(mode)
+    if rank > 0:  # from here on rank 0 drives: every step it runs, this rank runs too
+        _malloc_trim()
+        return tpmod.serve_rank(runner, args.tp_reply_fd, {"rank": rank, "device": str(device), "pid": os.getpid(),
+                                                           "phases": phases})
+    peer_reports = peers.ready() if peers else []
+    if mode:
+        t = time.monotonic()
         runner.precompile()  # compile each static shape now, not on a first request
         phase("compile", t, mode=mode)
 
-    graphs = args.cuda_graphs if args.cuda_graphs is not None else device.type == "cuda"
     if graphs and device.type == "cuda":
         t = time.monotonic()
         if not args.compile:
@@ -478,6 +530,14 @@ def main(argv: list[str] | None = None) -> int:
         "threads": threads,
         "torch": torch.__version__,
         "startup_phases": dict(phases),
+        "tensor_parallel": {
+            "size": world,
+            "backend": tpmod.backend_for(str(device)) if world > 1 else None,
+            "devices": [tpmod.rank_device(args.device, r) for r in range(world)] if world > 1 else [str(device)],
+            "settings": capture_env,
+            "ranks": [{"rank": 0, "pid": os.getpid(), "device": str(device)}]
+            + [{k: r[k] for k in ("rank", "pid", "device")} for r in peer_reports],
+        },
     }
 
     t = time.monotonic()

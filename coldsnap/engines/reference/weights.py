@@ -11,6 +11,7 @@ process maps the file again. mode="copy" puts them in ordinary anonymous memory 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import mmap
@@ -162,10 +163,17 @@ def ensure_weights(path: str | os.PathLike, config: ModelConfig, seed: int = 0) 
     return str(p), digest
 
 
-def load_weights(path: str | os.PathLike, device: str = "cpu", mode: str = "mmap") -> dict[str, "torch.Tensor"]:
-    """Tensors of a safetensors file.
+def _slice(t, shard):
+    """This rank's part of a full tensor (a view; contiguous when the split is along dim 0)."""
+    return t if shard is None else t.narrow(shard.dim, shard.start, shard.stop - shard.start)
 
-    mode "mmap" on CPU: views over a private (copy-on-write) mapping of the file, no copy made.
+
+def load_weights(path: str | os.PathLike, device: str = "cpu", mode: str = "mmap",
+                 shards: dict[str, Any] | None = None) -> dict[str, "torch.Tensor"]:
+    """Tensors of a safetensors file (with shards: only each sharded tensor's part, see model.shards).
+
+    mode "mmap" on CPU: views over a private (copy-on-write) mapping of the file, no copy made (a part split along
+    dim 1 is not contiguous in the file, so it is copied out).
     mode "copy" on CPU: the same values in anonymous memory.
     device cuda: tensors on the GPU (read through the mapping either way).
     """
@@ -195,10 +203,11 @@ def load_weights(path: str | os.PathLike, device: str = "cpu", mode: str = "mmap
             t = torch.frombuffer(bytearray(mm[base + start : base + end]), dtype=dtype).view(shape)
         else:
             t = torch.frombuffer(mm, dtype=dtype, count=count, offset=base + start).view(shape)
+        t = _slice(t, (shards or {}).get(name))
         if dev.type != "cpu":
             t = t.to(dev)
-        elif mode == "copy":
-            t = t.clone()
+        elif mode == "copy" or not t.is_contiguous():
+            t = t.contiguous() if not t.is_contiguous() else t.clone()
         out[name] = t
     if dev.type == "cpu" and mode == "mmap":
         _MAPS.append(mm)
@@ -207,44 +216,115 @@ def load_weights(path: str | os.PathLike, device: str = "cpu", mode: str = "mmap
     return out
 
 
-def load_into(path: str | os.PathLike, params: dict[str, "torch.Tensor"], chunk_mib: int = 256) -> dict[str, float]:
-    """Hydrate GPU tensors in place from a safetensors file at full speed: page cache → pinned staging buffers
-    (two, so the host copy of one chunk overlaps the device copy of the other) → H2D on a side stream.
-    The tensors keep their addresses, so nothing that points at them (CUDA graphs) needs to know."""
+def _pread_into(fd: int, view: memoryview, offset: int) -> None:
+    """Fill view from the file at offset (a short read is continued; EOF is an error)."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise ValueError(f"weights file ended {len(view) - done} bytes early")
+        done += n
+
+
+def load_into(path: str | os.PathLike, params: dict[str, "torch.Tensor"], shards: dict[str, Any] | None = None,
+              chunk_mib: int = 128, threads: int | None = None) -> dict[str, float]:
+    """Hydrate tensors in place from a safetensors file at full speed: the page cache is read by `threads`
+    parallel preads straight into pinned staging buffers (two, so reading one chunk overlaps the device copy of
+    the other), then copied to the device on a side stream. The tensors keep their addresses, so nothing that
+    points at them (CUDA graphs) needs to know. With shards, each sharded tensor gets only its part (a part split
+    along dim 1 is gathered row block by row block through the mapping). Works for CPU tensors too (no pinning)."""
     import time
+    from concurrent.futures import ThreadPoolExecutor
 
     import torch
 
     t0 = time.perf_counter()
     base, header = read_header(path)
-    with open(path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    src = torch.frombuffer(mm, dtype=torch.uint8)
+    cuda = any(p.device.type == "cuda" for p in params.values())
+    threads = threads or max(1, min(8, os.cpu_count() or 1))
     chunk = chunk_mib << 20
-    bufs = [torch.empty(chunk, dtype=torch.uint8).pin_memory() for _ in range(2)]
-    stream = torch.cuda.Stream()
-    done = [torch.cuda.Event(), torch.cuda.Event()]
+    bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
+    views = [memoryview(b.numpy()) for b in bufs]
+    stream = torch.cuda.Stream() if cuda else None
+    done = [torch.cuda.Event() for _ in range(2)] if cuda else []
+    fd = os.open(path, os.O_RDONLY)
+    mm = None
     moved, i = 0, 0
-    with torch.cuda.stream(stream):
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="coldsnap-hydrate")
+
+    def parallel_read(view: memoryview, offset: int) -> None:
+        step = -(-len(view) // threads)
+        step += -step % 4096
+        jobs = [pool.submit(_pread_into, fd, view[a:a + step], offset + a) for a in range(0, len(view), step)]
+        for j in jobs:
+            j.result()
+
+    def next_buffer() -> int:
+        k = i % 2
+        if cuda:
+            done[k].synchronize()  # that buffer's previous device copy has finished
+        return k
+
+    def to_device(k: int, dst_bytes: "torch.Tensor", n: int) -> None:
+        with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+            dst_bytes.copy_(bufs[k][:n], non_blocking=cuda)
+            if cuda:
+                done[k].record(stream)
+
+    try:
         for name, dst in params.items():
             info = header[name]
             start, end = info["data_offsets"]
-            nbytes = end - start
-            if nbytes != dst.numel() * dst.element_size():
-                raise ValueError(f"{path}: tensor {name} has {nbytes} bytes, the model expects "
+            shape = tuple(info["shape"])
+            itemsize = _DTYPES[info["dtype"]][1]
+            shard = (shards or {}).get(name)
+            want = int(np.prod(_local(shape, shard), dtype=np.int64)) * itemsize
+            if want != dst.numel() * dst.element_size():
+                raise ValueError(f"{path}: tensor {name} has {want} bytes here, the model expects "
                                  f"{dst.numel() * dst.element_size()}")
             out = dst.view(-1).view(torch.uint8)
-            for off in range(0, nbytes, chunk):
-                n = min(chunk, nbytes - off)
-                buf = bufs[i % 2]
-                done[i % 2].synchronize()  # that buffer's previous H2D copy has finished
-                buf[:n].copy_(src[base + start + off: base + start + off + n])
-                out[off: off + n].copy_(buf[:n], non_blocking=True)
-                done[i % 2].record(stream)
-                i += 1
-                moved += n
-    stream.synchronize()
-    del src
-    mm.close()
+            if shard is None or shard.dim == 0:  # one contiguous byte range of the file
+                row = int(np.prod(shape[1:], dtype=np.int64)) * itemsize
+                lo = base + start + (shard.start * row if shard else 0)
+                for off in range(0, want, chunk):
+                    n = min(chunk, want - off)
+                    k = next_buffer()
+                    parallel_read(views[k][:n], lo + off)
+                    to_device(k, out[off:off + n], n)
+                    i += 1
+                    moved += n
+            else:  # split along dim 1: whole rows are not ours, gather our columns block by block
+                if mm is None:
+                    mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+                    src = torch.frombuffer(mm, dtype=torch.uint8)
+                full = src[base + start: base + end].view(getattr(torch, _DTYPES[info["dtype"]][0])).view(shape)
+                part = _slice(full, shard)
+                row = want // shape[0]
+                rows = max(1, chunk // row)
+                for r in range(0, shape[0], rows):
+                    block = part[r:r + rows]
+                    n = block.numel() * itemsize
+                    k = next_buffer()
+                    bufs[k][:n].view(block.dtype).view(block.shape).copy_(block)
+                    to_device(k, out[r * row:r * row + n], n)
+                    i += 1
+                    moved += n
+                del full, part
+        if cuda:
+            stream.synchronize()
+    finally:
+        pool.shutdown()
+        os.close(fd)
+        if mm is not None:
+            del src
+            mm.close()
     seconds = time.perf_counter() - t0
-    return {"bytes": moved, "seconds": seconds, "gb_per_s": moved / seconds / 1e9 if seconds else 0.0}
+    return {"bytes": moved, "seconds": seconds, "gb_per_s": moved / seconds / 1e9 if seconds else 0.0,
+            "threads": threads}
+
+
+def _local(shape, shard):
+    from .model import local_shape
+
+    return local_shape(tuple(shape), shard)
+

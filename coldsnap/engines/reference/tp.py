@@ -1,0 +1,162 @@
+"""Tensor parallelism for the reference engine: one process per rank, rank 0 serves HTTP and drives the others.
+
+Rank 0 starts ranks 1..N-1 as its own children (so the workload is one process tree: one CRIU dump, one CUDA tree
+checkpoint) and tells them what to do over a pipe each, one JSON line per command: run a step, release, resume.
+Every rank then runs the same collectives in the same order. Commands travel over pipes, not over the process
+group, on purpose: an idle rank waits in a read() on the host, never in a pending collective on the GPU, so the
+CUDA checkpoint lock (which waits for outstanding GPU work) finds every rank idle.
+
+What makes a tensor-parallel tree safe to capture (found on the 2×H200 machine, see knowledge/platform.md): NCCL
+without CUDA IPC, cuMem or shared-memory transports (the driver cannot restore those buffers: error 801), ranks
+talking over TCP on the loopback of the workload's own network namespace (CRIU restores established connections,
+and a fresh namespace has no TIME_WAIT leftovers on the ports), and no io_uring (torch's TCPStore uses libuv,
+which opens one CRIU cannot dump): a seccomp filter installed in rank 0 before the ranks start.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from typing import Any
+
+# The environment under which a torch.distributed tree can be CUDA-checkpointed and CRIU-dumped. Recorded in the
+# capsule's profile; set (unless already set) by rank 0 before the ranks start.
+CAPTURE_SAFE_ENV = {
+    "NCCL_P2P_DISABLE": "1",  # no CUDA IPC peer buffers
+    "NCCL_SHM_DISABLE": "1",  # no /dev/shm transport between ranks
+    "NCCL_CUMEM_ENABLE": "0",  # ordinary device allocations, not cuMem handles shared between processes
+    "NCCL_NVLS_ENABLE": "0",  # no NVLink multicast objects
+    "NCCL_SOCKET_IFNAME": "lo",  # rank traffic on the namespace's loopback
+    "GLOO_SOCKET_IFNAME": "lo",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",  # no watchdog tearing the group down while the tree is frozen
+}
+
+PR_SET_PDEATHSIG = 1
+
+
+def backend_for(device: str) -> str:
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def rank_device(device: str, rank: int) -> str:
+    """cuda → cuda:rank, cuda:K → cuda:K+rank; cpu stays cpu."""
+    if not device.startswith("cuda"):
+        return device
+    first = int(device.split(":", 1)[1]) if ":" in device else 0
+    return f"cuda:{first + rank}"
+
+
+def make_capture_safe() -> dict[str, str]:
+    """In rank 0, before anything starts a rank or a TCPStore: the settings above, and io_uring switched off for
+    this process and every child. Returns the settings in force."""
+    from coldsnap.engines import seccomp
+
+    for k, v in CAPTURE_SAFE_ENV.items():
+        os.environ.setdefault(k, v)
+    seccomp.install()
+    return {k: os.environ[k] for k in CAPTURE_SAFE_ENV}
+
+
+def init_group(rank: int, world: int, device: str, port: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    kwargs: dict[str, Any] = {}
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+        kwargs["device_id"] = torch.device(device)
+    dist.init_process_group(backend_for(device), init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, **kwargs)
+
+
+class Peers:
+    """Rank 0's handle on ranks 1..N-1: start them, send commands, collect replies, die with them."""
+
+    def __init__(self, argv: list[str], world: int, on_exit=None) -> None:
+        self.procs: list[subprocess.Popen] = []
+        self.replies_in: list[Any] = []
+        for rank in range(1, world):
+            r, w = os.pipe()
+            proc = subprocess.Popen([*argv, "--tp-rank", str(rank), "--tp-reply-fd", str(w)], stdin=subprocess.PIPE,
+                                    pass_fds=(w,), close_fds=True)
+            os.close(w)
+            self.procs.append(proc)
+            self.replies_in.append(os.fdopen(r, "r"))
+        self._lock = threading.Lock()
+        # A rank that dies takes the group with it: rank 0 would wait forever in its next collective otherwise.
+        threading.Thread(target=self._watch, args=(on_exit,), daemon=True, name="coldsnap-tp-watch").start()
+
+    def _watch(self, on_exit) -> None:
+        for p in self.procs:
+            p.wait()
+            if on_exit:
+                on_exit(f"tensor-parallel rank process {p.pid} exited with status {p.returncode}")
+            os._exit(1)
+
+    def send(self, cmd: dict[str, Any]) -> None:
+        line = (json.dumps(cmd, separators=(",", ":")) + "\n").encode()
+        with self._lock:
+            for p in self.procs:
+                p.stdin.write(line)
+                p.stdin.flush()
+
+    def replies(self) -> list[dict[str, Any]]:
+        """One reply per rank to the last release/resume (they run in parallel with rank 0's own)."""
+        out = []
+        for f in self.replies_in:
+            line = f.readline()
+            if not line:
+                raise RuntimeError("a tensor-parallel rank closed its reply pipe")
+            reply = json.loads(line)
+            if "error" in reply:
+                raise RuntimeError(f"tensor-parallel rank: {reply['error']}")
+            out.append(reply)
+        return out
+
+    def ready(self) -> list[dict[str, Any]]:
+        """Wait for every rank's start-up report (sent once its model is built)."""
+        return self.replies()
+
+
+def die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+def serve_rank(runner, reply_fd: int, started: dict[str, Any]) -> int:
+    """A rank other than 0: report ready, then do what rank 0 says until its pipe closes."""
+    import torch
+
+    reply = os.fdopen(reply_fd, "w")
+
+    def answer(obj: dict[str, Any]) -> None:
+        reply.write(json.dumps(obj) + "\n")
+        reply.flush()
+
+    answer({"ready": True, **started})
+    for line in sys.stdin.buffer:
+        cmd = json.loads(line)
+        op = cmd.get("op")
+        try:
+            if op == "step":
+                with torch.no_grad():
+                    runner.run_step(cmd["ids"], cmd["start"])
+            elif op == "release":
+                answer(runner.release(weights=bool(cmd.get("weights", True))))
+            elif op == "resume":
+                answer(runner.resume())
+            elif op == "exit":
+                break
+        except Exception as e:  # noqa: BLE001 - report it to rank 0, which fails the request
+            if op in ("release", "resume"):
+                answer({"error": f"{type(e).__name__}: {e}"})
+            else:
+                raise
+    return 0
