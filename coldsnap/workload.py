@@ -146,6 +146,18 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def inner_pid(pid: int) -> int | None:
+    """The PID a process has in its own (innermost) PID namespace: what it reports about itself."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("NSpid:"):
+                    return int(line.split()[-1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def kill_tree(pid: int, timeout: float = 10.0) -> None:
     """SIGKILL the workload's root and every descendant (for a PID-namespace init the kernel does the rest), then
     remove the host /dev/shm files it used (a SIGKILLed engine leaves its queues and semaphores behind)."""

@@ -162,7 +162,9 @@ def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progr
             probe.wait_ready(alive=lambda: alive(pid), timeout=validation.ready_timeout_s)
             res = probe.complete(expected=profile.expected_text)
         ttft = res.first_token_s - t0
-        progress(f"restored and validated: first token {ttft:.3f} s after restore began")
+        ranks = _ranks_restored(profile, plan, pid)
+        progress(f"restored and validated: first token {ttft:.3f} s after restore began"
+                 + (f"; {ranks['restored']}/{ranks['expected']} ranks" if ranks else ""))
         wdir = run_dir(name)
         save_state(WorkloadState(name=name, pid=pid, network=plan.model_dump(), origin="restored",
                                  capsule=staged.capsule.digest, run_dir=str(wdir),
@@ -175,12 +177,30 @@ def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progr
                 "time_to_first_token_s": round(ttft, 4), "validated_text": res.text,
                 "cuda_processes": len(gpu.pids), "criu_options": options.cli_flags(),
                 "hydrate": {"cuda_restore_s": gpu.seconds, "engine_resume": engine},
-                "weights_mode": profile.weights_mode}
+                "weights_mode": profile.weights_mode, **({"ranks": ranks} if ranks else {})}
     finally:
         if not ok:
             if pid is not None:
                 kill_tree(pid)
             destroy_network(plan)
+
+
+def _ranks_restored(profile, plan, root_pid: int) -> dict | None:
+    """A distributed workload: every rank must be back, in the restored tree. (The validated completion already
+    needed every rank's collectives; this names a missing one instead of a hang.)"""
+    if profile.distributed is None:
+        return None
+    from .capture import engine_info
+    from ..workload import descendants, inner_pid
+
+    # The ranks report their PIDs as they see them (inside the workload's PID namespace on CPU).
+    tree = {inner_pid(p) for p in (root_pid, *descendants(root_pid)) if alive(p)}
+    reported = (engine_info(plan.workload_address, plan.port).get("tensor_parallel") or {}).get("ranks") or []
+    restored = sum(1 for r in reported if r.get("pid") in tree)
+    expected = profile.distributed.world_size
+    if restored != expected:
+        raise ColdSnapError(ErrorCode.VALIDATION_FAILED, f"{restored}/{expected} ranks restored")
+    return {"restored": restored, "expected": expected}
 
 
 def _validation(request: RestoreRequest, profile) -> Validation:

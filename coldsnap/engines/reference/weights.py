@@ -227,7 +227,7 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> None:
 
 
 def load_into(path: str | os.PathLike, params: dict[str, "torch.Tensor"], shards: dict[str, Any] | None = None,
-              chunk_mib: int = 128, threads: int | None = None) -> dict[str, float]:
+              chunk_bytes: int = 128 << 20, threads: int | None = None) -> dict[str, float]:
     """Hydrate tensors in place from a safetensors file at full speed: the page cache is read by `threads`
     parallel preads straight into pinned staging buffers (two, so reading one chunk overlaps the device copy of
     the other), then copied to the device on a side stream. The tensors keep their addresses, so nothing that
@@ -242,7 +242,7 @@ def load_into(path: str | os.PathLike, params: dict[str, "torch.Tensor"], shards
     base, header = read_header(path)
     cuda = any(p.device.type == "cuda" for p in params.values())
     threads = threads or max(1, min(8, os.cpu_count() or 1))
-    chunk = chunk_mib << 20
+    chunk = chunk_bytes
     bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
     views = [memoryview(b.numpy()) for b in bufs]
     stream = torch.cuda.Stream() if cuda else None
@@ -295,7 +295,7 @@ def load_into(path: str | os.PathLike, params: dict[str, "torch.Tensor"], shards
                     moved += n
             else:  # split along dim 1: whole rows are not ours, gather our columns block by block
                 if mm is None:
-                    mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+                    mm = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
                     src = torch.frombuffer(mm, dtype=torch.uint8)
                 full = src[base + start: base + end].view(getattr(torch, _DTYPES[info["dtype"]][0])).view(shape)
                 part = _slice(full, shard)

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Tensor parallel 2 over NCCL on the 2-GPU machine (device tool kind nvidia-h200-x2), and the one-GPU baseline with
+# the same per-rank state. Usage (repo root there, .whl and .carry/criu carried): packaging/device/tp-bench.sh STEPS
+# STEPS: any of test tp2 tp1 gpumap (default: test tp2 tp1). N samples (default 10), NV vanilla samples (default 1).
+STEPS=${*:-test tp2 tp1}; N=${N:-10}; NV=${NV:-1}
+source packaging/device/env.sh
+CS="python3 -m coldsnap.cli"
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# Per rank: 2 layers' worth of weights (hidden 6144: 1.8 GB a layer) + KV_MIB of KV cache. TP2 runs 2×LAYERS layers
+# split over two ranks, so each rank holds what the TP1 baseline holds.
+LAYERS=${LAYERS:-2}; KV_MIB=${KV_MIB:-2048}
+SHAPE="--engine-opt hidden=6144 --engine-opt heads=48 --engine-opt kv_mib=$KV_MIB"
+nvidia-smi --query-gpu=index,name,uuid,memory.used --format=csv,noheader; nvidia-smi topo -m | head -3
+python3 -c "from coldsnap.gpu import nvml; r=nvml.discover(); print('gpus', len(r.gpus), 'links', r.links, r.error or '')"
+for step in $STEPS; do
+  case $step in
+  test)
+    echo "== tests (GPU + distributed)"
+    timeout 420 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_distributed.py tests/test_gpu.py \
+        -rs 2>&1 | tail -6 ;;
+  tp2)
+    echo "== bench tensor parallel 2 ($((2 * LAYERS)) layers)"
+    timeout ${BENCH_TIMEOUT:-400} $CS bench --device cuda -n "$N" --vanilla-samples "$NV" --weights-mode recovery \
+        $SHAPE --engine-opt layers=$((2 * LAYERS)) --engine-opt tensor_parallel=2 --out "$OUT" --name reference-cuda-tp2
+    echo "bench rc=$?" ;;
+  tp1)
+    echo "== bench one GPU, same per-rank state ($LAYERS layers)"
+    timeout ${BENCH_TIMEOUT:-400} $CS bench --device cuda -n "$N" --vanilla-samples "$NV" --weights-mode recovery \
+        $SHAPE --engine-opt layers=$LAYERS --out "$OUT" --name reference-cuda-tp1-per-rank
+    echo "bench rc=$?" ;;
+  gpumap)
+    # Restore a one-GPU capsule captured on GPU 0 onto GPU 1: the driver remaps by UUID pairs (every GPU listed).
+    D=$(python3 -c "import json;print(json.load(open('$OUT/reference-cuda-tp1-per-rank.json'))['capsule']['digest'])")
+    U0=$(nvidia-smi --query-gpu=uuid --format=csv,noheader | sed -n 1p); U1=$(nvidia-smi --query-gpu=uuid --format=csv,noheader | sed -n 2p)
+    echo "== restore $D with --gpu-map GPU0->GPU1, GPU1->GPU0"
+    $CS restore --capsule "$D" --gpu-map "$U0=$U1" --gpu-map "$U1=$U0" --no-fallback --json > "$OUT/gpumap.json"; echo "rc=$?"
+    python3 -c "import json;r=json.load(open('$OUT/gpumap.json'));print(r['state'],r['result'].get('time_to_first_token_s'),r['result'].get('hydrate',{}).get('cuda_restore_s'), r.get('error'))"
+    nvidia-smi --query-gpu=index,memory.used --format=csv,noheader
+    $CS stop bench-reference ;;
+  esac
+done
+tar czf "$OUT/receipts-tp.tgz" -C /tmp/coldsnap receipts 2>/dev/null
