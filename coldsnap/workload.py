@@ -164,7 +164,8 @@ def kill_tree(pid: int, timeout: float = 10.0) -> None:
     from .hoststate import tree_shm_files
 
     shm = tree_shm_files(pid)
-    for p in [pid, *descendants(pid)]:
+    tree = [pid, *descendants(pid)]
+    for p in tree:
         try:
             os.kill(p, signal.SIGKILL)
         except ProcessLookupError:
@@ -172,17 +173,17 @@ def kill_tree(pid: int, timeout: float = 10.0) -> None:
     for launcher_pid, launcher in list(_LAUNCHERS.items()):
         if launcher.poll() is not None:
             _LAUNCHERS.pop(launcher_pid, None)
-    # Wait until the PID is really free: a restore into the host PID namespace needs the same PIDs again, and a
-    # GPU process can take a while to exit (driver teardown).
+    # Wait until every PID of the tree is really free: a restore into the host PID namespace needs the same PIDs
+    # again, and a GPU process can take a while to exit (driver teardown).
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
             wpid, _ = os.waitpid(pid, os.WNOHANG)  # ours if we restored it (rst_sibling): reap it
-            if wpid == pid:
-                break
+            root_gone = wpid == pid
         except ChildProcessError:
-            if not alive(pid):  # gone, or a zombie someone else must reap
-                break
+            root_gone = not alive(pid)  # gone, or a zombie someone else must reap
+        if root_gone and not any(os.path.exists(f"/proc/{p}") for p in tree[1:]):
+            break
         time.sleep(0.01)
     for path in shm:
         Path(path).unlink(missing_ok=True)

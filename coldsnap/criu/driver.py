@@ -193,3 +193,17 @@ def criu_images_open_files(images_dir: Path) -> list[dict]:
             files.append({"path": reg["name"], "size": int(reg.get("size", 0)), "flags": int(reg.get("flags", 0), 0)
                           if isinstance(reg.get("flags"), str) else int(reg.get("flags", 0))})
     return files
+
+
+def criu_stats(directory: Path, kind: str) -> dict:
+    """CRIU's own account of a dump or restore (stats-dump in the images, stats-restore in the work dir): its times
+    in seconds and its page counts. Empty when CRIU wrote none."""
+    path = directory / f"stats-{kind}"
+    try:
+        with open(path, "rb") as f:
+            entry = _pycriu().images.load(f)["entries"][0]
+    except (OSError, KeyError, IndexError, ValueError, Exception):  # noqa: BLE001 - stats are informational
+        return {}
+    raw = entry.get(kind) or {}
+    return {(k[:-5] + "_s" if k.endswith("_time") else k): (int(v) / 1e6 if k.endswith("_time") else int(v))
+            for k, v in raw.items()}

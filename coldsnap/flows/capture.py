@@ -24,7 +24,7 @@ from ..contracts import (
     Validation,
 )
 from ..contracts import capsule as mt
-from ..criu import CriuDriver, CriuOptions, criu_images_open_files
+from ..criu import CriuDriver, CriuOptions, criu_images_open_files, criu_stats
 from ..engines.base import get_adapter
 from ..host import host_profile
 from ..net import allocate_plan, destroy_network, netns_inode
@@ -109,6 +109,7 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> dict:
         progress("dumping with CRIU")
         with tl.span("criu-dump"):
             criu.dump(pid, images, options, netns_inode(plan.netns))
+        dump_stats = criu_stats(images, "dump")
         # State outside the images (host /dev/shm files): snapshot their dump-time bytes before anything resumes.
         extra = hoststate.extra_files(images)
         extra_src = {}
@@ -165,6 +166,7 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> dict:
             "weights_mode": launch.weights_mode,
             "cuda_processes": len(gpu.pids),
             "criu_options": options.cli_flags(),
+            "criu_stats": dump_stats,
             "_profile": profile,
         }
     finally:

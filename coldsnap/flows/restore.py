@@ -19,7 +19,7 @@ from ..capsule.payload import materialize
 from ..config import private_dir, settings
 from ..contracts import ColdSnapError, ErrorCode, RestoreRequest, Validation
 from ..contracts import capsule as mt
-from ..criu import CriuDriver, CriuOptions
+from ..criu import CriuDriver, CriuOptions, criu_stats
 from ..engines.base import get_adapter
 from ..host import host_profile
 from ..net import create_network, destroy_network, netns_path
@@ -153,6 +153,7 @@ def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progr
         with tl.span("criu-restore"):
             options = CriuOptions()
             pid = criu.restore(staged.images, work, options, netns_path(plan.netns))
+        criu_account = criu_stats(work, "restore")
         with tl.span("hydrate"):
             gpu = gpu_support.restore_restored_tree(pid, gpu_pairs=list(request.gpu_map.items()) or None)
             engine = adapter.after_restore(plan.workload_address, plan.port, profile.kv_discarded,
@@ -176,7 +177,7 @@ def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progr
                 "url": f"http://{plan.workload_address}:{plan.port}",
                 "time_to_first_token_s": round(ttft, 4), "validated_text": res.text,
                 "cuda_processes": len(gpu.pids), "criu_options": options.cli_flags(),
-                "hydrate": {"cuda_restore_s": gpu.seconds, "engine_resume": engine},
+                "hydrate": {"cuda_restore_s": gpu.seconds, "engine_resume": engine}, "criu_stats": criu_account,
                 "weights_mode": profile.weights_mode, **({"ranks": ranks} if ranks else {})}
     finally:
         if not ok:

@@ -70,26 +70,21 @@ TOPOLOGY_LEVELS = {0: "SELF", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "
 
 
 def gpu_links(pynvml) -> list[str]:
-    """How each pair of GPUs is connected: 'i-j:NVn' with n active NVLinks between them, else 'i-j:LEVEL' from the
-    PCIe/CPU topology. What a tensor-parallel capture recorded must match at restore (NCCL chose its paths)."""
+    """How each pair of GPUs is connected: 'i-j:NVn' when they reach each other over NVLink (n = active links of
+    GPU i, as `nvidia-smi topo -m` counts them, directly or through NVSwitches), else 'i-j:LEVEL' from the PCIe/CPU
+    topology. What a tensor-parallel capture recorded must match at restore (NCCL chose its paths for it)."""
     n = pynvml.nvmlDeviceGetCount()
     handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(n)]
-    bus = [_text(pynvml.nvmlDeviceGetPciInfo(h).busId).lower() for h in handles]
     out = []
     for i in range(n):
         for j in range(i + 1, n):
-            links = 0
-            for link in range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)):
-                try:
-                    if pynvml.nvmlDeviceGetNvLinkState(handles[i], link) != pynvml.NVML_FEATURE_ENABLED:
-                        continue
-                    remote = pynvml.nvmlDeviceGetNvLinkRemotePciInfo_v2(handles[i], link)
-                except Exception:  # noqa: BLE001 - no such link, or no NVLink at all
-                    continue
-                if _text(remote.busId).lower() == bus[j]:
-                    links += 1
-            if links:
-                out.append(f"{i}-{j}:NV{links}")
+            try:
+                nvlink = pynvml.nvmlDeviceGetP2PStatus(handles[i], handles[j], pynvml.NVML_P2P_CAPS_INDEX_NVLINK) \
+                    == pynvml.NVML_P2P_STATUS_OK
+            except Exception:  # noqa: BLE001 - old NVML or no NVLink
+                nvlink = False
+            if nvlink:
+                out.append(f"{i}-{j}:NV{_active_links(pynvml, handles[i])}")
                 continue
             try:
                 level = pynvml.nvmlDeviceGetTopologyCommonAncestor(handles[i], handles[j])
@@ -97,6 +92,16 @@ def gpu_links(pynvml) -> list[str]:
             except Exception:  # noqa: BLE001
                 out.append(f"{i}-{j}:unknown")
     return out
+
+
+def _active_links(pynvml, handle) -> int:
+    count = 0
+    for link in range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)):
+        try:
+            count += pynvml.nvmlDeviceGetNvLinkState(handle, link) == pynvml.NVML_FEATURE_ENABLED
+        except Exception:  # noqa: BLE001 - no such link
+            continue
+    return count
 
 
 def driver_version() -> str | None:

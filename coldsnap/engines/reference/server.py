@@ -372,8 +372,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="ranks (one process each, one GPU each from --device on; gloo on CPU); rank 0 serves HTTP")
     p.add_argument("--tp-port", type=int, default=None, help="torch.distributed rendezvous port on 127.0.0.1 "
                    "(default --port + 1)")
-    p.add_argument("--tp-rank", type=int, default=0, help=argparse.SUPPRESS)  # set by rank 0 for its peers
-    p.add_argument("--tp-reply-fd", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--tp-rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
+    p.add_argument("--tp-fds", default=None, help=argparse.SUPPRESS)  # the command pipes between rank 0 and peers
     return p
 
 
@@ -403,19 +403,18 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _compile_cache_env(args)  # before torch is imported: inductor reads these at import
     phases: dict[str, float] = {}
-    world, rank = args.tensor_parallel, args.tp_rank
+    world, rank = args.tensor_parallel, args.tp_rank or 0
     if world < 1 or not 0 <= rank < world:
         emit("fatal", error=f"--tensor-parallel {world} with rank {rank} makes no sense")
         return 2
-    if rank > 0:
-        from .tp import die_with_parent
+    if world > 1:
+        from . import tp as tpmod
 
-        die_with_parent()
-    capture_env = {}
-    if world > 1 and rank == 0:
-        from .tp import make_capture_safe
-
-        capture_env = make_capture_safe()  # before any rank or TCPStore exists
+        if args.tp_rank is None:  # the command as started: become the launcher of the ranks
+            tpmod.make_capture_safe()  # before any rank or TCPStore exists; inherited by every rank
+            return tpmod.launch(argv, world)
+        tpmod.die_with_parent()
+    capture_env = {k: os.environ[k] for k in sorted(os.environ) if world > 1 and k in _capture_safe_names()}
 
     def phase(name: str, t: float, **extra: Any) -> None:
         phases[name] = round(time.monotonic() - t, 4)
@@ -453,27 +452,30 @@ def main(argv: list[str] | None = None) -> int:
         emit("fatal", error="CUDA graphs are not supported with --tensor-parallel above 1 (collectives in graphs)")
         return 2
 
+    peers = None
+
+    def join_group() -> None:
+        t = time.monotonic()
+        port = args.tp_port or args.port + 1
+        tpmod.init_group(rank, world, str(device), port)
+        phase("distributed", t, world=world, rank=rank, backend=tpmod.backend_for(str(device)), port=port)
+
+    if rank > 0:  # rank 0 joins once the weights file exists: joining first means it is there to read
+        join_group()
     t = time.monotonic()
     try:
         if rank == 0:
             wpath, digest = ensure_weights(args.weights, cfg, seed=args.seed)
-        else:  # rank 0 made (and hashed) the file before starting this rank
+        else:  # rank 0 made (and hashed) the file
             wpath, digest = os.path.abspath(args.weights), None
             check_shapes(wpath, cfg)
     except (ValueError, OSError) as e:
         emit("fatal", error=str(e))
         return 2
     phase("weights", t, path=wpath, sha256=digest)
-
-    peers = None
-    if world > 1:
-        t = time.monotonic()
-        if rank == 0:
-            peers = tpmod.Peers([sys.executable, "-m", "coldsnap.engines.reference.server", *argv], world,
-                                on_exit=lambda why: emit("fatal", error=why))
-        port = args.tp_port or args.port + 1
-        tpmod.init_group(rank, world, str(device), port)
-        phase("distributed", t, world=world, rank=rank, backend=tpmod.backend_for(str(device)), port=port)
+    if world > 1 and rank == 0:
+        peers = tpmod.Peers(args.tp_fds)
+        join_group()
 
     mine = shards(cfg, world, rank)
     t = time.monotonic()
@@ -494,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         runner.compile(mode)
     if rank > 0:  # from here on rank 0 drives: every step it runs, this rank runs too
         _malloc_trim()
-        return tpmod.serve_rank(runner, args.tp_reply_fd, {"rank": rank, "device": str(device), "pid": os.getpid(),
+        return tpmod.serve_rank(runner, args.tp_fds, {"rank": rank, "device": str(device), "pid": os.getpid(),
                                                            "phases": phases})
     peer_reports = peers.ready() if peers else []
     if mode:
@@ -570,6 +572,12 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         httpd.server_close()
     return 0
+
+
+def _capture_safe_names() -> set[str]:
+    from .tp import CAPTURE_SAFE_ENV
+
+    return set(CAPTURE_SAFE_ENV)
 
 
 def _compile_cache_env(args: argparse.Namespace) -> None:

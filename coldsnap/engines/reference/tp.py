@@ -1,16 +1,22 @@
 """Tensor parallelism for the reference engine: one process per rank, rank 0 serves HTTP and drives the others.
 
-Rank 0 starts ranks 1..N-1 as its own children (so the workload is one process tree: one CRIU dump, one CUDA tree
-checkpoint) and tells them what to do over a pipe each, one JSON line per command: run a step, release, resume.
-Every rank then runs the same collectives in the same order. Commands travel over pipes, not over the process
-group, on purpose: an idle rank waits in a read() on the host, never in a pending collective on the GPU, so the
-CUDA checkpoint lock (which waits for outstanding GPU work) finds every rank idle.
+The command the user starts becomes a small launcher (no torch): it starts every rank as its own child, so the
+workload is one process tree (one CRIU dump, one CUDA tree checkpoint) in which the ranks are siblings. Siblings
+matter for restore time: CRIU restores a parent's memory before it forks the children (they may share pages
+copy-on-write), so ranks under rank 0 would be restored one after the other; under a launcher they are restored
+side by side. The launcher dies with any rank, taking the others along (a rank alone would wait in its next
+collective forever).
+
+Rank 0 tells the other ranks what to do over a pipe each, one JSON line per command (run a step, release, resume),
+and every rank runs the same collectives in the same order. Commands travel over pipes, not over the process group,
+on purpose: an idle rank waits in a read() on the host, never in a pending collective on the GPU, so the CUDA
+checkpoint lock (which waits for outstanding GPU work) finds every rank idle.
 
 What makes a tensor-parallel tree safe to capture (found on the 2×H200 machine, see knowledge/platform.md): NCCL
 without CUDA IPC, cuMem or shared-memory transports (the driver cannot restore those buffers: error 801), ranks
 talking over TCP on the loopback of the workload's own network namespace (CRIU restores established connections,
 and a fresh namespace has no TIME_WAIT leftovers on the ports), and no io_uring (torch's TCPStore uses libuv,
-which opens one CRIU cannot dump): a seccomp filter installed in rank 0 before the ranks start.
+which opens one CRIU cannot dump): a seccomp filter installed in the launcher before the ranks start.
 """
 
 from __future__ import annotations
@@ -74,36 +80,62 @@ def init_group(rank: int, world: int, device: str, port: int) -> None:
                             world_size=world, **kwargs)
 
 
-class Peers:
-    """Rank 0's handle on ranks 1..N-1: start them, send commands, collect replies, die with them."""
+def launch(argv: list[str], world: int) -> int:
+    """The launcher: start ranks 0..world-1 with the command pipes between rank 0 and the others, wait; when one
+    rank exits, stop the rest and exit with its status."""
+    base = [sys.executable, "-m", "coldsnap.engines.reference.server", *argv]
+    procs: list[subprocess.Popen] = []
+    to_rank0: list[str] = []
+    close_here: list[int] = []
+    for rank in range(1, world):
+        cmd_r, cmd_w = os.pipe()
+        rep_r, rep_w = os.pipe()
+        procs.append(subprocess.Popen([*base, "--tp-rank", str(rank), "--tp-fds", f"{cmd_r},{rep_w}"],
+                                      pass_fds=(cmd_r, rep_w), stdin=subprocess.DEVNULL))
+        to_rank0.append(f"{cmd_w},{rep_r}")
+        close_here += [cmd_r, cmd_w, rep_r, rep_w]
+    fds = tuple(int(x) for pair in to_rank0 for x in pair.split(","))
+    procs.insert(0, subprocess.Popen([*base, "--tp-rank", "0", "--tp-fds", ";".join(to_rank0)], pass_fds=fds,
+                                     stdin=subprocess.DEVNULL))
+    for fd in close_here:  # only the ranks hold the pipes: a rank gone means EOF for the one reading from it
+        os.close(fd)
+    signal.signal(signal.SIGTERM, lambda *_: _stop(procs, 143))
+    pid, status = os.wait()
+    code = os.waitstatus_to_exitcode(status)
+    rank = next((r for r, p in enumerate(procs) if p.pid == pid), "?")
+    print(json.dumps({"event": "fatal" if code else "exit", "error": f"rank {rank} (pid {pid}) exited with "
+                      f"status {code}; stopping the other ranks"}), file=sys.stderr, flush=True)
+    _stop(procs, code or 1)
+    return code or 1
 
-    def __init__(self, argv: list[str], world: int, on_exit=None) -> None:
-        self.procs: list[subprocess.Popen] = []
-        self.replies_in: list[Any] = []
-        for rank in range(1, world):
-            r, w = os.pipe()
-            proc = subprocess.Popen([*argv, "--tp-rank", str(rank), "--tp-reply-fd", str(w)], stdin=subprocess.PIPE,
-                                    pass_fds=(w,), close_fds=True)
-            os.close(w)
-            self.procs.append(proc)
+
+def _stop(procs: list[subprocess.Popen], code: int):
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for p in procs:
+        p.wait()
+    os._exit(code)
+
+
+class Peers:
+    """Rank 0's handle on ranks 1..N-1: send commands, collect replies. fds: "cmd_w,rep_r;cmd_w,rep_r;..."."""
+
+    def __init__(self, fds: str) -> None:
+        self.cmds = []
+        self.replies_in = []
+        for pair in fds.split(";"):
+            w, r = (int(x) for x in pair.split(","))
+            self.cmds.append(os.fdopen(w, "wb"))
             self.replies_in.append(os.fdopen(r, "r"))
         self._lock = threading.Lock()
-        # A rank that dies takes the group with it: rank 0 would wait forever in its next collective otherwise.
-        threading.Thread(target=self._watch, args=(on_exit,), daemon=True, name="coldsnap-tp-watch").start()
-
-    def _watch(self, on_exit) -> None:
-        for p in self.procs:
-            p.wait()
-            if on_exit:
-                on_exit(f"tensor-parallel rank process {p.pid} exited with status {p.returncode}")
-            os._exit(1)
 
     def send(self, cmd: dict[str, Any]) -> None:
         line = (json.dumps(cmd, separators=(",", ":")) + "\n").encode()
         with self._lock:
-            for p in self.procs:
-                p.stdin.write(line)
-                p.stdin.flush()
+            for f in self.cmds:
+                f.write(line)
+                f.flush()
 
     def replies(self) -> list[dict[str, Any]]:
         """One reply per rank to the last release/resume (they run in parallel with rank 0's own)."""
@@ -130,10 +162,12 @@ def die_with_parent() -> None:
         pass
 
 
-def serve_rank(runner, reply_fd: int, started: dict[str, Any]) -> int:
-    """A rank other than 0: report ready, then do what rank 0 says until its pipe closes."""
+def serve_rank(runner, fds: str, started: dict[str, Any]) -> int:
+    """A rank other than 0: report ready, then do what rank 0 says until its pipe closes. fds: "cmd_r,rep_w"."""
     import torch
 
+    cmd_fd, reply_fd = (int(x) for x in fds.split(","))
+    commands = os.fdopen(cmd_fd, "rb")
     reply = os.fdopen(reply_fd, "w")
 
     def answer(obj: dict[str, Any]) -> None:
@@ -141,7 +175,7 @@ def serve_rank(runner, reply_fd: int, started: dict[str, Any]) -> int:
         reply.flush()
 
     answer({"ready": True, **started})
-    for line in sys.stdin.buffer:
+    for line in commands:
         cmd = json.loads(line)
         op = cmd.get("op")
         try:
