@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Tensor parallel 2 over NCCL on the 2-GPU machine (device tool kind nvidia-h200-x2), and the one-GPU baseline with
 # the same per-rank state. Usage (repo root there, .whl and .carry/criu carried): packaging/device/tp-bench.sh STEPS
-# STEPS: any of test tp2 tp1 gpumap (default: test tp2 tp1). N samples (default 10), NV vanilla samples (default 1).
+# STEPS: any of test tp2 tp1 gpumap account (default: test tp2 tp1). N samples (default 10), NV vanilla samples (default 1).
 STEPS=${*:-test tp2 tp1}; N=${N:-10}; NV=${NV:-1}
 source packaging/device/env.sh
 CS="python3 -m coldsnap.cli"
@@ -16,8 +16,8 @@ for step in $STEPS; do
   case $step in
   test)
     echo "== tests (GPU + distributed)"
-    timeout 420 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_distributed.py tests/test_gpu.py \
-        -rs 2>&1 | tail -6 ;;
+    timeout 420 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_distributed.py -k "nccl or admission" \
+        -rfs 2>&1 | tail -25 ;;
   tp2)
     echo "== bench tensor parallel 2 ($((2 * LAYERS)) layers)"
     timeout ${BENCH_TIMEOUT:-400} $CS bench --device cuda -n "$N" --vanilla-samples "$NV" --weights-mode recovery \
@@ -37,6 +37,13 @@ for step in $STEPS; do
     python3 -c "import json;r=json.load(open('$OUT/gpumap.json'));print(r['state'],r['result'].get('time_to_first_token_s'),r['result'].get('hydrate',{}).get('cuda_restore_s'), r.get('error'))"
     nvidia-smi --query-gpu=index,memory.used --format=csv,noheader
     $CS stop bench-reference ;;
+  account)
+    # Where each capsule's CRIU pages are, per process (python -m coldsnap.criu.account).
+    for j in "$OUT"/*.json; do
+      D=$(python3 -c "import json;print(json.load(open('$j')).get('capsule',{}).get('digest','').split(':')[-1])" 2>/dev/null)
+      [ -n "$D" ] && [ -d /tmp/coldsnap-run/staged/$D/images ] || continue
+      echo "== $(basename $j)"; python3 -m coldsnap.criu.account /tmp/coldsnap-run/staged/$D/images --top 6
+    done ;;
   esac
 done
 tar czf "$OUT/receipts-tp.tgz" -C /tmp/coldsnap receipts 2>/dev/null
