@@ -131,11 +131,16 @@ def cmd_capture(args) -> int:
 
         res = capture_container(args.container, args.runc_root, args.bundle, engine=args.engine or "reference",
                                 image_digest=args.image_digest, weights_mode=args.weights_mode or "native",
-                                leave_running=args.leave_running, tag=args.tag, progress=_progress(args))
+                                leave_running=args.leave_running, tag=args.tag, quiesce=args.quiesce or "drain",
+                                progress=_progress(args))
     else:
         from .flows.capture import capture
 
-        res = capture(_capture_request(args), progress=_progress(args))
+        req = _capture_request(args)
+        if args.quiesce == "none" or req.policy.quiesce != "drain":
+            raise ColdSnapError(ErrorCode.INVALID_REQUEST, "quiesce none (capture with requests in flight) applies "
+                                "to a container capture only (--container ID)")
+        res = capture(req, progress=_progress(args))
     r = res.receipt
     _emit(args, r, f"captured {r['result']['capsule']} ({r['result']['capsule_bytes'] / 2**20:.1f} MiB); "
                    f"receipt {r['_path']}")
@@ -377,6 +382,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "docker: <exec-root>/runtime-runc/moby; containerd: /run/containerd/runc/<namespace>)")
     sp.add_argument("--bundle", help="the container's bundle (default: from runc state)")
     sp.add_argument("--image-digest", help="bind the capsule to this image digest (sha256:…)")
+    sp.add_argument("--quiesce", choices=["drain", "none"],
+                    help="with --container: drain (default) waits until no client is connected; none captures with "
+                    "requests in flight (their connections travel in the capsule; the network namespace stays locked "
+                    "until the restore)")
     sp.add_argument("--json", action="store_true", help="print the receipt as JSON, no progress")
 
     sp = add("restore", cmd_restore, "restore a workload from a capsule (falls back to a cold start if refused)")

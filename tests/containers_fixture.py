@@ -50,7 +50,7 @@ def make_rootfs(root: Path) -> Path:
     """bin/lib/lib64/sbin → usr/* symlinks (the host's /usr is bound read-only), and the empty dirs runc mounts on."""
     root.mkdir(parents=True, exist_ok=True)
     for name in ("bin", "lib", "lib64", "sbin"):
-        if (Path("/") / "usr" / name).exists() and not (root / name).exists():
+        if (Path("/") / "usr" / name).exists() and not (root / name).is_symlink() and not (root / name).exists():
             (root / name).symlink_to(f"usr/{name}")
     for d in ("usr", "proc", "sys", "dev", "tmp", "etc", "root", "models", "run"):
         (root / d).mkdir(exist_ok=True)
@@ -139,6 +139,64 @@ class NetNS:
 
     def delete(self) -> None:
         subprocess.run(["ip", "netns", "del", self.name], capture_output=True)
+
+
+class VethNetNS(NetNS):
+    """A NetNS joined to the host by a veth pair (host side `host_address`, container side `address`, a /30 of
+    10.241.0.0/16 not in use): clients on the host reach the container directly, from outside its namespace,
+    the way a pod's clients do. The namespace outlives the containers that join it, as a pod's does."""
+
+    def __init__(self, prefix: str = "cseng"):
+        super().__init__(prefix)
+        import random
+
+        used = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True).stdout
+        while True:
+            a, b = random.randrange(256), random.randrange(64)
+            self.host_address, self.address = f"10.241.{a}.{4 * b + 1}", f"10.241.{a}.{4 * b + 2}"
+            if f" {self.host_address}/" not in used and f" {self.address}/" not in used:
+                break
+        self.host_veth = f"csv-{self.name[-8:]}"
+        try:
+            for cmd in (["ip", "link", "add", self.host_veth, "type", "veth", "peer", "name", "eth0", "netns",
+                         self.name],
+                        ["ip", "addr", "add", f"{self.host_address}/30", "dev", self.host_veth],
+                        ["ip", "link", "set", self.host_veth, "up"],
+                        ["ip", "-n", self.name, "addr", "add", f"{self.address}/30", "dev", "eth0"],
+                        ["ip", "-n", self.name, "link", "set", "eth0", "up"]):
+                subprocess.run(cmd, check=True, capture_output=True)
+        except BaseException:
+            self.delete()
+            raise
+
+    def delete(self) -> None:
+        subprocess.run(["ip", "link", "del", self.host_veth], capture_output=True)  # gone with the netns, usually
+        super().delete()
+
+
+def make_engine_bundle(path: Path, rootfs: Path, launch, netns: str, annotations: dict[str, str] | None = None,
+                       shm_size: str = "1g") -> Path:
+    """A bundle whose process is an engine adapter's container launch (prepare_container): the host's /usr as
+    the image, the launch's own read-only binds (engine venv, its interpreter, the model, ColdSnap's prefix),
+    private tmpfs for /tmp, $HOME and /dev/shm (CRIU carries their contents in its images, so a restore needs
+    nothing the rootfs kept), and a pre-made network namespace."""
+    from coldsnap.bundle.spec import apply_launch
+
+    path.mkdir(parents=True, exist_ok=True)
+    spec = copy.deepcopy(BASE_SPEC)
+    spec["root"]["path"] = str(rootfs)
+    spec["mounts"] = [m for m in spec["mounts"] if m["destination"] != "/dev/shm"] + [
+        {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+         "options": ["nosuid", "nodev", "mode=1777", f"size={shm_size}"]},
+        {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "nodev", "mode=1777"]},
+        {"destination": "/root", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "nodev", "mode=700"]},
+        _bind("/usr")]
+    apply_launch(spec, launch.argv, launch.env, launch.cwd, launch.mounts)
+    spec["linux"]["namespaces"].append({"type": "network", "path": f"/var/run/netns/{netns}"})
+    if annotations:
+        spec["annotations"] = dict(annotations)
+    (path / "config.json").write_text(json.dumps(spec, indent=1))
+    return path
 
 
 def runc(root: Path, *args: str, check: bool = False, **kw) -> subprocess.CompletedProcess:

@@ -131,6 +131,31 @@ def test_vllm_prepare_builds_a_checkpointable_launch(tmp_path, coldsnap_home):
         == "native"
 
 
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_prepare_container_is_the_process_launch_plus_what_it_reads(tmp_path, coldsnap_home, engine):
+    import coldsnap
+    from coldsnap.contracts import ColdSnapError
+
+    venv, model = fake_venv_and_model(tmp_path)
+    req = CaptureRequest(operation="capture", engine={"name": engine, "options": {"venv": str(venv),
+                                                                                  "model": str(model)}})
+    process, container = get_adapter(engine).prepare(req), get_adapter(engine).prepare_container(req)
+    assert container.argv == process.argv  # one launch for both modes: paths are bound where they are
+    assert {**container.env, **process.env} == container.env  # the same variables, completed for a container
+    assert container.env["HOME"] == "/root" and "/usr/bin" in container.env["PATH"].split(":")
+    assert all(m.readonly and m.source == m.target for m in container.mounts)
+    covered = [Path(m.source) for m in container.mounts]
+
+    def bound(path) -> bool:
+        return any(Path(path) == c or c in Path(path).parents for c in covered)
+
+    assert bound(venv) and bound(model)
+    assert bound(sys.executable) and bound(os.path.realpath(sys.executable))  # the io_uring prefix's interpreter
+    assert bound(Path(coldsnap.__file__).resolve())
+    with pytest.raises(ColdSnapError, match="no container launch"):
+        get_adapter("reference").prepare_container(CaptureRequest(operation="capture"))
+
+
 # --- shared helpers for the real-engine tests -----------------------------------------------------------------------
 def ensure_engine(engine: str, venv: str) -> str:
     """Build (or reuse) the engine venv with its setup script and the tiny model; returns the venv's python."""

@@ -74,3 +74,28 @@ def netns_path(spec: dict) -> str | None:
         if ns.get("type") == "network":
             return ns.get("path") or None
     return None
+
+
+def apply_launch(spec: dict, argv: list[str], env: dict[str, str], cwd: str | None = None, binds=()) -> dict:
+    """Make the spec's process an engine launch (an adapter's prepare_container()): argv, its environment (the
+    spec's own variables are kept unless the launch sets them), cwd; and a bind mount per contracts.Mount
+    (source, target, readonly) whose target the spec does not mount yet. Returns the spec."""
+    proc = spec.setdefault("process", {})
+    proc["args"] = list(argv)
+    merged = {}
+    for entry in proc.get("env") or []:
+        name, _, value = str(entry).partition("=")
+        merged[name] = value
+    merged.update(env)
+    proc["env"] = [f"{k}={v}" for k, v in merged.items()]
+    if cwd:
+        proc["cwd"] = cwd
+    mounts = spec.setdefault("mounts", [])
+    taken = {os.path.normpath(m.get("destination", "")) for m in mounts}
+    for bind in binds:
+        if os.path.normpath(bind.target) in taken:
+            continue
+        mounts.append({"destination": bind.target, "type": "bind", "source": bind.source,
+                       "options": ["rbind", "ro" if bind.readonly else "rw"]})
+        taken.add(os.path.normpath(bind.target))
+    return spec

@@ -12,6 +12,7 @@ from .request import (
     Launch,
     Lifecycle,
     Model,
+    Mount,
     Policy,
     RestoreRequest,
     Validation,

@@ -86,6 +86,12 @@ class Policy(Strict):
     )
     fallback_to_cold: bool = Field(default=True, description="On refusal or failed restore, start the workload cold.")
     allow_unpinned: bool = Field(default=False, description="Accept a capsule reference that is not pinned by digest.")
+    quiesce: Literal["drain", "none"] = Field(
+        default="drain", description="Container capture only. drain: release memory and capture once no client "
+        "connection is open (waits up to 30 s). none: capture with requests in flight: their connections are "
+        "checkpointed with the server and the network namespace stays locked (CRIU's network lock) from the dump "
+        "to the restore, so a client sees a pause, not an error; nothing is released (in-flight requests hold the "
+        "KV cache). Process-mode capture starts its own workload, which has no clients: drain only.")
 
 
 class Validation(Strict):

@@ -7,7 +7,11 @@ import http.client
 import json
 from dataclasses import dataclass, field
 
-from ..contracts import CaptureRequest, ColdSnapError, Distributed, ErrorCode, Model
+from ..contracts import CaptureRequest, ColdSnapError, Distributed, ErrorCode, Model, Mount
+
+# What a container's process starts with besides the launch's own variables (process mode adds the same two in
+# coldsnap.workload.workload_env; a container gets nothing from its engine unless the spec names it).
+CONTAINER_BASE_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root"}
 
 
 @dataclass
@@ -19,6 +23,8 @@ class PreparedLaunch:
     cwd: str | None = None
     engine_version: str | None = None
     notes: list[str] = field(default_factory=list)
+    # Host paths the launch reads (interpreters, venv, model): a container binds them read-only at the same paths.
+    mounts: list[Mount] = field(default_factory=list)
 
 
 class EngineAdapter:
@@ -27,6 +33,19 @@ class EngineAdapter:
 
     def prepare(self, request: CaptureRequest) -> PreparedLaunch:
         raise NotImplementedError
+
+    def prepare_container(self, request: CaptureRequest) -> PreparedLaunch:
+        """The same launch (one implementation with process mode) as the process of a container: every path in
+        argv is a host path that .mounts lists (bind each read-only at its own path and argv runs unchanged), and
+        .env is complete, since a container inherits nothing. Raises INVALID_REQUEST for an engine whose launch
+        does not say what it reads."""
+        launch = self.prepare(request)
+        if not launch.mounts and not request.launch.command:
+            raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"engine {self.name} has no container launch (it does "
+                                "not list the host paths it reads); give launch.command and mounts yourself")
+        launch.env = {**CONTAINER_BASE_ENV, **launch.env}
+        launch.mounts = [*launch.mounts, *request.launch.mounts]
+        return launch
 
     def resolve_weights_mode(self, requested: str) -> str:
         if requested == "auto":

@@ -7,8 +7,8 @@ The engine runs from its own venv (default /var/lib/coldsnap/venvs/sglang). What
   - --sleep-on-idle: without it the idle scheduler busy-polls a core;
   - own PID namespace, --tcp-established (the scheduler's TCPStore connection to itself), --link-remap (a POSIX
     semaphore mapped under a deleted name): provided by the generic process-mode flow;
-  - /dev/shm/sglang_loads_*.shm and the semaphore's link_remap.N are state outside the CRIU images: see
-    coldsnap.engines.vllm.extra_files (the same hooks serve both engines);
+  - /dev/shm/sglang_loads_*.shm and the semaphore's link_remap.N are state outside the CRIU images in process
+    mode: coldsnap.hoststate carries them in the capsule (in a container, its own /dev/shm tmpfs is in the images);
   - as PID 1 of its namespace the leader hangs on SIGTERM: stop it with SIGKILL (kill_tree does).
 
 Weights mode is native only. SGLang's /release_memory_occupation and /resume_memory_occupation are implemented with
@@ -34,7 +34,7 @@ from __future__ import annotations
 from ..contracts import CaptureRequest
 from . import tinymodel
 from .base import EngineAdapter, PreparedLaunch, option_flags
-from .venv_engine import base_env, cpu_engine_setup, dist_version, seccomp_prefix
+from .venv_engine import base_env, cpu_engine_setup, dist_version, host_mounts, seccomp_prefix
 
 DEFAULT_VENV = "/var/lib/coldsnap/venvs/sglang"
 
@@ -62,4 +62,5 @@ class SglangAdapter(EngineAdapter):
         env = {**base_env(), "SGLANG_USE_CPU_ENGINE": "1", **request.launch.env}
         model = request.model or tinymodel.describe_model_dir(model_dir, served)
         return PreparedLaunch(argv=argv, env=env, weights_mode=mode, model=model, cwd=request.launch.workdir,
+                              mounts=host_mounts(python, model_dir),
                               engine_version=dist_version(python.parent.parent, "sglang"))

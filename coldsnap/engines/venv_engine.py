@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..contracts import ColdSnapError, ErrorCode
+from ..contracts import ColdSnapError, ErrorCode, Mount
 from . import tinymodel
 
 REPO = Path(__file__).resolve().parents[2]
@@ -73,6 +73,45 @@ def seccomp_prefix() -> list[str]:
     """ColdSnap's interpreter installs the io_uring filter, then execs the engine's: nothing of ColdSnap stays in
     the engine's process or its environment."""
     return [sys.executable, "-m", "coldsnap.engines.seccomp", "--"]
+
+
+# Prefixes an interpreter shares with the rest of the system: bind only what the interpreter needs from them.
+SHARED_PREFIXES = ("/", "/usr", "/usr/local")
+
+
+def interpreter_paths(python: Path | str) -> list[Path]:
+    """What a (venv's) interpreter runs from: its real executable's prefix when the prefix is its own (pyenv,
+    /opt/python), else the executable and its standard library (a system python under /usr)."""
+    real = Path(os.path.realpath(python))
+    prefix = real.parent.parent
+    if str(prefix) not in SHARED_PREFIXES:
+        return [prefix]
+    ver = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    stdlib = sorted(prefix.glob("lib/python3.*"))
+    named = [p for p in stdlib if real.name.startswith(p.name)] or [p for p in stdlib if p.name == ver]
+    return [real, *named]
+
+
+def outermost(paths: list[Path]) -> list[Path]:
+    """Unique paths, dropping any that lies inside another (one bind covers it)."""
+    unique = sorted({Path(os.path.normpath(p)) for p in paths}, key=lambda p: len(p.parts))
+    out: list[Path] = []
+    for p in unique:
+        if not any(p == q or q in p.parents for q in out):
+            out.append(p)
+    return out
+
+
+def host_mounts(python: Path, model_dir: Path) -> list[Mount]:
+    """Host paths a venv engine's launch reads, for a container to bind read-only at the same paths: ColdSnap's
+    interpreter and package (the io_uring prefix runs them before exec), the engine's venv and the interpreter it
+    points at, and the model. Nothing is written there (the engine writes to /tmp, $HOME and /dev/shm)."""
+    import coldsnap
+
+    venv = python.parent.parent
+    paths = [Path(sys.prefix), *interpreter_paths(sys.executable), Path(coldsnap.__file__).resolve().parents[1],
+             venv, *interpreter_paths(python), model_dir]
+    return [Mount(source=str(p), target=str(p), readonly=True) for p in outermost(paths)]
 
 
 def base_env() -> dict[str, str]:

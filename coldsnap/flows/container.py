@@ -2,7 +2,11 @@
 criu-runc capsule. validate → release → quiesce → CUDA checkpoint → `runc checkpoint` → pack → receipt.
 
 The container stops, as a process-mode capture's workload does, unless leave_running. Any failure leaves no
-capsule (the store writes atomically) and, when the dump itself failed, the container running as it was."""
+capsule (the store writes atomically) and, when the dump itself failed, the container running as it was.
+
+Quiesce (policy.quiesce): "drain" (default) releases what need not travel and waits until no client is connected;
+"none" captures with requests in flight: no release, no wait, and CRIU's network lock holds the container's
+network namespace from the dump until a restore into it unlocks it (see container_options)."""
 
 from __future__ import annotations
 
@@ -41,7 +45,7 @@ from ..host import host_profile
 from ..contracts.capsule import ANNOTATION_IMAGE_DIGEST
 from ..spans import Timeline
 from .capture import CaptureResult, engine_info, write_capsule
-from .quiesce import wait_no_connections
+from .quiesce import open_connections, wait_no_connections
 from .receipts import finish_receipt
 
 Progress = Callable[[str], None]
@@ -65,11 +69,19 @@ def container_state(runc: str, runc_root: str | Path, container_id: str) -> dict
     return state
 
 
-def container_options(leave_running: bool) -> CriuOptions:
-    """The one option table, with the network lock off: the container's network namespace belongs to its engine
-    (or to a pod) and may outlive the dump; a lock CRIU left there would black-hole whatever uses it next. The
-    capture quiesces first, so no connection needs the lock."""
-    return CriuOptions(leave_running=leave_running, network_lock="skip")
+QUIESCE_MODES = ("drain", "none")
+IN_FLIGHT_LOCK = "nftables"  # libnftables ships in the CRIU prefix (the GPU image has no iptables)
+
+
+def container_options(leave_running: bool, quiesce: str = "drain") -> CriuOptions:
+    """The one option table. drain: the network lock off: the container's network namespace belongs to its
+    engine (or to a pod) and may outlive the dump; a lock CRIU left there would black-hole whatever uses it next,
+    and the capture quiesced first, so no connection needs it. none: connections are open and are dumped with
+    the server (--tcp-established); CRIU locks the namespace (drops every packet but its own) before it freezes
+    the tree and, once the tree is dumped and gone, leaves the lock in place, so a client's ACK or retransmit
+    meets silence, not a reset; restoring into that namespace with the same option removes it once the sockets are
+    back (and the shim removes it before a cold fallback there). With leave_running CRIU unlocks at once."""
+    return CriuOptions(leave_running=leave_running, network_lock="skip" if quiesce == "drain" else IN_FLIGHT_LOCK)
 
 
 def runc_checkpoint(runc: str, runc_root: str | Path, container_id: str, images: Path, work: Path,
@@ -90,9 +102,13 @@ def capture_container(container_id: str, runc_root: str | Path = "/run/runc", bu
                       engine: str = "reference", port: int | None = None, validation: Validation | None = None,
                       image_digest: str | None = None, weights_mode: str = "native", kv_discard: bool = True,
                       leave_running: bool = False, model: Model | None = None, tag: str | None = None,
-                      runc: str = "runc", progress: Progress = _quiet) -> CaptureResult:
+                      runc: str = "runc", quiesce: str = "drain", progress: Progress = _quiet) -> CaptureResult:
     """Capture the running container into a capsule (snapshot_driver criu-runc). weights_mode says how the
-    engine in the container holds its weights (native: in the images; recovery: file-backed, reloaded)."""
+    engine in the container holds its weights (native: in the images; recovery: file-backed, reloaded).
+    quiesce: "drain" (wait for no client connection) or "none" (capture with requests in flight)."""
+    if quiesce not in QUIESCE_MODES:
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"quiesce must be one of {', '.join(QUIESCE_MODES)} "
+                            f"(got {quiesce!r})")
     state = container_state(runc, runc_root, container_id)
     spec = load_spec(bundle or state["bundle"])
     ann = coldsnap_annotations(spec)
@@ -106,7 +122,7 @@ def capture_container(container_id: str, runc_root: str | Path = "/run/runc", bu
         launch=Launch(command=list(proc.get("args") or []) or None, workdir=proc.get("cwd"),
                       port=port or int(val_ann.get("port") or DEFAULT_PORT),
                       image_digest=image_digest or ann.get(ANNOTATION_IMAGE_DIGEST) or None),
-        policy=Policy(weights_mode=weights_mode, kv_discard=kv_discard),
+        policy=Policy(weights_mode=weights_mode, kv_discard=kv_discard and quiesce == "drain", quiesce=quiesce),
         validation=validation or Validation(), lifecycle=Lifecycle(leave_running=leave_running))
     if weights_mode not in ("native", "recovery"):
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, "weights_mode must be native or recovery for a container")
@@ -127,6 +143,7 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
     adapter = get_adapter(request.engine.name)
     target = Target(pid=pid, port=request.launch.port, host=host)
     weights_mode, kv_discard = request.policy.weights_mode, request.policy.kv_discard
+    in_flight = request.policy.quiesce == "none"
     tmp = private_dir(settings().run / "capture" / uuid.uuid4().hex)
     images, work = tmp / "images", private_dir(tmp / "work")
     try:
@@ -135,13 +152,19 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
             first = validate(target, request.validation, None)
             validate(target, request.validation, first.text)  # determinism: restores are held to this text
         info = target.call(engine_info)
-        options = container_options(request.lifecycle.leave_running)
+        options = container_options(request.lifecycle.leave_running, request.policy.quiesce)
         gpu = gpu_support.GpuCheckpoint()
-        with tl.span("release"):
-            target.call(adapter.before_capture, kv_discard, weights_mode)
+        connections = 0
+        if not in_flight:  # in flight, requests still need their KV cache (and weights): nothing is released
+            with tl.span("release"):
+                target.call(adapter.before_capture, kv_discard, weights_mode)
         try:
-            with tl.span("quiesce"):
-                wait_no_connections(pid, request.launch.port)
+            if in_flight:
+                connections = open_connections(pid, request.launch.port)
+                progress(f"capturing with {connections} client connection(s) in flight")
+            else:
+                with tl.span("quiesce"):
+                    wait_no_connections(pid, request.launch.port)
             with tl.span("gpu-checkpoint"):
                 gpu = gpu_support.checkpoint_tree(pid)
             progress(gpu.summary)
@@ -179,7 +202,8 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
             CapsuleStore(settings().store).blob_path(digest).read_text())["layers"])
         progress(f"capsule {digest} ({size / 2**20:.1f} MiB)")
         return {"capsule": digest, "capsule_bytes": size, "tag": request.tag, "container": cid,
-                "left_running": request.lifecycle.leave_running, "validated_text": first.text,
+                "left_running": request.lifecycle.leave_running, "quiesce": request.policy.quiesce,
+                "connections_in_flight": connections, "validated_text": first.text,
                 "weights_mode": weights_mode, "cuda_processes": len(gpu.pids), "criu_options": options.cli_flags(),
                 "runc_checkpoint": argv, "_profile": profile}
     finally:

@@ -10,7 +10,7 @@ import shutil
 import subprocess
 
 from ..bundle.argv import RuncArgv
-from ..bundle.spec import coldsnap_annotations, write_spec
+from ..bundle.spec import coldsnap_annotations, netns_path, write_spec
 from ..capsule import LoadedCapsule
 from ..contracts import ColdSnapError, ErrorCode
 from ..flows.restore import admission_for, load_capsule, stage
@@ -79,7 +79,7 @@ def create_from_capsule(runc: str, parsed: RuncArgv, spec: dict) -> int:
         restored = restore_container(runc, parsed, staged, creq.host, creq.port, tl)
     except Exception as e:  # noqa: BLE001 - whatever went wrong, the container must still come up (or say why)
         cause = e if isinstance(e, ColdSnapError) else ColdSnapError(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
-        return fall_back(runc, parsed, creq, tl, capsule, cause, attempted)
+        return fall_back(runc, parsed, creq, tl, capsule, cause, attempted, netns_path(spec))
 
     profile = capsule.profile
     record = {
@@ -100,8 +100,22 @@ def _remove_container(runc: str, parsed: RuncArgv) -> None:
                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def _unlock_network(netns: str | None) -> dict:
+    """Before a cold start in a network namespace the container joins (a pod's): remove the network lock an
+    in-flight capture left there for the restore that is not coming (coldsnap.net.lock). Never raises."""
+    if not netns or not os.path.exists(netns):
+        return {}
+    try:
+        from ..net.lock import remove_criu_locks
+
+        removed = remove_criu_locks(netns)
+        return {"network_lock_removed": removed} if removed else {}
+    except Exception as e:  # noqa: BLE001 - the cold start goes ahead; the receipt says what is left
+        return {"network_lock_note": f"could not check {netns} for a leftover network lock: {e}"}
+
+
 def fall_back(runc: str, parsed: RuncArgv, creq: ContainerRequest, tl: Timeline, capsule: LoadedCapsule | None,
-              cause: ColdSnapError, attempted: bool) -> int:
+              cause: ColdSnapError, attempted: bool, netns: str | None = None) -> int:
     cid = parsed.container_id
     if attempted:  # never leave a half-restored container (only ours: a restore was tried under this id)
         _remove_container(runc, parsed)
@@ -112,10 +126,11 @@ def fall_back(runc: str, parsed: RuncArgv, creq: ContainerRequest, tl: Timeline,
         write_receipt(creq.request, cid, tl, "refused" if cause.code == ErrorCode.INCOMPATIBLE else "failed",
                       error=cause)
         return runclog.fail(parsed, f"coldsnap-runtime: {reason}")
+    unlocked = _unlock_network(netns)
     try:  # bookkeeping must not stand between the container and its cold start
         receipt = write_receipt(creq.request, cid, tl, "fell-back", result={
             "container": cid, "capsule": capsule.digest if capsule else creq.request.capsule,
-            "fallback_reason": reason, "started": "cold"})
+            "fallback_reason": reason, "started": "cold", **unlocked})
         state.save(cid, {"outcome": "fell-back", "id": cid, "root": parsed.root, "bundle": parsed.bundle,
                          "reason": reason, "receipt": receipt["_path"]})
     except Exception as e:  # noqa: BLE001
