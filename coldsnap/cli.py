@@ -207,8 +207,8 @@ def cmd_sleep(args) -> int:
     from .contracts import WorkloadRequest
     from .flows.lifecycle import sleep
 
-    r = sleep(WorkloadRequest(operation="sleep", workload=args.name), progress=_progress(args))
-    _emit(args, r, f"{args.name} is sleeping (GPU memory released); receipt {r['_path']}")
+    r = sleep(WorkloadRequest(operation="sleep", workload=args.name, sleep_mode=args.mode), progress=_progress(args))
+    _emit(args, r, f"{args.name} is sleeping ({r['result']['mode']}: GPU memory released); receipt {r['_path']}")
     return 0
 
 
@@ -417,6 +417,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--runtime-class", help="containerd: where to write the RuntimeClass manifest")
     sp.add_argument("--json", action="store_true")
     sp = add("sleep", cmd_sleep, "release a workload's GPU memory in place (CUDA checkpoint); process kept")
+    sp.add_argument("--mode", choices=("auto", "engine", "cuda"), default="auto",
+                    help="engine: the engine drops its weights and KV first and reloads them at wake (recovery "
+                    "weights); cuda: all GPU memory moves to host memory and back; auto (default): engine when it can")
     sp.add_argument("name")
     sp.add_argument("--json", action="store_true")
     sp = add("wake", cmd_wake, "bring a sleeping workload's GPU state back and validate it")

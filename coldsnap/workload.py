@@ -37,6 +37,9 @@ class WorkloadState:
     log: str = ""
     url: str = ""
     cuda_pids: list[int] = field(default_factory=list)
+    engine: str = ""  # adapter name: sleep/wake ask the engine to release and resume
+    weights_mode: str = ""  # native | recovery
+    sleep_mode: str = ""  # how it sleeps now: engine | cuda
     started_wall: float = field(default_factory=time.time)
 
     @property

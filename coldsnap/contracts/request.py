@@ -137,6 +137,10 @@ class RestoreRequest(_Request):
 class WorkloadRequest(_Request):
     operation: Literal["sleep", "wake", "status", "stop"]
     workload: str | None = Field(default=None, description="Workload name; status without one lists all.")
+    sleep_mode: Literal["auto", "engine", "cuda"] = Field(
+        default="auto", description="sleep: engine = the engine releases its weights (reloaded from the pinned file "
+        "at wake) and KV cache first, then the rest of its GPU state is checkpointed in place; cuda = all GPU state "
+        "is checkpointed into host memory; auto = engine when the engine can and its weights are pinned files.")
 
     @model_validator(mode="after")
     def _needs_workload(self) -> "WorkloadRequest":

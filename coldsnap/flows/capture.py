@@ -62,6 +62,9 @@ def capture(request: CaptureRequest, progress: Progress = _quiet) -> CaptureResu
 
 def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> dict:
     cfg = settings()
+    if request.policy.quiesce != "drain":
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, "quiesce none (capture with connections in flight) is for "
+                            "containers (capture --container): a process-mode restore recreates its network")
     criu = CriuDriver()
     adapter = get_adapter(request.engine.name)
     launch = adapter.prepare(request)
@@ -152,7 +155,8 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> dict:
         if request.lifecycle.leave_running:
             save_state(WorkloadState(name=name, pid=pid, network=plan.model_dump(), origin="cold",
                                      run_dir=str(wdir), log=str(log),
-                                     url=f"http://{plan.workload_address}:{plan.port}"))
+                                     url=f"http://{plan.workload_address}:{plan.port}",
+                                     engine=request.engine.name, weights_mode=launch.weights_mode))
             workload_kept = True
         return {
             "capsule": digest,

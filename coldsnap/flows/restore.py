@@ -170,7 +170,8 @@ def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progr
         save_state(WorkloadState(name=name, pid=pid, network=plan.model_dump(), origin="restored",
                                  capsule=staged.capsule.digest, run_dir=str(wdir),
                                  log=profile.files[0].path if profile.files else "",
-                                 url=f"http://{plan.workload_address}:{plan.port}", cuda_pids=gpu.pids))
+                                 url=f"http://{plan.workload_address}:{plan.port}", cuda_pids=gpu.pids,
+                                 engine=profile.engine.name, weights_mode=profile.weights_mode))
         ok = True
         shutil.rmtree(work, ignore_errors=True)
         return {"capsule": staged.capsule.digest, "workload": name, "pid": pid,
@@ -229,6 +230,7 @@ def cold_start(profile, request: RestoreRequest, progress: Progress) -> dict:
     cold = start_cold(name, plan, profile.launch.command, profile.launch.env, profile.launch.workdir,
                       _validation(request, profile), expected=profile.expected_text,
                       gpu=uses_gpu(profile.launch.devices))
+    cold.state.engine, cold.state.weights_mode = profile.engine.name, profile.weights_mode
     save_state(cold.state)
     progress(f"cold start validated: first token {cold.time_to_first_token:.2f} s after start")
     return {"workload": name, "pid": cold.state.pid, "url": cold.state.url,

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU qualification on the device machine: doctor, GPU tests, bench (recovery or native), sleep/wake.
 # Usage (from the repo root there, with .whl and .carry/criu carried): packaging/device/gpu-bench.sh MODE [SAMPLES]
+# MODE: recovery | native (bench) | sleepwake (sleep/wake of a running workload, SLEEP_MODES)
 MODE=${1:-recovery}; N=${2:-5}; NV=${NV:-2}
 source packaging/device/env.sh
 CS="python3 -m coldsnap.cli"
@@ -11,6 +12,19 @@ if [ "${DOCTOR:-0}" = 1 ]; then
   $CS doctor --json > "$OUT/doctor-gpu.json"; echo "doctor rc=$?"
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_reference_engine.py -k "cuda or gpu" \
       -o addopts="" 2>&1 | tail -4
+fi
+if [ "$MODE" = sleepwake ]; then
+  # Sleep/wake of a running 15 GiB workload, engine mode (weights released, reloaded at wake) then cuda mode.
+  $CS capture --device cuda --leave-running --name sw --weights-mode recovery $SIZE --json > "$OUT/sw-capture.json"
+  echo "capture rc=$?"
+  for m in ${SLEEP_MODES:-engine engine engine}; do
+    $CS sleep sw --mode $m --json | python3 -c "import json,sys;r=json.load(sys.stdin);print('sleep',r['result']['mode'],[(s['name'],round(s['duration_s'],2)) for s in r['spans']])"
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader | head -1
+    $CS wake sw --json | python3 -c "import json,sys;r=json.load(sys.stdin);x=r['result'];print('wake',x['mode'],x['time_to_first_token_s'],[(s['name'],round(s['duration_s'],2)) for s in r['spans']],(x.get('engine_resume') or {}).get('weights_reload'))"
+  done
+  $CS stop sw
+  cp -r /tmp/coldsnap/receipts "$OUT/sw-receipts" 2>/dev/null
+  exit 0
 fi
 echo "== bench $MODE"
 NAME=reference-cuda-$MODE${DROP:+-cold}
