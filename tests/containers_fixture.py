@@ -5,6 +5,7 @@ with lo up, and OCI bundles over them. Plus the helpers that install and start w
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -279,6 +280,18 @@ def env_wrapper(path: Path, env: dict[str, str], target: Path = RUNTIME) -> Path
 def coldsnap_env(base: Path) -> dict[str, str]:
     return {"COLDSNAP_HOME": str(base / "home"), "COLDSNAP_RUN": str(base / "run"),
             "COLDSNAP_CRIU_PREFIX": str(Path(CRIU).parent.parent)}
+
+
+@contextlib.contextmanager
+def private_coldsnap(base: Path):
+    """A private ColdSnap home and run dir under base for this process and what it starts (the shim, its hooks,
+    capture_container, and a container engine started here, which passes its environment down to the runtime)."""
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in coldsnap_env(base).items():
+            mp.setenv(k, v)
+        mp.delenv("COLDSNAP_STORE", raising=False)
+        mp.delenv("COLDSNAP_RUNC", raising=False)
+        yield mp
 
 
 def oci_archive(rootfs: Path, out: Path, name: str) -> Path:

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import pytest
 
-from containers_fixture import (CRIU, RUNTIME, VethNetNS, ensure, make_engine_bundle, make_rootfs, needs_root,
-                                run_detached, runc, state, unique, wait_for)
+from containers_fixture import (RUNTIME, ensure, make_engine_bundle, make_rootfs, needs_root, private_coldsnap,
+                                run_detached, runc, state, unique, VethNetNS, wait_for)
 from test_engine_sglang import SGLANG_VENV
 from test_engine_vllm import FIXTURE_MODEL, PROMPTS, VLLM_VENV, completions, ensure_engine
 from coldsnap.config import settings
@@ -94,12 +94,7 @@ def lab(tmp_path_factory):
     ensure("base")
     base = tmp_path_factory.mktemp("engines-in-containers")
     lab = Lab(base)
-    with pytest.MonkeyPatch.context() as mp:  # the shim, its hooks and capture_container all read these
-        mp.setenv("COLDSNAP_HOME", str(base / "home"))
-        mp.setenv("COLDSNAP_RUN", str(base / "run"))
-        mp.setenv("COLDSNAP_CRIU_PREFIX", str(Path(CRIU).parent.parent))
-        mp.delenv("COLDSNAP_STORE", raising=False)
-        mp.delenv("COLDSNAP_RUNC", raising=False)
+    with private_coldsnap(base):
         try:
             yield lab
         finally:

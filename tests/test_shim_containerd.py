@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from containers_fixture import (ENGINE_ARGS, RUNTIME, SETUP, coldsnap_env, completion_in, ensure, healthy_in,
-                                make_rootfs, needs_root, oci_archive, shared_binds, unique, wait_for)
+from containers_fixture import (ENGINE_ARGS, RUNTIME, SETUP, completion_in, ensure, healthy_in, make_rootfs,
+                                needs_root, oci_archive, private_coldsnap, shared_binds, unique, wait_for)
 from coldsnap.capsule import CapsuleStore
 from coldsnap.config import settings
 from coldsnap.contracts import capsule as mt
@@ -71,10 +71,7 @@ def ctr(tmp_path_factory):
     ensure("containerd")
     base = tmp_path_factory.mktemp("containerd")
     c = Ctr(base)
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in coldsnap_env(base).items():  # containerd → shim → runtime inherit its environment
-            mp.setenv(k, v)
-        mp.delenv("COLDSNAP_STORE", raising=False)
+    with private_coldsnap(base):
         r = subprocess.run([str(SETUP), "start-containerd", str(c.dir)], capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
         try:

@@ -12,8 +12,8 @@ import tarfile
 
 import pytest
 
-from containers_fixture import (ENGINE_ARGS, SETUP, coldsnap_env, completion_in, ensure, healthy_in, make_rootfs,
-                                needs_root, shared_binds, unique, wait_for)
+from containers_fixture import (ENGINE_ARGS, SETUP, completion_in, ensure, healthy_in, make_rootfs, needs_root,
+                                private_coldsnap, shared_binds, unique, wait_for)
 from coldsnap.capsule import CapsuleStore
 from coldsnap.config import settings
 
@@ -55,10 +55,7 @@ def docker(tmp_path_factory):
     ensure("docker")
     base = tmp_path_factory.mktemp("docker")
     d = Docker(base)
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in coldsnap_env(base).items():  # dockerd → containerd → shim → runtime inherit its environment
-            mp.setenv(k, v)
-        mp.delenv("COLDSNAP_STORE", raising=False)
+    with private_coldsnap(base):
         r = subprocess.run([str(SETUP), "start-dockerd", str(d.dir)], capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
         try:

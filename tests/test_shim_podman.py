@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from containers_fixture import (ENGINE_ARGS, REPO, coldsnap_env, completion_in, ensure, env_wrapper, healthy_in,
+from containers_fixture import (private_coldsnap, ENGINE_ARGS, REPO, coldsnap_env, completion_in, ensure, env_wrapper, healthy_in,
                                 make_rootfs, needs_root, shared_binds, unique, wait_for)
 from coldsnap.capsule import CapsuleStore
 from coldsnap.config import settings
@@ -70,10 +70,7 @@ def podman(tmp_path_factory):
     with tarfile.open(base / "rootfs.tar", "w") as tar:
         tar.add(rootfs, arcname=".")
     p("import", "--change", 'CMD ["/bin/sh"]', str(base / "rootfs.tar"), IMAGE)
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in coldsnap_env(base).items():
-            mp.setenv(k, v)
-        mp.delenv("COLDSNAP_STORE", raising=False)
+    with private_coldsnap(base):
         try:
             yield p
         finally:

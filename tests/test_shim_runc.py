@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from containers_fixture import (CRIU, ENGINE_ARGS, RUNTIME, SETUP, NetNS, ensure, make_bundle, make_rootfs, needs_root,
-                                netns_http, run_detached, runc, state, unique, wait_for)
+from containers_fixture import (ENGINE_ARGS, RUNTIME, SETUP, ensure, make_bundle, make_rootfs, needs_root, NetNS,
+                                netns_http, private_coldsnap, run_detached, runc, state, unique, wait_for)
 from coldsnap.capsule import CapsuleStore, Descriptor
 from coldsnap.config import settings
 from coldsnap.contracts import capsule as mt
@@ -70,12 +70,7 @@ def lab(tmp_path_factory):
     ensure("base")
     base = tmp_path_factory.mktemp("shim-runc")
     lab = Lab(base)
-    with pytest.MonkeyPatch.context() as mp:  # the shim, its hooks and capture_container all read these
-        mp.setenv("COLDSNAP_HOME", str(base / "home"))
-        mp.setenv("COLDSNAP_RUN", str(base / "run"))
-        mp.setenv("COLDSNAP_CRIU_PREFIX", str(Path(CRIU).parent.parent))
-        mp.delenv("COLDSNAP_STORE", raising=False)
-        mp.delenv("COLDSNAP_RUNC", raising=False)
+    with private_coldsnap(base):
         try:
             yield lab
         finally:

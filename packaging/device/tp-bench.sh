@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Tensor parallel 2 over NCCL on the 2-GPU machine (device tool kind nvidia-h200-x2), and the one-GPU baseline with
 # the same per-rank state. Usage (repo root there, .whl and .carry/criu carried): packaging/device/tp-bench.sh STEPS
-# STEPS: any of test tp2 tp1 gpumap account (default: test tp2 tp1). N samples (default 10), NV vanilla samples (default 1).
+# STEPS: any of test tp2 tp1 gpumap account. TP_OPTS: more options for the TP2 bench, e.g.
+# TP_OPTS="--engine-opt nccl_max_channels=2" TP_NAME=-2ch (fewer NCCL buffers per rank: fewer pages to restore). (default: test tp2 tp1). N samples (default 10), NV vanilla samples (default 1).
 STEPS=${*:-test tp2 tp1}; N=${N:-10}; NV=${NV:-1}
 source packaging/device/env.sh
 CS="python3 -m coldsnap.cli"
@@ -21,7 +22,8 @@ for step in $STEPS; do
   tp2)
     echo "== bench tensor parallel 2 ($((2 * LAYERS)) layers)"
     timeout ${BENCH_TIMEOUT:-400} $CS bench --device cuda -n "$N" --vanilla-samples "$NV" --weights-mode recovery \
-        $SHAPE --engine-opt layers=$((2 * LAYERS)) --engine-opt tensor_parallel=2 --out "$OUT" --name reference-cuda-tp2
+        $SHAPE --engine-opt layers=$((2 * LAYERS)) --engine-opt tensor_parallel=2 $TP_OPTS --out "$OUT" \
+        --name reference-cuda-tp2${TP_NAME:-}
     echo "bench rc=$?" ;;
   tp1)
     echo "== bench one GPU, same per-rank state ($LAYERS layers)"

@@ -372,6 +372,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="ranks (one process each, one GPU each from --device on; gloo on CPU); rank 0 serves HTTP")
     p.add_argument("--tp-port", type=int, default=None, help="torch.distributed rendezvous port on 127.0.0.1 "
                    "(default --port + 1)")
+    p.add_argument("--nccl-max-channels", type=int, default=None, metavar="N",
+                   help="NCCL_MAX_NCHANNELS for the ranks: fewer channels, fewer NCCL buffers for a capture to carry")
     p.add_argument("--tp-rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
     p.add_argument("--tp-fds", default=None, help=argparse.SUPPRESS)  # the command pipes between rank 0 and peers
     return p
@@ -411,10 +413,13 @@ def main(argv: list[str] | None = None) -> int:
         from . import tp as tpmod
 
         if args.tp_rank is None:  # the command as started: become the launcher of the ranks
+            if args.nccl_max_channels:
+                os.environ["NCCL_MAX_NCHANNELS"] = str(args.nccl_max_channels)
             tpmod.make_capture_safe()  # before any rank or TCPStore exists; inherited by every rank
             return tpmod.launch(argv, world)
         tpmod.die_with_parent()
-    capture_env = {k: os.environ[k] for k in sorted(os.environ) if world > 1 and k in _capture_safe_names()}
+    capture_env = {k: os.environ[k] for k in sorted(os.environ)
+                   if world > 1 and (k in _capture_safe_names() or k == "NCCL_MAX_NCHANNELS")}
 
     def phase(name: str, t: float, **extra: Any) -> None:
         phases[name] = round(time.monotonic() - t, 4)
