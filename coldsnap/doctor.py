@@ -374,7 +374,14 @@ def capabilities() -> Capabilities:
             "criu-process/cuda": "H200, driver 580.159.04, CUDA 13.0: reference engine 11 GiB weights + 4 GiB KV, "
                                  "recovery 10/10 and native 5/5 restores validated; "
                                  "bench/results/reference-cuda-*.json",
-            "cuda-checkpoint/sleep-wake": "H200: 3/3 wakes validated (2.5-3.1 s for 15 GiB)",
+            "cuda-checkpoint/sleep-wake": "H200, 15 GiB of GPU state: sleep --mode engine 3/3 wakes validated in "
+                                          "1.30-1.47 s; --mode cuda 3/3 in 2.5-5.1 s "
+                                          "(bench/results/reference-cuda-sleep-wake.receipts.json)",
+            "cuda-checkpoint/gpu-map": "2xH200: a capsule captured on GPU 0 restored onto GPU 1 by UUID pairs, "
+                                       "validated (bench/results/reference-cuda-gpu-map.receipts.json)",
+            "criu-process/tensor-parallel": "2xH200 NV18, NCCL (P2P/SHM/cuMem/NVLS off): reference engine TP2, one "
+                                            "capsule, 10/10 restores with 2/2 ranks validated "
+                                            "(bench/results/reference-cuda-tp2.json); gloo TP2 on CPU (make test)",
             "criu-runc/cpu": "Debian 12, runc 1.1.5, CRIU 4.2.1, through coldsnap-runtime: reference engine under "
                              "runc, podman, docker, containerd; vLLM 0.32 CPU and SGLang 0.5.23 CPU under runc: 10/10 "
                              "completions identical after restore, vLLM captured with 16 streams in flight (quiesce "

@@ -95,6 +95,29 @@ def test_restore_twice_from_one_capsule(captured):
     assert texts[0] == texts[1]
 
 
+def test_sleep_without_cuda_is_refused_and_the_engine_serves_on(captured):
+    """Engine sleep releases through the engine first; with no CUDA state to checkpoint (CPU) the sleep is refused
+    and the release undone: the workload answers as before. (On the GPU machine the same path sleeps and wakes:
+    bench/results/reference-cuda-sleep-wake.receipts.json.)"""
+    from coldsnap.contracts import WorkloadRequest
+    from coldsnap.flows.lifecycle import sleep
+    from coldsnap.probe import ValidationProbe
+
+    r = restore(RestoreRequest(operation="restore", capsule=captured.capsule, policy=Policy(fallback_to_cold=False)))
+    try:
+        ws = load_state(r["result"]["workload"])
+        assert (ws.engine, ws.weights_mode) == ("reference", "recovery")
+        with pytest.raises(ColdSnapError) as e:
+            sleep(WorkloadRequest(operation="sleep", workload=ws.name, sleep_mode="engine"))
+        assert e.value.code == ErrorCode.INVALID_REQUEST and "no CUDA processes" in e.value.message
+        host, port = ws.url.removeprefix("http://").rsplit(":", 1)
+        probe = ValidationProbe(host, int(port), captured.profile.validation)
+        assert probe.complete(expected=captured.profile.expected_text).text == captured.profile.expected_text
+        assert load_state(ws.name).state == "active"
+    finally:
+        stop("pyt-ref")
+
+
 def test_prepare_only_touches_no_workload(captured):
     r = restore(RestoreRequest(operation="prepare", capsule=captured.capsule))
     assert r["state"] == "succeeded" and r["operation"] == "prepare"

@@ -47,6 +47,7 @@ VLLM_OPTIONS = {"venv": VLLM_VENV, "model": FIXTURE_MODEL, "enforce_eager": True
 SGLANG_OPTIONS = {"venv": SGLANG_VENV, "model": FIXTURE_MODEL}
 STREAMS = 16
 STREAM_TOKENS = 1900  # with ignore_eos: every stream runs the whole way (~10 s for 16 on this 2-core machine)
+STREAM_PACE = 80  # tokens/s a client reads: in flight for ≥ 24 s whatever the machine's speed (capture takes ~10 s)
 STREAM_PROMPTS = [f"{p} (stream {i})" for i, p in enumerate(PROMPTS + PROMPTS[:STREAMS - len(PROMPTS)])]
 CLIENTS = Path(__file__).with_name("stream_clients.py")
 MEASURED: dict[str, dict] = {}  # printed at the end of each engine's tests: what the README reports
@@ -252,9 +253,9 @@ def test_vllm_cold_capture_restore_through_the_shim(lab, vllm_cold, vllm_restore
 class StreamClients:
     """The 16 streaming clients, in their own process on the host (outside every container namespace)."""
 
-    def __init__(self, ctr: EngineContainer):
+    def __init__(self, ctr: EngineContainer, pace: float = 0):
         self.proc = subprocess.Popen([sys.executable, str(CLIENTS), ctr.address, str(PORT), ctr.served,
-                                      str(STREAM_TOKENS), *STREAM_PROMPTS],
+                                      str(STREAM_TOKENS), str(pace), *STREAM_PROMPTS],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def wait_started(self, timeout: float = 300) -> None:
@@ -282,7 +283,7 @@ def test_vllm_capture_with_16_streams_in_flight(lab, vllm_cold, vllm_restored):
     ctr = vllm_cold["ctr"]
     netns = f"/var/run/netns/{ctr.ns.name}"
     serving = ctr.cid
-    clients = StreamClients(ctr)
+    clients = StreamClients(ctr, pace=STREAM_PACE)
     try:
         clients.wait_started()
         t_capture = time.monotonic()

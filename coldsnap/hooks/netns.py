@@ -40,11 +40,20 @@ def call_in_netns(pid: int, fn: Callable[..., Any], *args: Any, timeout: float =
     if not os.path.exists(path):
         raise ColdSnapError(ErrorCode.WORKLOAD_FAILED, f"the container's process {pid} is gone (no {path})")
     r, w = os.pipe()
-    child = os.fork()
+    # No cyclic GC in the child: it would finalize the parent's objects (e.g. a zstd compressor whose worker threads
+    # do not exist in the child: it then waits for them forever). Off before the fork, since the child allocates
+    # (at-fork callbacks, frames) before its first statement; the child lives for one call and leaves by os._exit.
+    gc_was_on = gc.isenabled()
+    gc.disable()
+    try:
+        child = os.fork()
+    except OSError:
+        child = -1
+        raise
+    finally:
+        if child != 0 and gc_was_on:  # the parent (or a failed fork) collects again
+            gc.enable()
     if child == 0:  # pragma: no cover - runs in the child
-        # No cyclic GC here: it would finalize the parent's objects (e.g. a compressor with worker threads that
-        # do not exist in this child) and crash. The child lives for one call and leaves by os._exit.
-        gc.disable()
         os.close(r)
         try:
             _setns(path)
