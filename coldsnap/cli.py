@@ -376,7 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--device", help="cpu (default) or cuda / cuda:N")
     sp.add_argument("--leave-running", action="store_true", help="keep the captured workload running")
     sp.add_argument("--engine-opt", action="append", metavar="KEY=VALUE",
-                    help="engine option, repeatable (reference: layers, hidden, heads, kv_mib, compile=false, ...)")
+                    help="engine option, repeatable (reference: layers, hidden, heads, kv_mib, compile=false, "
+                    "tensor_parallel=N for N ranks on N GPUs (gloo on CPU) captured as one unit, ...)")
     sp.add_argument("--container", metavar="ID", help="capture a running runc container instead (runc checkpoint)")
     sp.add_argument("--runc-root", default="/run/runc", help="runc --root of that container (podman: /run/runc; "
                     "docker: <exec-root>/runtime-runc/moby; containerd: /run/containerd/runc/<namespace>)")

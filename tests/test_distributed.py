@@ -161,3 +161,35 @@ def test_uniform_generated_weights_are_not_degenerate(tmp_path):
     path, _ = ensure_weights(tmp_path / "w.safetensors", SMALL, seed=3)
     w = load_weights(path)
     assert float(np.std(w["layers.0.attn.wq.weight"].numpy())) > 0.01
+
+
+def test_last_words_name_the_first_fatal_event(tmp_path):
+    from coldsnap.flows.coldstart import last_words
+
+    log = tmp_path / "engine.log"
+    log.write_text('{"event": "phase", "name": "import"}\n{"event": "fatal", "error": "bad model config: heads"}\n'
+                   '{"event": "fatal", "error": "rank 1 (pid 2) exited with status 2; stopping the other ranks"}\n')
+    assert last_words(log) == "bad model config: heads"
+    log.write_text("Traceback (most recent call last):\n  ...\nValueError: no\nbye\n")
+    assert last_words(log) == "ValueError: no"
+    assert last_words(tmp_path / "missing.log") == ""
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_size_that_does_not_divide_the_model_is_one_line(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from conftest import CRIU_PREFIX
+
+    needs_root_criu()
+    env = {**os.environ, "COLDSNAP_HOME": str(tmp_path / "home"), "COLDSNAP_RUN": str(tmp_path / "run"),
+           "COLDSNAP_CRIU_PREFIX": CRIU_PREFIX}
+    r = subprocess.run([sys.executable, "-m", "coldsnap.cli", "capture", "--engine-opt", "tensor_parallel=3",
+                        "--name", "pyt-tp3"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 9, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("coldsnap: error: workload-failed:") and "multiples of the tensor parallel size 3" in last
+    assert "Traceback" not in r.stderr
+    assert not os.path.exists("/run/netns/coldsnap-pyt-tp3")

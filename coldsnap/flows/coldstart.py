@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ..contracts import NetworkPlan, Validation
+from ..contracts import ColdSnapError, ErrorCode, NetworkPlan, Validation
 from ..net import create_network, destroy_network
 from ..probe import ProbeResult, ValidationProbe
 from ..workload import WorkloadState, alive, kill_tree, run_dir, start_in_namespaces, workload_env
@@ -39,11 +39,39 @@ def start_cold(name: str, plan: NetworkPlan, argv: list[str], env: dict[str, str
         probe = ValidationProbe(plan.workload_address, plan.port, validation)
         ready = probe.wait_ready(alive=lambda: alive(pid))
         first = probe.complete(expected=expected)
-    except BaseException:
+    except BaseException as e:
         if pid is not None:
             kill_tree(pid)
         destroy_network(plan)
+        if isinstance(e, ColdSnapError) and e.code == ErrorCode.WORKLOAD_FAILED:
+            why = last_words(log)
+            if why:
+                raise ColdSnapError(e.code, f"{e.message}: {why}") from None
         raise
     state = WorkloadState(name=name, pid=pid, network=plan.model_dump(), origin="cold", run_dir=str(wdir),
                           log=str(log), url=f"http://{plan.workload_address}:{plan.port}")
     return ColdStart(state=state, probe=probe, first=first, started=started, ready=ready)
+
+
+def last_words(log) -> str:
+    """Why an engine died, from its log: the first fatal event of an engine that prints JSON events (the reference
+    engine; with several ranks the first is the cause, the rest follow from it), else the last line that looks like
+    an error, else the last line."""
+    import json
+
+    try:
+        lines = [ln.strip() for ln in open(log, errors="replace").read().splitlines()[-200:] if ln.strip()]
+    except OSError:
+        return ""
+    for ln in lines:
+        if ln.startswith("{"):
+            try:
+                event = json.loads(ln)
+            except ValueError:
+                continue
+            if isinstance(event, dict) and event.get("event") == "fatal" and event.get("error"):
+                return str(event["error"])[:300]
+    for ln in reversed(lines):
+        if "Error" in ln or "error:" in ln.lower():
+            return ln[:300]
+    return lines[-1][:300] if lines else ""
