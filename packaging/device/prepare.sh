@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Prepare what the GPU machine (device tool) needs carried, from this checkout: the machine has python3 3.12 with
+# torch but no network and nothing installable. Makes (idempotently) .carry/criu — a copy of the provisioned CRIU
+# prefix — and .whl — wheels of ColdSnap's pure-Python dependencies for CPython 3.12, the versions in .venv. Both
+# paths are ignored by git (.git/info/exclude); pass them as the device tool's carry: [".whl", ".carry"].
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PREFIX=${COLDSNAP_CRIU_PREFIX:-/var/lib/coldsnap/criu}
+[ -x "$PREFIX/bin/criu" ] || { echo "prepare: no CRIU prefix at $PREFIX: run make setup first" >&2; exit 12; }
+if [ ! -f .carry/criu/STAMP ] || ! cmp -s "$PREFIX/STAMP" .carry/criu/STAMP; then
+  rm -rf .carry/criu && mkdir -p .carry && cp -a "$PREFIX" .carry/criu
+fi
+PY=.venv/bin/python
+pins=$($PY - <<'PY'
+from importlib.metadata import version
+print(" ".join(f"{n}=={version(n)}" for n in
+               ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "pyroute2", "zstandard")))
+PY
+)
+mkdir -p .whl
+$PY -m pip download -q --only-binary=:all: --no-deps --python-version 3.12 --implementation cp --abi cp312 \
+    --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform any -d .whl $pins
+for ex in .whl .carry; do grep -qx "$ex" .git/info/exclude 2>/dev/null || echo "$ex" >> .git/info/exclude; done
+echo "prepared .carry/criu ($(du -sh .carry | cut -f1)) and .whl ($(ls .whl | wc -l) wheels: $pins)"
