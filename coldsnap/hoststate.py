@@ -135,3 +135,46 @@ def remove_files(paths: list[str]) -> None:
             os.unlink(path)
         except FileNotFoundError:
             pass
+
+
+def tree_socket_files(pid: int) -> list[str]:
+    """Paths of the UNIX sockets the live tree rooted at pid has bound (ZMQ ipc:// endpoints of vLLM and SGLang,
+    in $TMPDIR): a killed engine leaves the socket files behind. Call before killing the tree, unlink after (a
+    restore binds them anew)."""
+    from .workload import descendants
+
+    inodes: set[str] = set()
+    tree = [pid, *descendants(pid)]
+    for p in tree:
+        try:
+            for fd in Path(f"/proc/{p}/fd").iterdir():
+                try:
+                    target = os.readlink(fd)
+                except OSError:
+                    continue
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    found = []
+    try:
+        lines = Path(f"/proc/{pid}/net/unix").read_text().splitlines()[1:]  # the tree's network namespace
+    except OSError:
+        return []
+    for line in lines:
+        parts = line.split()
+        # Num RefCount Protocol Flags Type St Inode Path; abstract names start with "@" and are no files
+        if len(parts) >= 8 and parts[6] in inodes and parts[7].startswith("/"):
+            found.append(parts[7])
+    return sorted(set(found))
+
+
+def remove_socket_files(paths: list[str]) -> None:
+    import stat
+
+    for path in paths:
+        try:
+            if stat.S_ISSOCK(os.lstat(path).st_mode):
+                os.unlink(path)
+        except OSError:
+            continue

@@ -163,10 +163,12 @@ def inner_pid(pid: int) -> int | None:
 
 def kill_tree(pid: int, timeout: float = 10.0) -> None:
     """SIGKILL the workload's root and every descendant (for a PID-namespace init the kernel does the rest), then
-    remove the host /dev/shm files it used (a SIGKILLed engine leaves its queues and semaphores behind)."""
-    from .hoststate import tree_shm_files
+    remove the host /dev/shm files it used and the UNIX socket files it bound (a SIGKILLed engine leaves its queues,
+    semaphores and ZMQ ipc sockets behind)."""
+    from .hoststate import remove_socket_files, tree_shm_files, tree_socket_files
 
     shm = tree_shm_files(pid)
+    sockets = tree_socket_files(pid)
     tree = [pid, *descendants(pid)]
     for p in tree:
         try:
@@ -190,6 +192,7 @@ def kill_tree(pid: int, timeout: float = 10.0) -> None:
         time.sleep(0.01)
     for path in shm:
         Path(path).unlink(missing_ok=True)
+    remove_socket_files(sockets)
     for launcher_pid, launcher in list(_LAUNCHERS.items()):
         try:
             launcher.wait(timeout=max(0.0, deadline - time.monotonic()))

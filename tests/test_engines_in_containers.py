@@ -290,7 +290,8 @@ def test_vllm_capture_with_16_streams_in_flight(lab, vllm_cold, vllm_restored):
         res, took = ctr.capture("ctr-vllm-in-flight", quiesce="none")
         t_captured = time.monotonic()
         check_capture(res, "vllm", ctr.launch, "none")
-        assert res.receipt["result"]["connections_in_flight"] == STREAMS
+        # Every stream's connection (the capture's own validation connection may still be closing: ≥)
+        assert res.receipt["result"]["connections_in_flight"] >= STREAMS
         assert state(lab.runc_root, serving) is None
         # Until the restore, CRIU's lock holds the namespace: the clients' packets meet silence, not a reset.
         assert criu_lock_tables(netns), "no network lock between the dump and the restore"

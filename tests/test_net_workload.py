@@ -66,3 +66,28 @@ def test_workload_runs_as_namespace_init_reachable_from_host(plan, tmp_path):
     finally:
         kill_tree(pid)
     assert not alive(pid)
+
+
+def test_kill_tree_removes_the_socket_files_the_tree_bound(plan, tmp_path):
+    """A SIGKILLed engine leaves its ZMQ ipc:// socket files behind; kill_tree removes those the tree bound, and
+    nothing else."""
+    create_network(plan)
+    mine, other = tmp_path / "engine.sock", tmp_path / "someone-elses.sock"
+    import socket
+
+    theirs = socket.socket(socket.AF_UNIX)
+    theirs.bind(str(other))
+    code = ("import socket, time, os; s = socket.socket(socket.AF_UNIX); s.bind(os.environ['SOCK']); s.listen(); "
+            "open(os.environ['SOCK'] + '.ready', 'w').close(); time.sleep(600)")
+    pid = start_in_namespaces(["python3", "-c", code], {"SOCK": str(mine)}, plan, tmp_path / "log")
+    try:
+        deadline = time.time() + 15
+        while not (tmp_path / "engine.sock.ready").exists():
+            assert time.time() < deadline, (tmp_path / "log").read_text()
+            time.sleep(0.05)
+        assert mine.is_socket()
+    finally:
+        kill_tree(pid)
+    assert not mine.exists()
+    assert other.is_socket()  # not the tree's
+    theirs.close()
