@@ -21,7 +21,7 @@ case "$VENV" in /*) ;; *) VENV=$REPO/$VENV ;; esac
 log() { echo "containers: $*" >&2; }
 
 # command:package pairs per component
-BASE="runc:runc iptables:iptables busybox:busybox-static nsenter:util-linux curl:curl"
+BASE="runc:runc iptables:iptables nft:nftables busybox:busybox-static nsenter:util-linux curl:curl"
 PODMAN="podman:podman catatonit:catatonit"
 CONTAINERD="containerd:containerd ctr:containerd"
 DOCKER="dockerd:docker.io"
