@@ -184,12 +184,17 @@ def cmd_status(args) -> int:
     for ws in list_states():
         if args.name and ws.name != args.name:
             continue
-        rows.append({"name": ws.name, "state": ws.state if alive(ws.pid) else "dead", "origin": ws.origin,
-                     "pid": ws.pid, "url": ws.url, "capsule": ws.capsule})
+        state = ws.state if alive(ws.pid) else "dead"
+        rows.append({"name": ws.name, "state": state, "origin": ws.origin, "pid": ws.pid, "url": ws.url,
+                     "capsule": ws.capsule, "engine": ws.engine or None, "weights_mode": ws.weights_mode or None,
+                     "sleep_mode": ws.sleep_mode if state == "sleeping" else None})
     if args.name and not rows:
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"no workload named {args.name!r} on this host")
-    human = "\n".join(f"{r['name']:<24} {r['state']:<9} {r['origin']:<9} pid {r['pid']:<8} {r['url']}"
-                      for r in rows) or "no workloads"
+    def line(r: dict) -> str:
+        state = r["state"] + (f" ({r['sleep_mode']})" if r["sleep_mode"] else "")
+        return f"{r['name']:<24} {state:<18} {r['origin']:<9} pid {r['pid']:<8} {r['url']}"
+
+    human = "\n".join(line(r) for r in rows) or "no workloads"
     _emit(args, {"workloads": rows}, human)
     return 0
 
