@@ -15,7 +15,6 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ..capsule import CapsuleStore
 from ..config import settings
 from ..contracts import CaptureRequest, ColdSnapError, ErrorCode, Launch, Policy, RestoreRequest
 from ..engines.base import get_adapter

@@ -58,7 +58,7 @@ def rank_device(device: str, rank: int) -> str:
 
 
 def make_capture_safe() -> dict[str, str]:
-    """In rank 0, before anything starts a rank or a TCPStore: the settings above, and io_uring switched off for
+    """In the launcher, before anything starts a rank or a TCPStore: the settings above, and io_uring switched off for
     this process and every child. Returns the settings in force."""
     from coldsnap.engines import seccomp
 
