@@ -58,8 +58,8 @@ def rank_device(device: str, rank: int) -> str:
 
 
 def make_capture_safe() -> dict[str, str]:
-    """In the launcher, before anything starts a rank or a TCPStore: the settings above, and io_uring switched off for
-    this process and every child. Returns the settings in force."""
+    """In the launcher, before anything starts a rank or a TCPStore: the settings above, and io_uring switched off
+    for this process and every child. Returns the settings in force."""
     from coldsnap.engines import seccomp
 
     for k, v in CAPTURE_SAFE_ENV.items():
