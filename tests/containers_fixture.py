@@ -282,6 +282,13 @@ def coldsnap_env(base: Path) -> dict[str, str]:
             "COLDSNAP_CRIU_PREFIX": str(Path(CRIU).parent.parent)}
 
 
+def receipt(cid: str) -> dict:
+    """The receipt the shim or its hook wrote for container cid (under the private home of private_coldsnap)."""
+    from coldsnap.config import settings
+
+    return json.loads((settings().receipts / f"{cid}.json").read_text())
+
+
 @contextlib.contextmanager
 def private_coldsnap(base: Path):
     """A private ColdSnap home and run dir under base for this process and what it starts (the shim, its hooks,

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from containers_fixture import (RUNTIME, ensure, make_engine_bundle, make_rootfs, needs_root, private_coldsnap,
-                                run_detached, runc, state, unique, VethNetNS, wait_for)
+                                receipt, run_detached, runc, state, unique, VethNetNS, wait_for)
 from test_engine_sglang import SGLANG_VENV
 from test_engine_vllm import FIXTURE_MODEL, PROMPTS, VLLM_VENV, completions, ensure_engine
 from coldsnap.config import settings
@@ -100,10 +100,6 @@ def lab(tmp_path_factory):
             yield lab
         finally:
             lab.cleanup()
-
-
-def receipt(cid: str) -> dict:
-    return json.loads((settings().receipts / f"{cid}.json").read_text())
 
 
 def healthy(address: str) -> bool:

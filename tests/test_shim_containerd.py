@@ -4,14 +4,13 @@ io.coldsnap.capsule=…` restoring a captured reference-engine container, and a 
 
 from __future__ import annotations
 
-import json
 import subprocess
 import time
 
 import pytest
 
 from containers_fixture import (ENGINE_ARGS, RUNTIME, SETUP, completion_in, ensure, healthy_in, make_rootfs,
-                                needs_root, oci_archive, private_coldsnap, shared_binds, unique, wait_for)
+                                needs_root, oci_archive, private_coldsnap, receipt, shared_binds, unique, wait_for)
 from coldsnap.capsule import CapsuleStore
 from coldsnap.config import settings
 from coldsnap.contracts import capsule as mt
@@ -96,10 +95,6 @@ def captured(ctr):
     res = capture_container(cid, RUNC_ROOT, tag="containerd-test")
     ctr.remove(cid)
     return {"capsule": res.capsule, "text": text}
-
-
-def receipt(cid: str) -> dict:
-    return json.loads((settings().receipts / f"{cid}.json").read_text())
 
 
 def test_ctr_run_restores_from_the_annotated_capsule(ctr, captured):

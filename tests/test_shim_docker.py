@@ -13,7 +13,7 @@ import tarfile
 import pytest
 
 from containers_fixture import (ENGINE_ARGS, SETUP, completion_in, ensure, healthy_in, make_rootfs, needs_root,
-                                private_coldsnap, shared_binds, unique, wait_for)
+                                private_coldsnap, receipt, shared_binds, unique, wait_for)
 from coldsnap.capsule import CapsuleStore
 from coldsnap.config import settings
 
@@ -85,10 +85,6 @@ def captured(docker):
     wait_for(lambda: docker.inspect(name)["State"]["Status"] == "exited", 30, "docker to see the capture's stop")
     docker("rm", name)
     return {"capsule": res.capsule, "text": text}
-
-
-def receipt(cid: str) -> dict:
-    return json.loads((settings().receipts / f"{cid}.json").read_text())
 
 
 def test_daemon_json_registers_the_runtime(docker):

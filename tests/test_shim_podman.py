@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from containers_fixture import (private_coldsnap, ENGINE_ARGS, REPO, coldsnap_env, completion_in, ensure, env_wrapper, healthy_in,
-                                make_rootfs, needs_root, shared_binds, unique, wait_for)
+from containers_fixture import (ENGINE_ARGS, REPO, coldsnap_env, completion_in, ensure, env_wrapper, healthy_in,
+                                make_rootfs, needs_root, private_coldsnap, receipt, shared_binds, unique, wait_for)
 from coldsnap.capsule import CapsuleStore
 from coldsnap.config import settings
 from coldsnap.contracts import capsule as mt
@@ -92,10 +92,6 @@ def captured(podman):
     wait_for(lambda: podman.inspect(name)["State"]["Status"] == "exited", 30, "podman to see the capture's stop")
     podman("rm", name)
     return {"capsule": res.capsule, "text": text, "profile": res.profile}
-
-
-def receipt(cid: str) -> dict:
-    return json.loads((settings().receipts / f"{cid}.json").read_text())
 
 
 def test_podman_run_restores_from_the_annotated_capsule(podman, captured):

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from containers_fixture import (ENGINE_ARGS, RUNTIME, SETUP, ensure, make_bundle, make_rootfs, needs_root, NetNS,
-                                netns_http, private_coldsnap, run_detached, runc, state, unique, wait_for)
+                                netns_http, private_coldsnap, receipt, run_detached, runc, state, unique, wait_for)
 from coldsnap.capsule import CapsuleStore, Descriptor
 from coldsnap.config import settings
 from coldsnap.contracts import capsule as mt
@@ -75,10 +75,6 @@ def lab(tmp_path_factory):
             yield lab
         finally:
             lab.cleanup()
-
-
-def receipt(cid: str) -> dict:
-    return json.loads((settings().receipts / f"{cid}.json").read_text())
 
 
 def shim_record(cid: str) -> Path:
