@@ -151,7 +151,7 @@ def test_two_ranks_on_gloo_capture_and_restore_as_one_unit(tmp_path_factory, mon
 def test_two_gpu_ranks_on_nccl_capture_and_restore_as_one_unit(tmp_path_factory, monkeypatch):
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA GPUs (runs on the device tool's nvidia-h200-x2 machine; "
-                    "results in bench/results/tp2-*)")
+                    "results in bench/results/reference-cuda-tp2*)")
     needs_root_criu()
     _capture_and_restore_twice(tmp_path_factory, monkeypatch, ["cuda"], {"kv_mib": 256})
 

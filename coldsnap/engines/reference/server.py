@@ -418,8 +418,7 @@ def main(argv: list[str] | None = None) -> int:
             tpmod.make_capture_safe()  # before any rank or TCPStore exists; inherited by every rank
             return tpmod.launch(argv, world)
         tpmod.die_with_parent()
-    capture_env = {k: os.environ[k] for k in sorted(os.environ)
-                   if world > 1 and (k in _capture_safe_names() or k == "NCCL_MAX_NCHANNELS")}
+    capture_env = tpmod.settings_in_force() if world > 1 else {}
 
     def phase(name: str, t: float, **extra: Any) -> None:
         phases[name] = round(time.monotonic() - t, 4)
@@ -577,12 +576,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         httpd.server_close()
     return 0
-
-
-def _capture_safe_names() -> set[str]:
-    from .tp import CAPTURE_SAFE_ENV
-
-    return set(CAPTURE_SAFE_ENV)
 
 
 def _compile_cache_env(args: argparse.Namespace) -> None:

@@ -65,7 +65,13 @@ def make_capture_safe() -> dict[str, str]:
     for k, v in CAPTURE_SAFE_ENV.items():
         os.environ.setdefault(k, v)
     seccomp.install()
-    return {k: os.environ[k] for k in CAPTURE_SAFE_ENV}
+    return settings_in_force()
+
+
+def settings_in_force() -> dict[str, str]:
+    """The capture-relevant settings this rank runs under (inherited from the launcher): what the profile records."""
+    names = [*CAPTURE_SAFE_ENV, "NCCL_MAX_NCHANNELS"]
+    return {k: os.environ[k] for k in sorted(names) if k in os.environ}
 
 
 def init_group(rank: int, world: int, device: str, port: int) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ...fsutil import atomic_write
-from .model import ModelConfig, param_specs
+from .model import ModelConfig, local_shape, param_specs
 
 _DTYPES = {
     "F64": ("float64", 8),
@@ -278,7 +278,7 @@ def load_into(path: str | os.PathLike, params: dict[str, "torch.Tensor"], shards
             shape = tuple(info["shape"])
             itemsize = _DTYPES[info["dtype"]][1]
             shard = (shards or {}).get(name)
-            want = int(np.prod(_local(shape, shard), dtype=np.int64)) * itemsize
+            want = int(np.prod(local_shape(shape, shard), dtype=np.int64)) * itemsize
             if want != dst.numel() * dst.element_size():
                 raise ValueError(f"{path}: tensor {name} has {want} bytes here, the model expects "
                                  f"{dst.numel() * dst.element_size()}")
@@ -322,9 +322,4 @@ def load_into(path: str | os.PathLike, params: dict[str, "torch.Tensor"], shards
     return {"bytes": moved, "seconds": seconds, "gb_per_s": moved / seconds / 1e9 if seconds else 0.0,
             "threads": threads}
 
-
-def _local(shape, shard):
-    from .model import local_shape
-
-    return local_shape(tuple(shape), shard)
 
