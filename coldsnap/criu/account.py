@@ -1,6 +1,6 @@
 """Where a dump's bytes are: the pages CRIU stored, per process and per mapping (file name or anonymous).
 
-    python -m coldsnap.criu.account IMAGES_DIR [--top N] [--json]
+    python -m coldsnap.criu.account IMAGES_DIR [--top N] [--zeros] [--json]
 
 Used to decide what to shrink (a capsule's size and its restore time follow the pages stored)."""
 
@@ -35,7 +35,17 @@ def _file_names(images: Path) -> dict[int, str]:
     return names
 
 
-def account(images: Path) -> dict:
+ZERO_PAGE = bytes(PAGE)
+
+
+def _zero_pages(pages, offset: int, nbytes: int) -> int:
+    """How many of the nbytes stored at offset in a pages-N.img are all-zero pages (restore could skip them)."""
+    pages.seek(offset)
+    data = memoryview(pages.read(nbytes))
+    return sum(1 for at in range(0, len(data), PAGE) if data[at : at + PAGE] == ZERO_PAGE)
+
+
+def account(images: Path, zeros: bool = False) -> dict:
     names = _file_names(images)
     out = {"processes": [], "total_bytes": 0}
     for item in _load(images / "pstree.img")["entries"]:
@@ -46,8 +56,11 @@ def account(images: Path) -> dict:
         vmas = sorted(_load(mm_path)["entries"][0].get("vmas", []), key=lambda v: int(v["start"]))
         starts = [int(v["start"]) for v in vmas]
         by_vma: dict[str, int] = defaultdict(int)
-        total = 0
-        for e in _load(pm_path)["entries"][1:]:
+        zero_by_vma: dict[str, int] = defaultdict(int)
+        total = offset = 0
+        entries = _load(pm_path)["entries"]
+        pages = open(images / f"pages-{int(entries[0]['pages_id'])}.img", "rb") if zeros else None
+        for e in entries[1:]:
             if not int(e.get("flags", 0)) & PE_PRESENT:
                 continue
             nbytes = int(e["nr_pages"]) * PAGE
@@ -60,8 +73,17 @@ def account(images: Path) -> dict:
                 shmid = int(vma.get("shmid", 0))
                 key = names.get(shmid) or f"anon {int(vma['end']) - int(vma['start']) >> 20} MiB mapping"
             by_vma[key] += nbytes
+            if pages:
+                zero_by_vma[key] += _zero_pages(pages, offset, nbytes) * PAGE
+            offset += nbytes
+        if pages:
+            pages.close()
         top = sorted(by_vma.items(), key=lambda kv: -kv[1])
-        out["processes"].append({"pid": pid, "bytes": total, "mappings": [{"name": k, "bytes": v} for k, v in top]})
+        mappings = [{"name": k, "bytes": v} | ({"zero_bytes": zero_by_vma[k]} if zeros else {}) for k, v in top]
+        proc = {"pid": pid, "bytes": total, "mappings": mappings}
+        if zeros:
+            proc["zero_bytes"] = sum(zero_by_vma.values())
+        out["processes"].append(proc)
         out["total_bytes"] += total
     return out
 
@@ -70,20 +92,23 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m coldsnap.criu.account", description=__doc__.split("\n\n")[0])
     p.add_argument("images", type=Path)
     p.add_argument("--top", type=int, default=8)
+    p.add_argument("--zeros", action="store_true", help="also count all-zero pages (reads every stored page)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if not (args.images / "pstree.img").exists():
         print(f"coldsnap: error: {args.images} holds no CRIU images (no pstree.img)", file=sys.stderr)
         return 2
-    data = account(args.images)
+    data = account(args.images, zeros=args.zeros)
     if args.json:
         print(json.dumps(data, indent=1))
         return 0
     print(f"{data['total_bytes'] / 2**20:.0f} MiB of pages in {len(data['processes'])} process(es)")
     for proc in data["processes"]:
-        print(f"  pid {proc['pid']}: {proc['bytes'] / 2**20:.0f} MiB")
+        zero = f" ({proc['zero_bytes'] / 2**20:.0f} MiB all-zero pages)" if args.zeros else ""
+        print(f"  pid {proc['pid']}: {proc['bytes'] / 2**20:.0f} MiB{zero}")
         for m in proc["mappings"][: args.top]:
-            print(f"    {m['bytes'] / 2**20:9.1f} MiB  {m['name']}")
+            zero = f"  ({m['zero_bytes'] / 2**20:.1f} MiB zero)" if args.zeros else ""
+            print(f"    {m['bytes'] / 2**20:9.1f} MiB  {m['name']}{zero}")
     return 0
 
 

@@ -44,7 +44,7 @@ for step in $STEPS; do
     for j in "$OUT"/*.json; do
       D=$(python3 -c "import json;print(json.load(open('$j')).get('capsule',{}).get('digest','').split(':')[-1])" 2>/dev/null)
       [ -n "$D" ] && [ -d /tmp/coldsnap-run/staged/$D/images ] || continue
-      echo "== $(basename $j)"; python3 -m coldsnap.criu.account /tmp/coldsnap-run/staged/$D/images --top 6
+      echo "== $(basename $j)"; python3 -m coldsnap.criu.account /tmp/coldsnap-run/staged/$D/images --top 8 --zeros
     done ;;
   esac
 done
