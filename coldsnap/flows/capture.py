@@ -24,7 +24,7 @@ from ..contracts import (
     Validation,
 )
 from ..contracts import capsule as mt
-from ..criu import CriuDriver, CriuOptions, criu_images_open_files, criu_stats
+from ..criu import CriuDriver, CriuOptions, criu_images_open_files, criu_stats, drop_zero_pages
 from ..engines.base import get_adapter
 from ..host import host_profile
 from ..net import allocate_plan, destroy_network, netns_inode
@@ -127,6 +127,9 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> dict:
                                                    launch.weights_mode)
                 probe.complete(expected=first.text)
         files = _captured_files(images, wdir) + extra
+        with tl.span("thin"):
+            thinned = drop_zero_pages(images)
+        progress(thinned.summary)
         with tl.span("pack"):
             progress("packing the capsule")
             profile = CapsuleProfile(
@@ -171,6 +174,7 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> dict:
             "cuda_processes": len(gpu.pids),
             "criu_options": options.cli_flags(),
             "criu_stats": dump_stats,
+            "zero_pages": thinned.as_dict(),
             "_profile": profile,
         }
     finally:

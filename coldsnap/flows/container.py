@@ -37,7 +37,7 @@ from ..contracts import (
     Validation,
 )
 from ..contracts import capsule as mt
-from ..criu import CriuDriver, CriuOptions
+from ..criu import CriuDriver, CriuOptions, drop_zero_pages
 from ..criu.driver import first_error_line
 from ..engines.base import get_adapter
 from ..hooks.target import Target, validate
@@ -178,6 +178,9 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
             with tl.span("resume"):
                 _resume(target, adapter, gpu, kv_discard, weights_mode)
                 validate(target, request.validation, first.text)
+        with tl.span("thin"):
+            thinned = drop_zero_pages(images)
+        progress(thinned.summary)
         with tl.span("pack"):
             progress("packing the capsule")
             profile = CapsuleProfile(
@@ -205,7 +208,7 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
                 "left_running": request.lifecycle.leave_running, "quiesce": request.policy.quiesce,
                 "connections_in_flight": connections, "validated_text": first.text,
                 "weights_mode": weights_mode, "cuda_processes": len(gpu.pids), "criu_options": options.cli_flags(),
-                "runc_checkpoint": argv, "_profile": profile}
+                "runc_checkpoint": argv, "zero_pages": thinned.as_dict(), "_profile": profile}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
