@@ -12,7 +12,9 @@ The tokenizer is byte-level: token = UTF-8 byte, plus BOS/EOS/PAD; no training i
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import gc
 import math
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -469,6 +471,7 @@ class Runner:
                     p.untyped_storage().resize_(0)
                 self.weights_released = True
                 torch.cuda.empty_cache()
+        return_free_heap()
         return {"freed_bytes": freed}
 
     def resume(self) -> dict[str, Any]:
@@ -505,6 +508,15 @@ class Runner:
                 self.capture_graphs()
             self.synchronize()
         return {"kv_bytes": self.kv_bytes, "cuda_graphs": len(self._graphs), "weights_reload": hydrate}
+
+
+def return_free_heap() -> None:
+    """Hand freed heap memory back to the kernel: glibc keeps it mapped (and a dump would store its pages)."""
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def shards(cfg: ModelConfig, tp: int = 1, rank: int = 0) -> dict[str, Shard]:

@@ -17,7 +17,6 @@ import json
 import mmap
 import os
 import struct
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -227,30 +226,6 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> None:
         done += n
 
 
-IOV_MAX = 1024  # iovecs per preadv (Linux)
-
-
-def _pread_columns(fd: int, view: memoryview, offset: int, row_bytes: int, col_offset: int, junk: memoryview) -> None:
-    """Gather one column range of consecutive rows (row_bytes each, starting at offset) into view with preadv: each
-    row's wanted bytes land in view, the bytes between two rows' ranges in junk (len(junk) = row_bytes - the range's
-    width), which stays in cache. One pass through the page cache, no page faults, no second copy."""
-    col_bytes = row_bytes - len(junk)
-    rows = len(view) // col_bytes
-    per_call = IOV_MAX // 2
-    for first in range(0, rows, per_call):
-        last = min(rows, first + per_call)
-        iov = []
-        for r in range(first, last):
-            iov.append(view[r * col_bytes:(r + 1) * col_bytes])
-            if r + 1 < last:
-                iov.append(junk)
-        want = sum(len(v) for v in iov)
-        at = offset + first * row_bytes + col_offset
-        got = os.preadv(fd, iov, at)
-        if got != want:  # a short read from the page cache means the file is shorter than its header says
-            raise ValueError(f"weights file ended early reading columns at {at}")
-
-
 def load_into(path: str | os.PathLike, params: dict[str, "torch.Tensor"], shards: dict[str, Any] | None = None,
               chunk_bytes: int = 128 << 20, threads: int | None = None) -> dict[str, float]:
     """Hydrate tensors in place from a safetensors file at full speed: the page cache is read by `threads`
@@ -284,20 +259,10 @@ def load_into(path: str | os.PathLike, params: dict[str, "torch.Tensor"], shards
         for j in jobs:
             j.result()
 
-    junk_by_thread = threading.local()
-
-    def columns_job(view: memoryview, offset: int, row_bytes: int, col_offset: int, col_bytes: int) -> None:
-        gap = row_bytes - col_bytes
-        junk = getattr(junk_by_thread, "buf", None)
-        if junk is None or len(junk) < gap:
-            junk = junk_by_thread.buf = memoryview(bytearray(gap))
-        _pread_columns(fd, view, offset, row_bytes, col_offset, junk[:gap])
-
-    def parallel_columns(view: memoryview, offset: int, row_bytes: int, col_offset: int, col_bytes: int) -> None:
-        rows = len(view) // col_bytes
-        step = -(-rows // threads)
-        jobs = [pool.submit(columns_job, view[r * col_bytes:min(rows, r + step) * col_bytes], offset + r * row_bytes,
-                            row_bytes, col_offset, col_bytes) for r in range(0, rows, step)]
+    def parallel_gather(dst: "torch.Tensor", part: "torch.Tensor") -> None:
+        # Row ranges copied side by side out of the mapping (torch drops the GIL while it copies).
+        step = -(-part.shape[0] // threads)
+        jobs = [pool.submit(dst[r:r + step].copy_, part[r:r + step]) for r in range(0, part.shape[0], step)]
         for j in jobs:
             j.result()
 
@@ -335,18 +300,7 @@ def load_into(path: str | os.PathLike, params: dict[str, "torch.Tensor"], shards
                     to_device(k, out[off:off + n], n)
                     i += 1
                     moved += n
-            elif len(shape) == 2 and shard.dim == 1:  # our columns of every row: parallel gathering preadv
-                row_bytes, col_bytes = shape[1] * itemsize, (shard.stop - shard.start) * itemsize
-                rows = max(1, chunk // col_bytes)
-                for r in range(0, shape[0], rows):
-                    n = min(rows, shape[0] - r) * col_bytes
-                    k = next_buffer()
-                    parallel_columns(views[k][:n], base + start + r * row_bytes, row_bytes,
-                                     shard.start * itemsize, col_bytes)
-                    to_device(k, out[r * col_bytes:r * col_bytes + n], n)
-                    i += 1
-                    moved += n
-            else:  # another split: gather through a mapping, block by block
+            else:  # split along dim 1: whole rows are not ours, gather our columns block by block
                 if mm is None:
                     mm = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
                     src = torch.frombuffer(mm, dtype=torch.uint8)
@@ -358,7 +312,7 @@ def load_into(path: str | os.PathLike, params: dict[str, "torch.Tensor"], shards
                     block = part[r:r + rows]
                     n = block.numel() * itemsize
                     k = next_buffer()
-                    bufs[k][:n].view(block.dtype).view(block.shape).copy_(block)
+                    parallel_gather(bufs[k][:n].view(block.dtype).view(block.shape), block)
                     to_device(k, out[r * row:r * row + n], n)
                     i += 1
                     moved += n
