@@ -374,6 +374,9 @@ def _parser() -> argparse.ArgumentParser:
                    "(default --port + 1)")
     p.add_argument("--nccl-max-channels", type=int, default=None, metavar="N",
                    help="NCCL_MAX_NCHANNELS for the ranks: fewer channels, fewer NCCL buffers for a capture to carry")
+    p.add_argument("--nccl-buffsize", type=int, default=None, metavar="BYTES",
+                   help="NCCL_BUFFSIZE for the ranks (NCCL's default is 4 MiB per buffer): smaller buffers, fewer "
+                   "host pages for a capture to carry")
     p.add_argument("--tp-rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
     p.add_argument("--tp-fds", default=None, help=argparse.SUPPRESS)  # the command pipes between rank 0 and peers
     return p
@@ -415,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.tp_rank is None:  # the command as started: become the launcher of the ranks
             if args.nccl_max_channels:
                 os.environ["NCCL_MAX_NCHANNELS"] = str(args.nccl_max_channels)
+            if args.nccl_buffsize:
+                os.environ["NCCL_BUFFSIZE"] = str(args.nccl_buffsize)
             tpmod.make_capture_safe()  # before any rank or TCPStore exists; inherited by every rank
             return tpmod.launch(argv, world)
         tpmod.die_with_parent()

@@ -70,7 +70,7 @@ def make_capture_safe() -> dict[str, str]:
 
 def settings_in_force() -> dict[str, str]:
     """The capture-relevant settings this rank runs under (inherited from the launcher): what the profile records."""
-    names = [*CAPTURE_SAFE_ENV, "NCCL_MAX_NCHANNELS"]
+    names = [*CAPTURE_SAFE_ENV, "NCCL_MAX_NCHANNELS", "NCCL_BUFFSIZE"]
     return {k: os.environ[k] for k in sorted(names) if k in os.environ}
 
 
