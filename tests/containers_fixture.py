@@ -22,8 +22,10 @@ REPO = Path(__file__).resolve().parents[1]
 SETUP = REPO / "packaging" / "containers" / "setup.sh"
 VENV = Path(sys.prefix)
 PYTHON_HOME = Path(sys.base_prefix)  # where the venv's interpreter really lives (pyenv, /usr, ...)
-RUNTIME = VENV / "bin" / "coldsnap-runtime"
-HOOK = VENV / "bin" / "coldsnap-hook"
+# Beside this interpreter (the venv), else on PATH (the GPU machine runs the repository through wrappers).
+RUNTIME = VENV / "bin" / "coldsnap-runtime" if (VENV / "bin" / "coldsnap-runtime").exists() else \
+    Path(shutil.which("coldsnap-runtime") or VENV / "bin" / "coldsnap-runtime")
+HOOK = RUNTIME.with_name("coldsnap-hook")
 CRIU = os.environ.get("COLDSNAP_CRIU_PREFIX", "/var/lib/coldsnap/criu") + "/bin/criu"
 
 ENGINE_PORT = 8000

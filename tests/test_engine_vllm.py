@@ -152,8 +152,29 @@ def test_prepare_container_is_the_process_launch_plus_what_it_reads(tmp_path, co
     assert bound(venv) and bound(model)
     assert bound(sys.executable) and bound(os.path.realpath(sys.executable))  # the io_uring prefix's interpreter
     assert bound(Path(coldsnap.__file__).resolve())
+
+
+def test_the_reference_engine_has_a_container_launch_and_a_bare_launch_is_refused(coldsnap_home):
+    import coldsnap
+    from coldsnap.contracts import ColdSnapError
+    from coldsnap.engines.base import EngineAdapter, PreparedLaunch
+
+    launch = get_adapter("reference").prepare_container(CaptureRequest(operation="capture"))
+    weights = Path(launch.argv[launch.argv.index("--weights") + 1])
+    read_only = [Path(m.source) for m in launch.mounts if m.readonly and m.source == m.target]
+    writable = [Path(m.source) for m in launch.mounts if not m.readonly]
+    assert any(p == Path(sys.executable) or p in Path(sys.executable).parents for p in read_only)
+    assert any(p in Path(coldsnap.__file__).resolve().parents for p in read_only)
+    assert writable == [weights.parent]  # the engine writes its seeded weights there on first use
+
+    class Bare(EngineAdapter):  # an adapter whose launch does not say what it reads
+        name = "bare"
+
+        def prepare(self, request):
+            return PreparedLaunch(argv=["/opt/engine/serve"], env={}, weights_mode="native", model=None)
+
     with pytest.raises(ColdSnapError, match="no container launch"):
-        get_adapter("reference").prepare_container(CaptureRequest(operation="capture"))
+        Bare().prepare_container(CaptureRequest(operation="capture"))
 
 
 # --- shared helpers for the real-engine tests -----------------------------------------------------------------------

@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
 # Prepare what the GPU machine (device tool) needs carried, from this checkout: the machine has python3 3.12 with
 # torch but no network and nothing installable. Makes (idempotently) .carry/criu — a copy of the provisioned CRIU
-# prefix — and .whl — wheels of ColdSnap's pure-Python dependencies for CPython 3.12, the versions in .venv. Both
-# paths are ignored by git (.git/info/exclude); pass them as the device tool's carry: [".whl", ".carry"].
+# prefix —, .carry/runc — this machine's runc, for GPU containers — and .whl — wheels of ColdSnap's pure-Python
+# dependencies for CPython 3.12, the versions in .venv. Both paths are ignored by git (.git/info/exclude); pass them
+# as the device tool's carry: [".whl", ".carry"].
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PREFIX=${COLDSNAP_CRIU_PREFIX:-/var/lib/coldsnap/criu}
 [ -x "$PREFIX/bin/criu" ] || { echo "prepare: no CRIU prefix at $PREFIX: run make setup first" >&2; exit 12; }
 if [ ! -f .carry/criu/STAMP ] || ! cmp -s "$PREFIX/STAMP" .carry/criu/STAMP; then
   rm -rf .carry/criu && mkdir -p .carry && cp -a "$PREFIX" .carry/criu
+fi
+# runc for GPU containers (the machine has none): dynamic, but needs only libc and libseccomp2, which it has.
+RUNC=$(command -v runc || true)
+if [ -n "$RUNC" ] && ! cmp -s "$RUNC" .carry/runc/runc 2>/dev/null; then
+  mkdir -p .carry/runc && cp "$RUNC" .carry/runc/runc
 fi
 PY=.venv/bin/python
 pins=$($PY - <<'PY'

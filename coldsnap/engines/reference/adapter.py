@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 from ...config import settings
-from ...contracts import CaptureRequest, Distributed, Model, WeightFile
+from ...contracts import CaptureRequest, Distributed, Model, Mount, WeightFile
 from ...weights import file_sha256
 from ..base import EngineAdapter, PreparedLaunch, option_flags, post_json
 
@@ -21,6 +22,24 @@ def default_weights_path(options: dict | None = None) -> str:
     shape = {k: v for k, v in (options or {}).items() if k in SIZE_OPTIONS}
     suffix = "" if not shape else "-" + "-".join(f"{k}{v}" for k, v in sorted(shape.items()))
     return str(settings().home / "models" / "reference" / f"model{suffix}.safetensors")
+
+
+def container_mounts(weights: str) -> list[Mount]:
+    """What the launch reads, for a container to bind at the same paths: this interpreter, ColdSnap's package, the
+    PYTHONPATH entries, read-only; the weights' directory read-write (the engine writes its seeded file there on
+    first use, as a model cache volume)."""
+    import coldsnap
+
+    from ..venv_engine import interpreter_paths, outermost
+
+    python_path = [Path(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).is_dir()]
+    readonly = outermost([Path(sys.prefix), *interpreter_paths(sys.executable),
+                          Path(coldsnap.__file__).resolve().parents[1], *python_path])
+    model_dir = Path(weights).resolve().parent
+    model_dir.mkdir(parents=True, exist_ok=True)
+    # In this order: a read-write bind of the model directory inside a read-only one lands on top of it.
+    return [Mount(source=str(p), target=str(p), readonly=True) for p in readonly] + [
+        Mount(source=str(model_dir), target=str(model_dir), readonly=False)]
 
 
 class ReferenceAdapter(EngineAdapter):
@@ -48,9 +67,11 @@ class ReferenceAdapter(EngineAdapter):
             from .tp import CAPTURE_SAFE_ENV
 
             env = {**CAPTURE_SAFE_ENV, **env}  # in the launch (and so in the profile), not only inside the engine
+        if os.environ.get("PYTHONPATH"):  # where this interpreter finds ColdSnap's dependencies (a container
+            env.setdefault("PYTHONPATH", os.environ["PYTHONPATH"])  # inherits nothing)
         model = request.model
         return PreparedLaunch(argv=argv, env=env, weights_mode=mode, model=model, engine_version=__version__,
-                              cwd=request.launch.workdir)
+                              cwd=request.launch.workdir, mounts=container_mounts(weights))
 
     def describe_model(self, weights_path: str) -> Model:
         """Called once the engine has started (it writes its seeded weights on first use)."""

@@ -1,0 +1,154 @@
+"""The reference engine inside a runc container, through coldsnap-runtime, on a GPU and on the CPU (no mocks).
+
+Cold start (unannotated: runc's own path) → two greedy completions → capture_container in recovery mode (the
+engine releases weights and KV, the CUDA state of the container's processes is checkpointed by host PID, then
+`runc checkpoint`) → the container is gone → an annotated create + start through the shim restores it, the CUDA
+state comes back, the engine reloads its weights → coldsnap-hook validates → the same completion text.
+
+The container runs the adapter's container launch (prepare_container: this interpreter, ColdSnap and the
+PYTHONPATH read-only, the model directory read-write, all at their host paths). On a GPU it sees the GPUs as a device
+plugin (CDI) would show them: every /dev/nvidia* character device, allowed in its device cgroup; the driver's
+libraries come with the host /usr the rootfs borrows. The cuda case runs on the GPU machine
+(packaging/device/gpu-container.sh) and skips elsewhere, saying so; the cpu case runs everywhere."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import time
+from pathlib import Path
+
+import pytest
+
+from containers_fixture import (RUNTIME, ensure, make_engine_bundle, make_rootfs, needs_root, private_coldsnap,
+                                receipt, run_detached, runc, state, unique, VethNetNS, wait_for)
+from test_engine_vllm import completions
+from coldsnap.contracts import CaptureRequest
+from coldsnap.contracts import capsule as mt
+from coldsnap.engines.base import get_adapter
+from coldsnap.engines.reference.adapter import MODEL_ID
+
+pytestmark = [pytest.mark.root, pytest.mark.slow]
+
+PORT = 8000
+OPTIONS = {"cuda": {"layers": 4, "hidden": 2048, "heads": 16, "kv_mib": 1024},
+           "cpu": {"layers": 2, "hidden": 64, "heads": 2, "kv_mib": 4, "compile": False, "threads": 1}}
+PROMPTS = ["The GPU in a container says", "Restored from a capsule:"]
+
+
+def gpu_devices() -> list[dict]:
+    devices = []
+    for path in sorted(Path("/dev").glob("nvidia*")):
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        if stat.S_ISCHR(st.st_mode):
+            devices.append({"path": str(path), "type": "c", "major": os.major(st.st_rdev),
+                            "minor": os.minor(st.st_rdev), "fileMode": 0o666, "uid": 0, "gid": 0})
+    return devices
+
+
+def with_gpus(bundle: Path) -> Path:
+    """Every /dev/nvidia* in the container and in its device cgroup, plus the host's linker cache (libcuda is found
+    through it), as the NVIDIA container toolkit would add them."""
+    path = bundle / "config.json"
+    spec = json.loads(path.read_text())
+    devices = gpu_devices()
+    spec["linux"]["devices"] = devices
+    spec["linux"]["resources"]["devices"] += [{"allow": True, "type": "c", "major": d["major"], "minor": d["minor"],
+                                               "access": "rwm"} for d in devices]
+    if Path("/etc/ld.so.cache").exists():
+        spec["mounts"].append({"destination": "/etc/ld.so.cache", "type": "bind", "source": "/etc/ld.so.cache",
+                               "options": ["rbind", "ro"]})
+    path.write_text(json.dumps(spec, indent=1))
+    return bundle
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    needs_root()
+    if shutil.which("runc") is None:
+        ensure("base")
+    base = tmp_path_factory.mktemp("gpu-container")
+    with private_coldsnap(base):
+        runc_root, ns = base / "runc-root", VethNetNS("csgpu")
+        try:
+            yield {"base": base, "rootfs": make_rootfs(base / "rootfs"), "runc_root": runc_root, "ns": ns}
+        finally:
+            for cid in runc(runc_root, "list", "-q").stdout.split():
+                runc(runc_root, "delete", "-f", cid)
+            ns.delete()
+
+
+def shim(lab, *args: str):
+    import subprocess
+
+    return subprocess.run([str(RUNTIME), "--root", str(lab["runc_root"]), *args], stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_container_captured_and_restored_through_the_shim(lab, device):
+    from coldsnap.flows.container import capture_container
+
+    if device == "cuda" and not any(d["path"][len("/dev/nvidia"):].isdigit() for d in gpu_devices()):
+        pytest.skip("no NVIDIA GPU here: the cuda case runs on the GPU machine (packaging/device/gpu-container.sh)")
+    launch = get_adapter("reference").prepare_container(CaptureRequest(
+        operation="capture", engine={"name": "reference", "options": OPTIONS[device]},
+        launch={"devices": ["cuda:0"] if device == "cuda" else [], "port": PORT}, policy={"weights_mode": "recovery"}))
+    assert launch.argv[launch.argv.index("--device") + 1] == device
+    ns, root = lab["ns"], lab["runc_root"]
+
+    def bundle(name: str, capsule: str | None = None) -> Path:
+        ann = {mt.ANNOTATION_CAPSULE: capsule} if capsule else None
+        made = make_engine_bundle(lab["base"] / "bundles" / f"{device}-{name}", lab["rootfs"], launch, ns.name, ann)
+        return with_gpus(made) if device == "cuda" else made
+
+    cid = unique(f"{device}-cold")
+    t0 = time.monotonic()
+    r = run_detached(str(RUNTIME), root, bundle("cold"), cid)
+    assert r.returncode == 0, r.stderr
+    wait_for(lambda: _healthy(ns.address) or (state(root, cid) or {}).get("status") != "running", 600,
+             f"the engine on {device} to answer /health")
+    assert _healthy(ns.address), f"the {device} container stopped before it served"
+    cold_s = time.monotonic() - t0
+    before = completions(ns.address, PORT, MODEL_ID,
+                         prompts=PROMPTS)
+
+    captured = capture_container(cid, root, engine="reference", weights_mode="recovery", tag=f"{device}-container")
+    rec = captured.receipt
+    assert rec["state"] == "succeeded", rec.get("error")
+    # On a GPU, the container's CUDA state was checkpointed by host PID.
+    assert (rec["result"]["cuda_processes"] >= 1) == (device == "cuda")
+    assert captured.profile.snapshot_driver == "criu-runc" and captured.profile.weights_mode == "recovery"
+    assert state(root, cid) is None or state(root, cid).get("status") != "running"
+    runc(root, "delete", "-f", cid)
+
+    rid = unique(f"{device}-restored")
+    created = shim(lab, "create", "--bundle", str(bundle("restored", captured.capsule)), rid)
+    assert created.returncode == 0, created.stderr
+    started = shim(lab, "start", rid)
+    assert started.returncode == 0, started.stderr
+    restored = receipt(rid)
+    assert restored["state"] == "succeeded" and restored["operation"] == "restore", restored  # not fell-back
+    assert restored["result"]["validated_text"] == captured.profile.expected_text
+    after = completions(ns.address, PORT, MODEL_ID,
+                        prompts=PROMPTS)
+    assert after == before
+    print(f"\n[measured] {device} container: cold start to /health {cold_s:.1f} s; restore receipt "
+          f"{json.dumps({k: restored['result'].get(k) for k in ('time_to_first_token_s', 'hydrate')})}; spans "
+          f"{[(s['name'], round(s['duration_s'], 2)) for s in restored['spans']]}; capture zero pages "
+          f"{rec['result'].get('zero_pages')}")
+
+
+def _healthy(address: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://{address}:{PORT}/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
