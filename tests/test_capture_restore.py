@@ -95,6 +95,34 @@ def test_restore_twice_from_one_capsule(captured):
     assert texts[0] == texts[1]
 
 
+def test_native_weights_travel_as_a_payload_beside_the_images(env):
+    """native: the engine saves its weights as they are in memory, drops them, and the file goes beside the images
+    as a content-addressed payload; a host without the file gets it back from the payload at restore."""
+    res = capture(CaptureRequest(operation="capture", lifecycle={"name": "pyt-native"}, tag="pyt-native",
+                                 policy={"weights_mode": "native"}))
+    assert res.receipt["state"] == "succeeded"
+    p = res.profile
+    assert p.weights_mode == "native" and p.kv_discarded
+    saved = p.model.weights[0]
+    assert ".native-" in saved.path and stat.S_IMODE(os.stat(saved.path).st_mode) == 0o600
+    store = CapsuleStore(settings().store)
+    cap = store.load(res.capsule)
+    payload = json.loads(store.blob_path(cap.manifest["annotations"][mt.ANNOTATION_PAYLOAD]).read_text())
+    assert [d["digest"] for d in payload["layers"]] == ["sha256:" + saved.sha256]
+    assert not any(d.media_type == mt.LAYER_WEIGHTS for d in cap.layers)  # not in the capsule itself
+
+    os.unlink(saved.path)  # as on a host that never had it
+    r = restore(RestoreRequest(operation="restore", capsule=res.capsule, policy=Policy(fallback_to_cold=False)))
+    try:
+        assert r["state"] == "succeeded"
+        assert r["result"]["validated_text"] == p.expected_text
+        assert os.path.exists(saved.path)  # put back from the payload, digest verified
+        reload = r["result"]["hydrate"]["engine_resume"]["weights_reload"]
+        assert reload["bytes"] > 0.9 * saved.size  # the weights came back from that file (header and padding aside)
+    finally:
+        stop("pyt-native")
+
+
 def test_sleep_without_cuda_is_refused_and_the_engine_serves_on(captured):
     """Engine sleep releases through the engine first; with no CUDA state to checkpoint (CPU) the sleep is refused
     and the release undone: the workload answers as before. (On the GPU machine the same path sleeps and wakes:

@@ -291,3 +291,20 @@ def test_cuda_engine_captures_cuda_graphs_and_survives_release(weights, tmp_path
                           "release": rel, "resume": res}))
     finally:
         engine.stop()
+
+
+def test_saved_tensors_load_back_bit_for_bit_and_stay_releasable(tmp_path):
+    """save_tensors (native weights saved at release) writes what load_into reads back, in any dtype, without
+    pinning the source tensors' storage (release shrinks it to nothing afterwards)."""
+    from coldsnap.engines.reference.weights import load_into, save_tensors
+
+    src = {"a.weight": torch.randn(33, 7, dtype=torch.bfloat16), "b.bias": torch.randn(5),
+           "c.idx": torch.arange(9, dtype=torch.int64)}
+    path = tmp_path / "saved.safetensors"
+    size = save_tensors(path, src, {"format": "pt"})
+    assert size == path.stat().st_size and os.stat(path).st_mode & 0o777 == 0o600
+    back = {n: torch.zeros_like(t) for n, t in src.items()}
+    load_into(path, back)
+    for n in src:
+        assert torch.equal(back[n], src[n]), n
+        src[n].untyped_storage().resize_(0)  # still resizable after being written

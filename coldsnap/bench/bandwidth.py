@@ -69,10 +69,11 @@ def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
 
-def restore_limit(bw: dict, images_bytes: int, weights_bytes: int, weights_mode: str) -> dict:
+def restore_limit(bw: dict, images_bytes: int, weights_bytes: int, weights_in_images: bool) -> dict:
     """Lower bound of a restore's data movement: CRIU's images pass through host memory once (page cache →
-    process pages, a memcpy); GPU state then crosses PCIe (pinned H2D). In native mode the GPU state is inside the
-    images (counted for both); in recovery mode the weights file is read from page cache and copied to the GPU.
+    process pages, a memcpy); GPU state then crosses PCIe (pinned H2D). With the weights in the images (native,
+    an engine that cannot save them) the GPU state is inside the images (counted for both); with the weights apart
+    (recovery's pinned file, native's saved payload) their file is read from page cache and copied to the GPU.
     Host copies count at the parallel rate (several threads), since a restore may use several: the hydrate does."""
     memcpy = bw.get("host_memcpy_parallel_gbs") or bw.get("host_memcpy_gbs") or 0
     read = bw.get("page_cache_read_parallel_gbs") or memcpy
@@ -80,9 +81,9 @@ def restore_limit(bw: dict, images_bytes: int, weights_bytes: int, weights_mode:
     if not memcpy:
         return {}
     host_s = images_bytes / (memcpy * 1e9)
-    gpu_bytes = images_bytes if weights_mode == "native" else weights_bytes
+    gpu_bytes = images_bytes if weights_in_images else weights_bytes
     gpu_s = gpu_bytes / (min(h2d, memcpy, read) * 1e9) if h2d else 0.0
     return {"images_bytes": images_bytes, "gpu_bytes_upper": gpu_bytes, "host_s": round(host_s, 3),
             "gpu_s": round(gpu_s, 3), "limit_s": round(host_s + gpu_s, 3),
-            "assumption": "bytes / measured bandwidth (host copies at the parallel rate); native counts all image "
-                          "bytes as GPU bytes (an upper bound)"}
+            "assumption": "bytes / measured bandwidth (host copies at the parallel rate); weights in the images "
+                          "count all image bytes as GPU bytes (an upper bound)"}

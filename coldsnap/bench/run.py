@@ -91,8 +91,9 @@ def run_bench(args, progress=lambda m: None) -> dict:
     bw = bandwidth.measure(pages)
     weights_bytes = sum(os.path.getsize(w.path) for w in (cap.profile.model.weights if cap.profile.model else [])
                         if os.path.exists(w.path))
+    apart = cap.receipt.get("result", {}).get("weights_apart", cap.profile.weights_mode == "recovery")
     limit = bandwidth.restore_limit(bw, bandwidth.dir_bytes(staged) if staged.exists() else 0, weights_bytes,
-                                    cap.profile.weights_mode)
+                                    weights_in_images=not apart)
     ratio = round(v["median_s"] / rr["median_s"], 2)
     data = {
         "kind": "coldsnap.bench",

@@ -60,7 +60,11 @@ class EngineAdapter:
         return None
 
     # Hooks around capture and restore; default: nothing to release.
-    def before_capture(self, host: str, port: int, kv_discard: bool, weights_mode: str) -> dict:
+    def before_capture(self, host: str, port: int, kv_discard: bool, weights_mode: str,
+                       save_weights: bool = False) -> dict:
+        """Release what the capture should not carry. save_weights (native mode, process capture): an engine that
+        can writes its in-memory weights to a file of its own, drops them, and names the file in the answer's
+        saved_weights; one that cannot ignores it (its weights stay in the dump)."""
         return {}
 
     def after_restore(self, host: str, port: int, kv_discarded: bool, weights_mode: str) -> dict:

@@ -21,6 +21,7 @@ from ..contracts import (
     CapturedFile,
     ColdSnapError,
     ErrorCode,
+    Model,
     Validation,
 )
 from ..contracts import capsule as mt
@@ -94,8 +95,11 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> dict:
             model = adapter.describe_model(info["weights"]["path"])
 
         with tl.span("release"):
+            # native: the weights leave the dump as a file of their own, where the engine can save them (a
+            # container's engine would save inside the container's filesystem, so container capture does not ask)
             released = adapter.before_capture(plan.workload_address, plan.port, request.policy.kv_discard,
-                                              launch.weights_mode)
+                                              launch.weights_mode, save_weights=True)
+        model = saved_weights_model(adapter, released) or model
         with tl.span("quiesce"):
             wait_no_connections(pid, plan.port)
         # Host /dev/shm names the tree uses (a semaphore's real name among them): removed with the dumped tree.
@@ -123,7 +127,7 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> dict:
         if request.lifecycle.leave_running:
             with tl.span("resume"):
                 gpu_support.restore_tree(gpu)
-                adapter.after_capture_left_running(plan.workload_address, plan.port, request.policy.kv_discard,
+                adapter.after_capture_left_running(plan.workload_address, plan.port, bool(released),
                                                    launch.weights_mode)
                 probe.complete(expected=first.text)
         files = _captured_files(images, wdir) + extra
@@ -151,7 +155,8 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> dict:
                 distributed=adapter.distributed(info),
                 criu_options=options.cli_flags(),
             )
-            digest = write_capsule(images, wdir, files, profile, request.tag, extra_src)
+            weights_apart = weights_travel_apart(profile, released)
+            digest = write_capsule(images, wdir, files, profile, request.tag, extra_src, payload=weights_apart)
         size = sum(int(layer["size"]) for layer in json.loads(
             CapsuleStore(cfg.store).blob_path(digest).read_text())["layers"])
         progress(f"capsule {digest} ({size / 2**20:.1f} MiB)")
@@ -175,6 +180,7 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> dict:
             "criu_options": options.cli_flags(),
             "criu_stats": dump_stats,
             "zero_pages": thinned.as_dict(),
+            "weights_apart": weights_apart,
             "_profile": profile,
         }
     finally:
@@ -211,8 +217,21 @@ def _captured_files(images: Path, wdir: Path) -> list[CapturedFile]:
     return out
 
 
+def saved_weights_model(adapter, released: dict | None) -> Model | None:
+    """The model as the engine saved its in-memory weights at release (native mode, engines that can): that file,
+    not the one it loaded, is what a restore reloads."""
+    saved = (released or {}).get("saved_weights")
+    return adapter.describe_model(saved) if saved else None
+
+
+def weights_travel_apart(profile: CapsuleProfile, released: dict | None) -> bool:
+    """Whether the weights go as a payload beside the images: pinned files (recovery) or the engine's own save of
+    its native weights. Otherwise (native weights kept in memory) they are in the images."""
+    return profile.weights_mode == "recovery" or bool((released or {}).get("saved_weights"))
+
+
 def write_capsule(images: Path, wdir: Path, files: list[CapturedFile], profile: CapsuleProfile,
-                   tag: str | None, sources: dict[str, str] | None = None) -> str:
+                  tag: str | None, sources: dict[str, str] | None = None, payload: bool = False) -> str:
     store = CapsuleStore(settings().store).init()
     tmp = private_dir(store.root / "tmp")
     layers = []
@@ -237,8 +256,9 @@ def write_capsule(images: Path, wdir: Path, files: list[CapturedFile], profile: 
     layers.append(store.put_bytes(json.dumps(weights_manifest, sort_keys=True).encode(), mt.LAYER_WEIGHTS_MANIFEST,
                                   {mt.ANNOTATION_TITLE: "weights-manifest"}))
     annotations = {mt.ANNOTATION_ENGINE: profile.engine.name}
-    if profile.weights_mode == "recovery" and profile.model and profile.model.weights:
-        # The pinned weights as a shared payload artifact: restores on a host that lacks them pull it once.
+    if payload and profile.model and profile.model.weights:
+        # The weight files as a content-addressed payload artifact beside the images: restores on a host that lacks
+        # them pull it once, and capsules of the same weights share it.
         annotations[mt.ANNOTATION_PAYLOAD] = write_payload(store, profile.model.weights)
     if profile.model:
         annotations[mt.ANNOTATION_MODEL] = f"{profile.model.id}@{profile.model.revision}"

@@ -44,7 +44,7 @@ from ..hooks.target import Target, validate
 from ..host import host_profile
 from ..contracts.capsule import ANNOTATION_IMAGE_DIGEST
 from ..spans import Timeline
-from .capture import CaptureResult, engine_info, write_capsule
+from .capture import CaptureResult, engine_info, saved_weights_model, weights_travel_apart, write_capsule
 from .quiesce import open_connections, wait_no_connections
 from .receipts import finish_receipt
 
@@ -155,9 +155,11 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
         options = container_options(request.lifecycle.leave_running, request.policy.quiesce)
         gpu = gpu_support.GpuCheckpoint()
         connections = 0
+        released: dict = {}
         if not in_flight:  # in flight, requests still need their KV cache (and weights): nothing is released
             with tl.span("release"):
-                target.call(adapter.before_capture, kv_discard, weights_mode)
+                released = target.call(adapter.before_capture, kv_discard, weights_mode)
+            kv_discard = kv_discard or bool(released)  # what was released is what a restore must resume
         try:
             if in_flight:
                 connections = open_connections(pid, request.launch.port)
@@ -189,7 +191,7 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
                 host=host_profile(criu.version()),
                 engine=request.engine,
                 engine_version=info.get("version"),
-                model=request.model,
+                model=saved_weights_model(adapter, released) or request.model,
                 weights_mode=weights_mode,
                 kv_discarded=kv_discard,
                 launch=request.launch,
@@ -200,7 +202,8 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
                 criu_options=options.cli_flags(),
                 image_digest=request.launch.image_digest,
             )
-            digest = write_capsule(images, work, [], profile, request.tag)
+            weights_apart = weights_travel_apart(profile, released)
+            digest = write_capsule(images, work, [], profile, request.tag, payload=weights_apart)
         size = sum(int(layer["size"]) for layer in json.loads(
             CapsuleStore(settings().store).blob_path(digest).read_text())["layers"])
         progress(f"capsule {digest} ({size / 2**20:.1f} MiB)")
@@ -208,7 +211,8 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
                 "left_running": request.lifecycle.leave_running, "quiesce": request.policy.quiesce,
                 "connections_in_flight": connections, "validated_text": first.text,
                 "weights_mode": weights_mode, "cuda_processes": len(gpu.pids), "criu_options": options.cli_flags(),
-                "runc_checkpoint": argv, "zero_pages": thinned.as_dict(), "_profile": profile}
+                "runc_checkpoint": argv, "zero_pages": thinned.as_dict(), "weights_apart": weights_apart,
+                "_profile": profile}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

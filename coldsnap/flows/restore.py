@@ -62,8 +62,8 @@ def stage(capsule: LoadedCapsule) -> Staged:
     store = CapsuleStore(settings().store)
     store.verify(capsule)
     profile = capsule.profile
-    if profile.weights_mode == "recovery" and profile.model:
-        payload = capsule.manifest.get("annotations", {}).get(mt.ANNOTATION_PAYLOAD)
+    payload = capsule.manifest.get("annotations", {}).get(mt.ANNOTATION_PAYLOAD)
+    if profile.model and (payload or profile.weights_mode == "recovery"):  # weights the restore reloads from files
         if payload:
             materialize(store, payload, profile.model.weights)
         verify_weights(profile.model.weights)

@@ -86,9 +86,14 @@ class ReferenceAdapter(EngineAdapter):
         return Distributed(world_size=tp["size"], backend=tp["backend"], devices=tp["devices"],
                            settings=tp.get("settings") or {})
 
-    def before_capture(self, host: str, port: int, kv_discard: bool, weights_mode: str) -> dict:
-        # native: the weights travel in the capture, so only the KV cache goes; recovery: the weights go too
-        # (the engine reloads them from the pinned file after restore).
+    def before_capture(self, host: str, port: int, kv_discard: bool, weights_mode: str,
+                       save_weights: bool = False) -> dict:
+        # recovery: weights and KV go (the engine reloads the weights from the pinned file after restore). native
+        # with save_weights: the engine first saves its weights as they are in memory to a file of its own, which
+        # travels beside the images as a content-addressed payload, and reloads from it after restore. native
+        # otherwise: the weights stay in the dump, only the KV cache goes.
+        if weights_mode == "native" and save_weights:
+            return post_json(host, port, "/coldsnap/release", {"weights": True, "save": True})
         if not kv_discard and weights_mode != "recovery":
             return {}
         return post_json(host, port, "/coldsnap/release", {"weights": weights_mode == "recovery"})

@@ -12,9 +12,7 @@ The tokenizer is byte-level: token = UTF-8 byte, plus BOS/EOS/PAD; no training i
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import gc
 import math
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -445,18 +443,25 @@ class Runner:
                 pos += 1
                 yield tok
 
-    def release(self, weights: bool = True) -> dict[str, Any]:
+    def release(self, weights: bool = True, save_to: str | None = None) -> dict[str, Any]:
         """Drop the KV cache (and, on CUDA, the weights unless weights=False). Idempotent.
+        save_to: first write the weights as they are in memory to that safetensors file, then drop them on any
+        device; resume() reloads them from it (native weights that travel as their own file, not in the dump).
         Tensor-parallel peers release at the same time; the answer counts every rank's bytes."""
+        if save_to and self.peers is not None:
+            raise ValueError("saving the weights of a tensor-parallel engine is not supported: use recovery mode")
         if self.peers is not None:
             self.peers.send({"op": "release", "weights": weights})
-        out = self._release_local(weights)
+        out = self._release_local(weights, save_to)
         if self.peers is not None:
             out["freed_bytes"] += sum(int(p.get("freed_bytes", 0)) for p in self.peers.replies())
         return out
 
-    def _release_local(self, weights: bool) -> dict[str, Any]:
+    def _release_local(self, weights: bool, save_to: str | None = None) -> dict[str, Any]:
+        from .weights import load_into, load_weights, save_tensors
+
         freed = 0
+        out: dict[str, Any] = {}
         with torch.no_grad():
             self.synchronize()
             self._graphs = {}  # the graphs point at the memory freed below; resume() captures them again
@@ -465,14 +470,22 @@ class Runner:
                     freed += t.untyped_storage().nbytes()
                     t.untyped_storage().resize_(0)
                 self.released = True
-            if weights and self.device.type == "cuda" and self._reload is not None and not self.weights_released:
+            if save_to and not self.weights_released:
+                params = dict(self.model.named_parameters())
+                out["saved_weights"] = save_to
+                out["saved_bytes"] = save_tensors(save_to, params, {"format": "pt", "saved_by": "coldsnap.reference"})
+                device = str(self.device)
+                self._reload = lambda: load_weights(save_to, device, "copy")
+                self._reload_into = lambda p: load_into(save_to, p)
+            releasable = self.device.type == "cuda" or save_to  # on CPU, weights are file-backed or saved first
+            if weights and releasable and self._reload is not None and not self.weights_released:
                 for p in self.model.parameters():
                     freed += p.untyped_storage().nbytes()
                     p.untyped_storage().resize_(0)
                 self.weights_released = True
-                torch.cuda.empty_cache()
-        return_free_heap()
-        return {"freed_bytes": freed}
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+        return {"freed_bytes": freed, **out}
 
     def resume(self) -> dict[str, Any]:
         """Re-allocate (and zero) the KV cache; on CUDA reload the weights from their file. Idempotent.
@@ -508,15 +521,6 @@ class Runner:
                 self.capture_graphs()
             self.synchronize()
         return {"kv_bytes": self.kv_bytes, "cuda_graphs": len(self._graphs), "weights_reload": hydrate}
-
-
-def return_free_heap() -> None:
-    """Hand freed heap memory back to the kernel: glibc keeps it mapped (and a dump would store its pages)."""
-    gc.collect()
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
 
 
 def shards(cfg: ModelConfig, tp: int = 1, rank: int = 0) -> dict[str, Shard]:

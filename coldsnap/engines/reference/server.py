@@ -41,6 +41,7 @@ import threading  # noqa: E402
 import time  # noqa: E402
 import uuid  # noqa: E402
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer  # noqa: E402
+from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 from . import DEFAULT_MODEL_ID, ENGINE_NAME, ENGINE_VERSION  # noqa: E402
@@ -137,10 +138,19 @@ class Engine:
             for tok in self.runner.generate(ids, max_tokens):
                 yield decode([tok])
 
-    def release(self, weights: bool = True) -> dict[str, Any]:
+    def release(self, weights: bool = True, save: bool = False) -> dict[str, Any]:
+        """save: write the weights as they are in memory next to the weights file first (a new file each time,
+        named in the answer's saved_weights), then drop them; resume() reloads from that file."""
+        save_to = None
+        if save:
+            src = Path(self.info["weights"]["path"])
+            save_to = str(src.with_name(f"{src.stem}.native-{uuid.uuid4().hex[:12]}.safetensors"))
         with self.lock:
             t = time.monotonic()
-            out = self.runner.release(weights=weights)
+            try:
+                out = self.runner.release(weights=weights, save_to=save_to)
+            except ValueError as e:
+                raise BadRequest(str(e), 400, code="unsupported") from None
             _malloc_trim()
             return {"released": True, "seconds": time.monotonic() - t, "rss_bytes": _rss_bytes(), **out}
 
@@ -266,7 +276,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def release(self) -> None:
         body = self._body(required=False) or {}
-        self._json(200, self.engine.release(weights=bool(body.get("weights", True))))
+        self._json(200, self.engine.release(weights=bool(body.get("weights", True)), save=bool(body.get("save"))))
 
     def resume(self) -> None:
         self._body(required=False)

@@ -12,6 +12,7 @@ process maps the file again. mode="copy" puts them in ordinary anonymous memory 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import json
 import mmap
@@ -161,6 +162,45 @@ def ensure_weights(path: str | os.PathLike, config: ModelConfig, seed: int = 0) 
     if current != side:
         _atomic_write(s, (json.dumps(side, indent=2, sort_keys=True) + "\n").encode())
     return str(p), digest
+
+
+def save_tensors(path: str | os.PathLike, tensors: dict[str, "torch.Tensor"], metadata: dict[str, str],
+                 mode: int = 0o600) -> int:
+    """Write tensors (any device, any of the dtypes above) as a safetensors file laid out like serialize()'s:
+    64-byte aligned data, names sorted. Written beside the target and renamed over it; returns the file's size.
+    The bytes are the tensors as they are in memory, so load_into() puts back exactly what was saved."""
+    import torch
+
+    names = {v[0]: k for k, v in _DTYPES.items()}
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    offset = 0
+    for name in sorted(tensors):
+        t = tensors[name]
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": names[str(t.dtype).removeprefix("torch.")], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes + (-nbytes % ALIGN)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % ALIGN)
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            os.fchmod(f.fileno(), mode)  # private by default: a model's tuned weights can be what it protects
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            base = f.tell()
+            for name in sorted(tensors):
+                f.seek(base + header[name]["data_offsets"][0])
+                flat = tensors[name].detach().contiguous().reshape(-1).view(torch.uint8).cpu()
+                # Through the raw pointer, not .numpy(): numpy sharing a storage makes it unresizable for good, and
+                # release() then shrinks it to nothing.
+                f.write(memoryview((ctypes.c_char * flat.numel()).from_address(flat.data_ptr())))
+            f.truncate(base + offset)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return base + offset
 
 
 def _slice(t, shard):
