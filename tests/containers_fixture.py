@@ -263,6 +263,17 @@ def completion_in(pid: int, port: int = ENGINE_PORT) -> str:
     return json.loads(r.stdout)["choices"][0]["text"]
 
 
+def healthy_at(address: str, port: int = ENGINE_PORT) -> bool:
+    """/health answers 200 at address (a container's veth address, from the host)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://{address}:{port}/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
 def healthy_in(pid: int, port: int = ENGINE_PORT) -> bool:
     r = subprocess.run(["nsenter", f"--net=/proc/{pid}/ns/net", "curl", "-s", "-m", "2", "-o", "/dev/null",
                         "-w", "%{http_code}", f"http://127.0.0.1:{port}/health"], capture_output=True, text=True)

@@ -1,13 +1,10 @@
 """Zero pages dropped from a real CRIU dump restore the same bytes (anonymous memory) and keep file-backed pages."""
 
-import hashlib
 import os
 import signal
 import subprocess
 import sys
 import time
-
-import pytest
 
 from conftest import CRIU_PREFIX, needs_root_criu
 from coldsnap.criu import CriuDriver, CriuOptions

@@ -25,14 +25,13 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 
 import pytest
 
-from containers_fixture import (RUNTIME, ensure, make_engine_bundle, make_rootfs, needs_root, private_coldsnap,
-                                receipt, run_detached, runc, state, unique, VethNetNS, wait_for)
+from containers_fixture import (RUNTIME, ensure, healthy_at, make_engine_bundle, make_rootfs, needs_root,
+                                private_coldsnap, receipt, run_detached, runc, state, unique, VethNetNS, wait_for)
 from test_engine_sglang import SGLANG_VENV
 from test_engine_vllm import FIXTURE_MODEL, PROMPTS, VLLM_VENV, completions, ensure_engine
 from coldsnap.config import settings
@@ -102,14 +101,6 @@ def lab(tmp_path_factory):
             lab.cleanup()
 
 
-def healthy(address: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://{address}:{PORT}/health", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
 class EngineContainer:
     """One engine's container as the tests drive it: its launch, network namespace and the container serving now."""
 
@@ -137,9 +128,10 @@ class EngineContainer:
         r = run_detached(str(RUNTIME), self.lab.runc_root, bundle, self.cid)
         assert r.returncode == 0, r.stderr
         assert not (settings().run / "shim" / f"{self.cid}.json").exists()  # the shim let runc do it all
-        wait_for(lambda: healthy(self.address) or (state(self.lab.runc_root, self.cid) or {}).get("status") != "running",
+        wait_for(lambda: healthy_at(self.address, PORT)
+                 or (state(self.lab.runc_root, self.cid) or {}).get("status") != "running",
                  900, f"{self.engine} to answer /health")
-        assert healthy(self.address), f"the {self.engine} container stopped before it served"
+        assert healthy_at(self.address, PORT), f"the {self.engine} container stopped before it served"
         ready = time.monotonic() - t0
         completions(self.address, PORT, self.served, prompts=PROMPTS[:1])
         return {"cold_ready_s": round(ready, 1), "cold_first_completion_s": round(time.monotonic() - t0, 1)}

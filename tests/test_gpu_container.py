@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from containers_fixture import (RUNTIME, ensure, make_engine_bundle, make_rootfs, needs_root, private_coldsnap,
-                                receipt, run_detached, runc, state, unique, VethNetNS, wait_for)
+from containers_fixture import (RUNTIME, ensure, healthy_at, make_engine_bundle, make_rootfs, needs_root,
+                                private_coldsnap, receipt, run_detached, runc, state, unique, VethNetNS, wait_for)
 from test_engine_vllm import completions
 from coldsnap.contracts import CaptureRequest
 from coldsnap.contracts import capsule as mt
@@ -111,9 +111,9 @@ def test_container_captured_and_restored_through_the_shim(lab, device):
     t0 = time.monotonic()
     r = run_detached(str(RUNTIME), root, bundle("cold"), cid)
     assert r.returncode == 0, r.stderr
-    wait_for(lambda: _healthy(ns.address) or (state(root, cid) or {}).get("status") != "running", 600,
+    wait_for(lambda: healthy_at(ns.address, PORT) or (state(root, cid) or {}).get("status") != "running", 600,
              f"the engine on {device} to answer /health")
-    assert _healthy(ns.address), f"the {device} container stopped before it served"
+    assert healthy_at(ns.address, PORT), f"the {device} container stopped before it served"
     cold_s = time.monotonic() - t0
     before = completions(ns.address, PORT, MODEL_ID,
                          prompts=PROMPTS)
@@ -142,13 +142,3 @@ def test_container_captured_and_restored_through_the_shim(lab, device):
           f"{json.dumps({k: restored['result'].get(k) for k in ('time_to_first_token_s', 'hydrate')})}; spans "
           f"{[(s['name'], round(s['duration_s'], 2)) for s in restored['spans']]}; capture zero pages "
           f"{rec['result'].get('zero_pages')}")
-
-
-def _healthy(address: str) -> bool:
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(f"http://{address}:{PORT}/health", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
