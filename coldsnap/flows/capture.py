@@ -22,7 +22,6 @@ from ..contracts import (
     ColdSnapError,
     ErrorCode,
     Model,
-    Validation,
 )
 from ..contracts import capsule as mt
 from ..criu import CriuDriver, CriuOptions, criu_images_open_files, criu_stats, drop_zero_pages
@@ -131,35 +130,14 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> dict:
                                                    launch.weights_mode)
                 probe.complete(expected=first.text)
         files = _captured_files(images, wdir) + extra
-        with tl.span("thin"):
-            thinned = drop_zero_pages(images)
-        progress(thinned.summary)
-        with tl.span("pack"):
-            progress("packing the capsule")
-            profile = CapsuleProfile(
-                created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                snapshot_driver="criu-process",
-                host=host_profile(criu.version()),
-                engine=request.engine,
-                engine_version=info.get("version") or launch.engine_version,
-                model=model,
-                weights_mode=launch.weights_mode,
-                kv_discarded=bool(released),
-                launch=request.launch.model_copy(update={"command": launch.argv, "env": launch.env,
-                                                         "workdir": launch.cwd}),
-                validation=Validation(**{**request.validation.model_dump(), "expected_text": first.text}),
-                expected_text=first.text,
-                network=plan,
-                files=files,
-                cuda_pids=len(gpu.pids),
-                distributed=adapter.distributed(info),
-                criu_options=options.cli_flags(),
-            )
-            weights_apart = weights_travel_apart(profile, released)
-            digest = write_capsule(images, wdir, files, profile, request.tag, extra_src, payload=weights_apart)
-        size = sum(int(layer["size"]) for layer in json.loads(
-            CapsuleStore(cfg.store).blob_path(digest).read_text())["layers"])
-        progress(f"capsule {digest} ({size / 2**20:.1f} MiB)")
+        profile = capsule_profile(
+            "criu-process", request, criu, info, first.text, model=model, weights_mode=launch.weights_mode,
+            kv_discarded=bool(released), cuda_pids=len(gpu.pids), options=options,
+            launch=request.launch.model_copy(update={"command": launch.argv, "env": launch.env,
+                                                     "workdir": launch.cwd}),
+            engine_version=info.get("version") or launch.engine_version,
+            network=plan, files=files, distributed=adapter.distributed(info))
+        packed = thin_and_pack(images, wdir, files, profile, request.tag, released, tl, progress, extra_src)
         if request.lifecycle.leave_running:
             save_state(WorkloadState(name=name, pid=pid, network=plan.model_dump(), origin="cold",
                                      run_dir=str(wdir), log=str(log),
@@ -167,8 +145,7 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> dict:
                                      engine=request.engine.name, weights_mode=launch.weights_mode))
             workload_kept = True
         return {
-            "capsule": digest,
-            "capsule_bytes": size,
+            **packed,
             "tag": request.tag,
             "workload": name,
             "left_running": request.lifecycle.leave_running,
@@ -179,8 +156,6 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> dict:
             "cuda_processes": len(gpu.pids),
             "criu_options": options.cli_flags(),
             "criu_stats": dump_stats,
-            "zero_pages": thinned.as_dict(),
-            "weights_apart": weights_apart,
             "_profile": profile,
         }
     finally:
@@ -215,6 +190,39 @@ def _captured_files(images: Path, wdir: Path) -> list[CapturedFile]:
         if f["path"].startswith(str(wdir) + "/"):
             out.append(CapturedFile(path=f["path"], size=f["size"], mode=0o600))
     return out
+
+
+def capsule_profile(driver: str, request: CaptureRequest, criu: CriuDriver, info: dict, expected_text: str, *,
+                    options: CriuOptions, engine_version: str | None, **fields) -> CapsuleProfile:
+    """The profile of a capsule, process or container: what both captures record alike, plus their own fields."""
+    return CapsuleProfile(
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        snapshot_driver=driver,
+        host=host_profile(criu.version()),
+        engine=request.engine,
+        engine_version=engine_version,
+        validation=request.validation.model_copy(update={"expected_text": expected_text}),
+        expected_text=expected_text,
+        criu_options=options.cli_flags(),
+        **fields,
+    )
+
+
+def thin_and_pack(images: Path, wdir: Path, files: list[CapturedFile], profile: CapsuleProfile, tag: str | None,
+                  released: dict | None, tl: Timeline, progress: Progress,
+                  sources: dict[str, str] | None = None) -> dict:
+    """Drop the dump's zero pages, pack the capsule; returns what the receipt says of it."""
+    with tl.span("thin"):
+        thinned = drop_zero_pages(images)
+    progress(thinned.summary)
+    with tl.span("pack"):
+        progress("packing the capsule")
+        weights_apart = weights_travel_apart(profile, released)
+        digest = write_capsule(images, wdir, files, profile, tag, sources, payload=weights_apart)
+    size = sum(int(layer["size"]) for layer in json.loads(
+        CapsuleStore(settings().store).blob_path(digest).read_text())["layers"])
+    progress(f"capsule {digest} ({size / 2**20:.1f} MiB)")
+    return {"capsule": digest, "capsule_bytes": size, "zero_pages": thinned.as_dict(), "weights_apart": weights_apart}
 
 
 def saved_weights_model(adapter, released: dict | None) -> Model | None:

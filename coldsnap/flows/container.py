@@ -15,17 +15,14 @@ import os
 import shutil
 import subprocess
 import uuid
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
 from .. import gpu_support
 from ..bundle import criu_runc
 from ..bundle.spec import coldsnap_annotations, load_spec
-from ..capsule import CapsuleStore
 from ..config import private_dir, settings
 from ..contracts import (
-    CapsuleProfile,
     CaptureRequest,
     ColdSnapError,
     Engine,
@@ -37,14 +34,13 @@ from ..contracts import (
     Validation,
 )
 from ..contracts import capsule as mt
-from ..criu import CriuDriver, CriuOptions, drop_zero_pages
+from ..criu import CriuDriver, CriuOptions
 from ..criu.driver import first_error_line
 from ..engines.base import get_adapter
 from ..hooks.target import Target, validate
-from ..host import host_profile
 from ..contracts.capsule import ANNOTATION_IMAGE_DIGEST
 from ..spans import Timeline
-from .capture import CaptureResult, engine_info, saved_weights_model, weights_travel_apart, write_capsule
+from .capture import CaptureResult, capsule_profile, engine_info, saved_weights_model, thin_and_pack
 from .quiesce import open_connections, wait_no_connections
 from .receipts import finish_receipt
 
@@ -180,39 +176,17 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
             with tl.span("resume"):
                 _resume(target, adapter, gpu, kv_discard, weights_mode)
                 validate(target, request.validation, first.text)
-        with tl.span("thin"):
-            thinned = drop_zero_pages(images)
-        progress(thinned.summary)
-        with tl.span("pack"):
-            progress("packing the capsule")
-            profile = CapsuleProfile(
-                created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                snapshot_driver="criu-runc",
-                host=host_profile(criu.version()),
-                engine=request.engine,
-                engine_version=info.get("version"),
-                model=saved_weights_model(adapter, released) or request.model,
-                weights_mode=weights_mode,
-                kv_discarded=kv_discard,
-                launch=request.launch,
-                validation=request.validation.model_copy(update={"expected_text": first.text}),
-                expected_text=first.text,
-                network=None,
-                cuda_pids=len(gpu.pids),
-                criu_options=options.cli_flags(),
-                image_digest=request.launch.image_digest,
-            )
-            weights_apart = weights_travel_apart(profile, released)
-            digest = write_capsule(images, work, [], profile, request.tag, payload=weights_apart)
-        size = sum(int(layer["size"]) for layer in json.loads(
-            CapsuleStore(settings().store).blob_path(digest).read_text())["layers"])
-        progress(f"capsule {digest} ({size / 2**20:.1f} MiB)")
-        return {"capsule": digest, "capsule_bytes": size, "tag": request.tag, "container": cid,
+        profile = capsule_profile(
+            "criu-runc", request, criu, info, first.text, options=options, engine_version=info.get("version"),
+            model=saved_weights_model(adapter, released) or request.model, weights_mode=weights_mode,
+            kv_discarded=kv_discard, launch=request.launch, network=None, cuda_pids=len(gpu.pids),
+            image_digest=request.launch.image_digest)
+        packed = thin_and_pack(images, work, [], profile, request.tag, released, tl, progress)
+        return {**packed, "tag": request.tag, "container": cid,
                 "left_running": request.lifecycle.leave_running, "quiesce": request.policy.quiesce,
                 "connections_in_flight": connections, "validated_text": first.text,
                 "weights_mode": weights_mode, "cuda_processes": len(gpu.pids), "criu_options": options.cli_flags(),
-                "runc_checkpoint": argv, "zero_pages": thinned.as_dict(), "weights_apart": weights_apart,
-                "_profile": profile}
+                "runc_checkpoint": argv, "_profile": profile}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
