@@ -377,7 +377,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--engine", choices=["reference", "vllm", "sglang"], help="engine (default: reference)")
     sp.add_argument("--tag", help="name the capsule in the local store")
     sp.add_argument("--name", help="workload name (default: ENGINE-xxxxxx)")
-    sp.add_argument("--weights-mode", choices=["native", "recovery", "auto"])
+    sp.add_argument("--weights-mode", choices=["native", "recovery", "auto"],
+                    help="recovery: the engine drops its weights and reloads them from the pinned file after restore; "
+                    "native: the weights travel with the capsule (saved by the engine as a payload beside the images "
+                    "where it can, else inside them); auto (default; native with --container): recovery when the "
+                    "engine supports it")
     sp.add_argument("--device", help="cpu (default) or cuda / cuda:N")
     sp.add_argument("--leave-running", action="store_true", help="keep the captured workload running")
     sp.add_argument("--engine-opt", action="append", metavar="KEY=VALUE",
