@@ -18,5 +18,5 @@ export PATH="$BIN:$PATH"
 runc --version | head -1; nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader
 timeout ${TEST_TIMEOUT:-500} python3 -m pytest -q -s -p no:cacheprovider -o addopts="" tests/test_gpu_container.py \
     -rfs 2>&1 | grep -E "measured|passed|failed|error|Error|assert|SKIP" | tail -30
-mkdir -p "${OUT:-/tmp/out}"; tar czf "${OUT:-/tmp/out}/receipts-gpu-container.tgz" -C /tmp pytest-of-root 2>/dev/null \
-    --wildcards '*/home/receipts/*' || true
+mkdir -p "${OUT:-/tmp/out}"
+find /tmp/pytest-of-root -path '*/home/receipts/*.json' 2>/dev/null | tar czf "${OUT:-/tmp/out}/receipts-gpu-container.tgz" -T -
