@@ -57,6 +57,22 @@ def test_load_into_hydrates_each_rank_in_place(tmp_path, threads):
             assert params[n].data_ptr() == addresses[n]  # in place: graphs pointing here stay valid
 
 
+def test_nccl_settings_are_parsed_strictly_and_recorded(monkeypatch):
+    from coldsnap.engines.reference.tp import CAPTURE_SAFE_ENV, parse_nccl_env, settings_in_force
+
+    assert parse_nccl_env("NCCL_BUFFSIZE=1048576, NCCL_MAX_NCHANNELS=2") == {"NCCL_BUFFSIZE": "1048576",
+                                                                          "NCCL_MAX_NCHANNELS": "2"}
+    assert parse_nccl_env(None) == {}
+    for bad in ("BUFFSIZE=1", "NCCL_BUFFSIZE", "NCCL_P2P_DISABLE=0", "NCCL_X="):
+        with pytest.raises(ValueError):
+            parse_nccl_env(bad)
+    for k, v in CAPTURE_SAFE_ENV.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("NCCL_BUFFSIZE", "1048576")
+    monkeypatch.setenv("UNRELATED", "x")
+    assert settings_in_force() == {**CAPTURE_SAFE_ENV, "NCCL_BUFFSIZE": "1048576"}
+
+
 def test_load_into_refuses_a_model_of_another_shape(tmp_path):
     path, _ = ensure_weights(tmp_path / "w.safetensors", SMALL, seed=5)
     want = load_weights(path, shards=shards(SMALL, 2, 0))

@@ -382,11 +382,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="ranks (one process each, one GPU each from --device on; gloo on CPU); rank 0 serves HTTP")
     p.add_argument("--tp-port", type=int, default=None, help="torch.distributed rendezvous port on 127.0.0.1 "
                    "(default --port + 1)")
-    p.add_argument("--nccl-max-channels", type=int, default=None, metavar="N",
-                   help="NCCL_MAX_NCHANNELS for the ranks: fewer channels, fewer NCCL buffers for a capture to carry")
-    p.add_argument("--nccl-buffsize", type=int, default=None, metavar="BYTES",
-                   help="NCCL_BUFFSIZE for the ranks (NCCL's default is 4 MiB per buffer): smaller buffers, fewer "
-                   "host pages for a capture to carry")
+    p.add_argument("--nccl-env", default=None, metavar="NCCL_X=V[,NCCL_Y=W]",
+                   help="NCCL settings for the ranks (recorded in the capsule's profile), e.g. NCCL_BUFFSIZE=1048576,"
+                   "NCCL_MAX_NCHANNELS=2: NCCL's buffers (~9 MiB of pinned host memory per connection by default) "
+                   "are pages a capture carries")
     p.add_argument("--tp-rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
     p.add_argument("--tp-fds", default=None, help=argparse.SUPPRESS)  # the command pipes between rank 0 and peers
     return p
@@ -426,10 +425,11 @@ def main(argv: list[str] | None = None) -> int:
         from . import tp as tpmod
 
         if args.tp_rank is None:  # the command as started: become the launcher of the ranks
-            if args.nccl_max_channels:
-                os.environ["NCCL_MAX_NCHANNELS"] = str(args.nccl_max_channels)
-            if args.nccl_buffsize:
-                os.environ["NCCL_BUFFSIZE"] = str(args.nccl_buffsize)
+            try:
+                os.environ.update(tpmod.parse_nccl_env(args.nccl_env))
+            except ValueError as e:
+                emit("fatal", error=str(e))
+                return 2
             tpmod.make_capture_safe()  # before any rank or TCPStore exists; inherited by every rank
             return tpmod.launch(argv, world)
         tpmod.die_with_parent()

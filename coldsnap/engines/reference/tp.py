@@ -69,9 +69,24 @@ def make_capture_safe() -> dict[str, str]:
 
 
 def settings_in_force() -> dict[str, str]:
-    """The capture-relevant settings this rank runs under (inherited from the launcher): what the profile records."""
-    names = [*CAPTURE_SAFE_ENV, "NCCL_MAX_NCHANNELS", "NCCL_BUFFSIZE"]
+    """The capture-relevant settings this rank runs under (inherited from the launcher): what the profile records:
+    the capture-safe ones and every other NCCL_* setting."""
+    names = set(CAPTURE_SAFE_ENV) | {k for k in os.environ if k.startswith("NCCL_")}
     return {k: os.environ[k] for k in sorted(names) if k in os.environ}
+
+
+def parse_nccl_env(spec: str | None) -> dict[str, str]:
+    """--nccl-env "NCCL_X=V,NCCL_Y=W" → {"NCCL_X": "V", ...}; only NCCL_* names, and none of the capture-safe ones
+    (changing those is what makes a capture unsafe)."""
+    out: dict[str, str] = {}
+    for item in filter(None, (spec or "").split(",")):
+        key, sep, value = item.strip().partition("=")
+        if not sep or not key.startswith("NCCL_") or not value:
+            raise ValueError(f"--nccl-env wants NCCL_NAME=VALUE items, got {item!r}")
+        if key in CAPTURE_SAFE_ENV:
+            raise ValueError(f"--nccl-env may not change {key}: it is one of the capture-safe settings")
+        out[key] = value
+    return out
 
 
 def init_group(rank: int, world: int, device: str, port: int) -> None:
