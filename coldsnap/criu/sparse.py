@@ -78,7 +78,10 @@ def _zero_page_flags(pages: mmap.mmap, offset: int, count: int) -> list[bool]:
         view.release()
 
 
-def _plan(entries: list[dict], spans: list[tuple[int, int]], pages: mmap.mmap) -> tuple[list[dict], list[tuple[int, int]]]:
+Run = tuple[int, int]  # (offset, length) in a pages file
+
+
+def _plan(entries: list[dict], spans: list[Run], pages: mmap.mmap) -> tuple[list[dict], list[Run]]:
     """The thinned pagemap entries and the (offset, length) runs of the pages file they keep, in order."""
     starts = [lo for lo, _ in spans]
     current = [0, 0]  # the thinnable span last found: consecutive pages almost always fall in it
@@ -93,7 +96,7 @@ def _plan(entries: list[dict], spans: list[tuple[int, int]], pages: mmap.mmap) -
         return False
 
     kept_entries: list[dict] = []
-    runs: list[tuple[int, int]] = []
+    runs: list[Run] = []
     offset = 0
     for e in entries:
         flags, vaddr, n = int(e.get("flags", 0)), int(e["vaddr"]), int(e["nr_pages"])
@@ -120,7 +123,7 @@ def _plan(entries: list[dict], spans: list[tuple[int, int]], pages: mmap.mmap) -
     return kept_entries, runs
 
 
-def _copy_runs(src: int, dst: int, runs: list[tuple[int, int]]) -> None:
+def _copy_runs(src: int, dst: int, runs: list[Run]) -> None:
     for at, length in runs:
         while length:
             moved = os.copy_file_range(src, dst, length, at)
