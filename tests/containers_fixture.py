@@ -22,9 +22,11 @@ REPO = Path(__file__).resolve().parents[1]
 SETUP = REPO / "packaging" / "containers" / "setup.sh"
 VENV = Path(sys.prefix)
 PYTHON_HOME = Path(sys.base_prefix)  # where the venv's interpreter really lives (pyenv, /usr, ...)
-# Beside this interpreter (the venv), else on PATH (the GPU machine runs the repository through wrappers).
-RUNTIME = VENV / "bin" / "coldsnap-runtime" if (VENV / "bin" / "coldsnap-runtime").exists() else \
-    Path(shutil.which("coldsnap-runtime") or VENV / "bin" / "coldsnap-runtime")
+# COLDSNAP_TEST_RUNTIME (the GPU machine runs the repository through wrappers), else beside this interpreter (the
+# venv), else on PATH.
+RUNTIME = Path(os.environ.get("COLDSNAP_TEST_RUNTIME") or (
+    VENV / "bin" / "coldsnap-runtime" if (VENV / "bin" / "coldsnap-runtime").exists()
+    else shutil.which("coldsnap-runtime") or VENV / "bin" / "coldsnap-runtime"))
 HOOK = RUNTIME.with_name("coldsnap-hook")
 CRIU = os.environ.get("COLDSNAP_CRIU_PREFIX", "/var/lib/coldsnap/criu") + "/bin/criu"
 

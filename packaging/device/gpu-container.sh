@@ -3,20 +3,21 @@
 # the GPU machine. It has no runc and nothing can be installed there, so runc travels in .carry/runc (made by
 # prepare.sh; it needs only libc and libseccomp2, which the machine has), and coldsnap-runtime / coldsnap-hook are
 # small wrappers around this checkout. Usage (repo root there, .whl and .carry carried): gpu-container.sh
-source packaging/device/env.sh
+[ -n "${NO_DEVICE_ENV:-}" ] || source packaging/device/env.sh
+PY=${PY:-python3}
 BIN=/tmp/coldsnap-bin; mkdir -p "$BIN"
 cp .carry/runc/runc "$BIN/runc"
 for tool in coldsnap-runtime:coldsnap.shim.main coldsnap-hook:coldsnap.hooks.main; do
   cat > "$BIN/${tool%%:*}" <<WRAP
 #!/bin/sh
 export PYTHONPATH="$PYTHONPATH" PYTHONUNBUFFERED=1
-exec python3 -c 'import sys; from ${tool#*:} import main; sys.exit(main())' "\$@"
+exec $PY -c 'import sys; from ${tool#*:} import main; sys.exit(main())' "\$@"
 WRAP
   chmod +x "$BIN/${tool%%:*}"
 done
-export PATH="$BIN:$PATH"
+export PATH="$BIN:$PATH" COLDSNAP_TEST_RUNTIME="$BIN/coldsnap-runtime"
 runc --version | head -1; nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader
-timeout ${TEST_TIMEOUT:-500} python3 -m pytest -q -s -p no:cacheprovider -o addopts="" tests/test_gpu_container.py \
+timeout ${TEST_TIMEOUT:-500} $PY -m pytest -q -s -p no:cacheprovider -o addopts="" tests/test_gpu_container.py \
     -rfs 2>&1 | grep -E "measured|passed|failed|error|Error|assert|SKIP" | tail -30
 mkdir -p "${OUT:-/tmp/out}"
 find /tmp/pytest-of-root -path '*/home/receipts/*.json' 2>/dev/null | tar czf "${OUT:-/tmp/out}/receipts-gpu-container.tgz" -T -
