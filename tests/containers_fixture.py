@@ -305,6 +305,21 @@ def receipt(cid: str) -> dict:
 
 
 @contextlib.contextmanager
+def module_lab(tmp_path_factory, name: str, make):
+    """A module's container lab: root and the base packages, a fresh base directory, make(base) (an object with
+    cleanup()), and a private ColdSnap home under base while the module runs; cleaned up at the end."""
+    needs_root()
+    ensure("base")
+    base = tmp_path_factory.mktemp(name)
+    lab = make(base)
+    with private_coldsnap(base):
+        try:
+            yield lab
+        finally:
+            lab.cleanup()
+
+
+@contextlib.contextmanager
 def private_coldsnap(base: Path):
     """A private ColdSnap home and run dir under base for this process and what it starts (the shim, its hooks,
     capture_container, and a container engine started here, which passes its environment down to the runtime)."""

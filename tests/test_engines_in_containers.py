@@ -30,8 +30,8 @@ from pathlib import Path
 
 import pytest
 
-from containers_fixture import (RUNTIME, ensure, healthy_at, make_engine_bundle, make_rootfs, needs_root,
-                                private_coldsnap, receipt, run_detached, runc, state, unique, VethNetNS, wait_for)
+from containers_fixture import (RUNTIME, healthy_at, make_engine_bundle, make_rootfs, module_lab, receipt, run_detached,
+                                runc, state, unique, VethNetNS, wait_for)
 from test_engine_sglang import SGLANG_VENV
 from test_engine_vllm import FIXTURE_MODEL, PROMPTS, VLLM_VENV, completions, ensure_engine
 from coldsnap.config import settings
@@ -90,15 +90,8 @@ class Lab:
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    needs_root()
-    ensure("base")
-    base = tmp_path_factory.mktemp("engines-in-containers")
-    lab = Lab(base)
-    with private_coldsnap(base):
-        try:
-            yield lab
-        finally:
-            lab.cleanup()
+    with module_lab(tmp_path_factory, "engines-in-containers", Lab) as made:
+        yield made
 
 
 class EngineContainer:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from containers_fixture import (ENGINE_ARGS, RUNTIME, SETUP, ensure, make_bundle, make_rootfs, needs_root, NetNS,
-                                netns_http, private_coldsnap, receipt, run_detached, runc, state, unique, wait_for)
+from containers_fixture import (ENGINE_ARGS, RUNTIME, SETUP, make_bundle, make_rootfs, module_lab, NetNS, netns_http,
+                                receipt, run_detached, runc, state, unique, wait_for)
 from coldsnap.capsule import CapsuleStore, Descriptor
 from coldsnap.config import settings
 from coldsnap.contracts import capsule as mt
@@ -66,15 +66,8 @@ class Lab:
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    needs_root()
-    ensure("base")
-    base = tmp_path_factory.mktemp("shim-runc")
-    lab = Lab(base)
-    with private_coldsnap(base):
-        try:
-            yield lab
-        finally:
-            lab.cleanup()
+    with module_lab(tmp_path_factory, "shim-runc", Lab) as made:
+        yield made
 
 
 def shim_record(cid: str) -> Path:
