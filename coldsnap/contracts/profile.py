@@ -80,6 +80,8 @@ class CapsuleProfile(Strict):
     network: NetworkPlan | None = Field(default=None, description="Process mode: the netns plan. Containers: None.")
     files: list[CapturedFile] = Field(default_factory=list)
     cuda_pids: int = 0
+    gpus_used: list[str] = Field(default_factory=list, description="UUIDs of the GPUs the CUDA processes used, "
+                                 "by GPU index (what a restore prefetches the weights onto, through --gpu-map).")
     distributed: Distributed | None = None
     criu_options: list[str] = Field(default_factory=list, description="The CRIU options used, replayable by hand.")
     image_digest: str | None = None

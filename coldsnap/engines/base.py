@@ -30,6 +30,7 @@ class PreparedLaunch:
 class EngineAdapter:
     name = "base"
     supports_recovery = False
+    supports_prefetch = False  # after_restore(prefetched=…): takes weights a coldsnap.gpu.prefetch loaded
 
     def prepare(self, request: CaptureRequest) -> PreparedLaunch:
         raise NotImplementedError
@@ -67,7 +68,10 @@ class EngineAdapter:
         saved_weights; one that cannot ignores it (its weights stay in the dump)."""
         return {}
 
-    def after_restore(self, host: str, port: int, kv_discarded: bool, weights_mode: str) -> dict:
+    def after_restore(self, host: str, port: int, kv_discarded: bool, weights_mode: str,
+                      prefetched: str | None = None) -> dict:
+        """Bring back what before_capture released. prefetched (engines with supports_prefetch): the socket of a
+        coldsnap.gpu.prefetch that loaded the weights onto the GPU during the restore."""
         return {}
 
     def after_capture_left_running(self, host: str, port: int, kv_discarded: bool, weights_mode: str) -> dict:

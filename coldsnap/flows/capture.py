@@ -132,7 +132,7 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> dict:
         files = _captured_files(images, wdir) + extra
         profile = capsule_profile(
             "criu-process", request, criu, info, first.text, model=model, weights_mode=launch.weights_mode,
-            kv_discarded=bool(released), cuda_pids=len(gpu.pids), options=options,
+            kv_discarded=bool(released), cuda_pids=len(gpu.pids), gpus_used=gpu.gpu_uuids, options=options,
             launch=request.launch.model_copy(update={"command": launch.argv, "env": launch.env,
                                                      "workdir": launch.cwd}),
             engine_version=info.get("version") or launch.engine_version,

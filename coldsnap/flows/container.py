@@ -180,6 +180,7 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
             "criu-runc", request, criu, info, first.text, options=options, engine_version=info.get("version"),
             model=saved_weights_model(adapter, released) or request.model, weights_mode=weights_mode,
             kv_discarded=kv_discard, launch=request.launch, network=None, cuda_pids=len(gpu.pids),
+            gpus_used=gpu.gpu_uuids,
             image_digest=request.launch.image_digest)
         packed = thin_and_pack(images, work, [], profile, request.tag, released, tl, progress)
         return {**packed, "tag": request.tag, "container": cid,

@@ -144,6 +144,10 @@ def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progr
     pid = None
     ok = False
     t0 = time.monotonic()  # the restore clock: staging is excluded, as for a vanilla start
+    # The weights go onto the GPU meanwhile, when they can (a process of its own; the engine takes them at resume).
+    prefetch = gpu_support.start_prefetch(profile, adapter.supports_prefetch, request.gpu_map,
+                                          private_dir(settings().run / "prefetch"))
+    prefetched = None
     try:
         with tl.span("network"):
             create_network(plan)
@@ -157,12 +161,13 @@ def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progr
         with tl.span("hydrate"):
             gpu = gpu_support.restore_restored_tree(pid, gpu_pairs=list(request.gpu_map.items()) or None)
             engine = adapter.after_restore(plan.workload_address, plan.port, profile.kv_discarded,
-                                           profile.weights_mode)
+                                           profile.weights_mode, prefetched=prefetch.socket)
         probe = ValidationProbe(plan.workload_address, plan.port, validation)
         with tl.span("validate"):
             probe.wait_ready(alive=lambda: alive(pid), timeout=validation.ready_timeout_s)
             res = probe.complete(expected=profile.expected_text)
         ttft = res.first_token_s - t0
+        prefetched = gpu_support.finish_prefetch(prefetch, served=_took_prefetch(engine))
         ranks = _ranks_restored(profile, plan, pid)
         progress(f"restored and validated: first token {ttft:.3f} s after restore began"
                  + (f"; {ranks['restored']}/{ranks['expected']} ranks" if ranks else ""))
@@ -178,13 +183,21 @@ def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progr
                 "url": f"http://{plan.workload_address}:{plan.port}",
                 "time_to_first_token_s": round(ttft, 4), "validated_text": res.text,
                 "cuda_processes": len(gpu.pids), "criu_options": options.cli_flags(),
-                "hydrate": {"cuda_restore_s": gpu.seconds, "engine_resume": engine}, "criu_stats": criu_account,
+                "hydrate": {"cuda_restore_s": gpu.seconds, "engine_resume": engine, "prefetch": prefetched},
+                "criu_stats": criu_account,
                 "weights_mode": profile.weights_mode, **({"ranks": ranks} if ranks else {})}
     finally:
+        if prefetched is None:  # failed before the engine could take it
+            gpu_support.finish_prefetch(prefetch, served=False)
         if not ok:
             if pid is not None:
                 kill_tree(pid)
             destroy_network(plan)
+
+
+def _took_prefetch(engine: dict) -> bool:
+    """Whether the engine's resume took the prefetched weights (else the prefetcher still waits for it)."""
+    return bool(((engine or {}).get("weights_reload") or {}).get("prefetched"))
 
 
 def _ranks_restored(profile, plan, root_pid: int) -> dict | None:

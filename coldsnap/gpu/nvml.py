@@ -114,3 +114,47 @@ def cuda_driver_version() -> str | None:
 
 def gpus() -> list[GpuInfo]:
     return discover().gpus
+
+
+def gpus_used_by(pids) -> list[str]:
+    """UUIDs of the GPUs on which any of these (host) PIDs has a CUDA context, by GPU index; [] when NVML can't say."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - no NVML: unknown
+        return []
+    wanted = {int(p) for p in pids}
+    used = []
+    try:
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            if any(int(p.pid) in wanted for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)):
+                used.append(_text(pynvml.nvmlDeviceGetUUID(h)))
+    except Exception:  # noqa: BLE001
+        return []
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001
+            pass
+    return used
+
+
+def free_bytes(uuid: str) -> int | None:
+    """Free memory of the GPU with that UUID, or None when NVML can't say."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001
+        return None
+    try:
+        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByUUID(uuid)).free)
+    except Exception:  # noqa: BLE001
+        return None
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001
+            pass

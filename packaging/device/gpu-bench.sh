@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU qualification on the device machine: doctor, GPU tests, bench (recovery or native), sleep/wake.
 # Usage (from the repo root there, with .whl and .carry/criu carried): packaging/device/gpu-bench.sh MODE [SAMPLES]
-# MODE: recovery | native (bench) | sleepwake (sleep/wake of a running workload, SLEEP_MODES)
+# MODE: recovery | native (bench) | sleepwake (sleep/wake of a running workload, SLEEP_MODES) | none (TESTS only)
+# TESTS: pytest files to run first; SUFFIX: appended to the result name (e.g. -noprefetch with COLDSNAP_PREFETCH=0)
 MODE=${1:-recovery}; N=${2:-5}; NV=${NV:-2}
 source packaging/device/env.sh
 CS="python3 -m coldsnap.cli"
@@ -12,6 +13,9 @@ if [ "${DOCTOR:-0}" = 1 ]; then
   $CS doctor --json > "$OUT/doctor-gpu.json"; echo "doctor rc=$?"
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_reference_engine.py -k "cuda or gpu" \
       -o addopts="" 2>&1 | tail -4
+fi
+if [ -n "${TESTS:-}" ]; then  # e.g. TESTS=tests/test_gpu_prefetch.py
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" $TESTS -rs -s 2>&1 | grep -v "^$" | tail -12
 fi
 if [ "$MODE" = sleepwake ]; then
   # Sleep/wake of a running 15 GiB workload, engine mode (weights released, reloaded at wake) then cuda mode.
@@ -26,8 +30,9 @@ if [ "$MODE" = sleepwake ]; then
   cp -r /tmp/coldsnap/receipts "$OUT/sw-receipts" 2>/dev/null
   exit 0
 fi
+[ "$MODE" = none ] && exit 0
 echo "== bench $MODE"
-NAME=reference-cuda-$MODE${DROP:+-cold}
+NAME=reference-cuda-$MODE${DROP:+-cold}${SUFFIX:-}
 timeout ${BENCH_TIMEOUT:-420} $CS bench --device cuda -n "$N" --vanilla-samples "$NV" --weights-mode "$MODE" $SIZE \
     --out "$OUT" --name "$NAME" ${DROP:+--drop-caches}
 echo "bench rc=$?"

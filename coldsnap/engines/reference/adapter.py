@@ -45,6 +45,7 @@ def container_mounts(weights: str) -> list[Mount]:
 class ReferenceAdapter(EngineAdapter):
     name = "reference"
     supports_recovery = True
+    supports_prefetch = True
 
     def prepare(self, request: CaptureRequest) -> PreparedLaunch:
         from coldsnap import __version__
@@ -98,5 +99,8 @@ class ReferenceAdapter(EngineAdapter):
             return {}
         return post_json(host, port, "/coldsnap/release", {"weights": weights_mode == "recovery"})
 
-    def after_restore(self, host: str, port: int, kv_discarded: bool, weights_mode: str) -> dict:
+    def after_restore(self, host: str, port: int, kv_discarded: bool, weights_mode: str,
+                      prefetched: str | None = None) -> dict:
+        if prefetched:
+            return post_json(host, port, "/coldsnap/resume", {"prefetched": prefetched})
         return post_json(host, port, "/coldsnap/resume") if (kv_discarded or weights_mode == "recovery") else {}

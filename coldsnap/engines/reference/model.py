@@ -314,7 +314,7 @@ class Runner:
     """
 
     def __init__(self, model: Transformer, device: torch.device | str, kv_bytes: int = 0, reload=None,
-                 reload_into=None, peers=None) -> None:
+                 reload_into=None, reload_prefetched=None, peers=None) -> None:
         self.model = model
         self.cfg = model.cfg
         self.device = torch.device(device)
@@ -325,6 +325,8 @@ class Runner:
         self.kv_bytes = max(int(kv_bytes) // 4 * 4, need)
         self._reload = reload  # () -> dict[name, tensor]: the weights again, for resume() on CUDA
         self._reload_into = reload_into  # (params) -> stats: hydrate the parameters in place
+        # (params, socket) -> stats: the same from the copy coldsnap.gpu.prefetch put on the GPU during the restore
+        self._reload_prefetched = reload_prefetched
         self.step = model
         self.compile_mode: str | None = None
         self.use_graphs = False
@@ -458,7 +460,7 @@ class Runner:
         return out
 
     def _release_local(self, weights: bool, save_to: str | None = None) -> dict[str, Any]:
-        from .weights import load_into, load_weights, save_tensors
+        from .weights import load_into, load_prefetched, load_weights, save_tensors
 
         freed = 0
         out: dict[str, Any] = {}
@@ -477,6 +479,7 @@ class Runner:
                 device = str(self.device)
                 self._reload = lambda: load_weights(save_to, device, "copy")
                 self._reload_into = lambda p: load_into(save_to, p)
+                self._reload_prefetched = lambda p, sock: load_prefetched(save_to, p, sock)
             releasable = self.device.type == "cuda" or save_to  # on CPU, weights are file-backed or saved first
             if weights and releasable and self._reload is not None and not self.weights_released:
                 for p in self.model.parameters():
@@ -487,30 +490,39 @@ class Runner:
                     torch.cuda.empty_cache()
         return {"freed_bytes": freed, **out}
 
-    def resume(self) -> dict[str, Any]:
-        """Re-allocate (and zero) the KV cache; on CUDA reload the weights from their file. Idempotent.
+    def resume(self, prefetched: str | None = None) -> dict[str, Any]:
+        """Re-allocate (and zero) the KV cache; on CUDA reload the weights from their file, or from the copy a
+        prefetcher already put on the GPU (its socket: prefetched). Idempotent.
         Tensor-parallel peers resume at the same time (each reloads its own shard)."""
         if self.peers is not None:
             self.peers.send({"op": "resume"})
-        out = self._resume_local()
+        out = self._resume_local(prefetched)
         if self.peers is not None:
             out["peers"] = self.peers.replies()
         return out
 
-    def _resume_local(self) -> dict[str, Any]:
+    def _resume_local(self, prefetched: str | None = None) -> dict[str, Any]:
         with torch.no_grad():
             hydrate = None
             if self.weights_released:
                 params = dict(self.model.named_parameters())
                 for p in params.values():
                     p.untyped_storage().resize_(p.numel() * p.element_size())
-                if self._reload_into is not None:
+                prefetch_error = None
+                if prefetched and self._reload_prefetched is not None:
+                    try:
+                        hydrate = self._reload_prefetched(params, prefetched)
+                    except Exception as e:  # noqa: BLE001 - any failure: reload from the file, say why
+                        prefetch_error = f"{type(e).__name__}: {e}"
+                if hydrate is None and self._reload_into is not None:
                     hydrate = self._reload_into(params)  # in place, pinned + overlapped: full speed
-                else:
+                elif hydrate is None:
                     weights = self._reload()
                     for name, p in params.items():
                         p.copy_(weights[name])
                     del weights
+                if prefetch_error:
+                    hydrate = {**(hydrate or {}), "prefetch_error": prefetch_error}
                 self.weights_released = False
             if self.released:
                 for t in self._kv:

@@ -22,7 +22,8 @@ names it): a restore needs those files at the same paths.
 
 Endpoints: GET /health, GET /v1/models, POST /v1/completions (stream or not; greedy decoding only),
 GET /coldsnap/info, POST /coldsnap/release (drop the KV cache, and on CUDA the weights and CUDA
-graphs, before a capture), POST /coldsnap/resume (bring them back after a restore).
+graphs, before a capture), POST /coldsnap/resume (bring them back after a restore; {"prefetched": SOCKET}
+takes the weights from the GPU memory a coldsnap.gpu.prefetch loaded meanwhile).
 """
 
 from __future__ import annotations
@@ -154,10 +155,11 @@ class Engine:
             _malloc_trim()
             return {"released": True, "seconds": time.monotonic() - t, "rss_bytes": _rss_bytes(), **out}
 
-    def resume(self) -> dict[str, Any]:
+    def resume(self, prefetched: str | None = None) -> dict[str, Any]:
+        """prefetched: the socket of a coldsnap.gpu.prefetch that holds the weights on the GPU already."""
         with self.lock:
             t = time.monotonic()
-            out = self.runner.resume()
+            out = self.runner.resume(prefetched)
             return {"released": False, "seconds": time.monotonic() - t, "rss_bytes": _rss_bytes(), **out}
 
 
@@ -279,8 +281,11 @@ class Handler(BaseHTTPRequestHandler):
         self._json(200, self.engine.release(weights=bool(body.get("weights", True)), save=bool(body.get("save"))))
 
     def resume(self) -> None:
-        self._body(required=False)
-        self._json(200, self.engine.resume())
+        body = self._body(required=False) or {}
+        prefetched = body.get("prefetched")
+        if prefetched is not None and not isinstance(prefetched, str):
+            raise BadRequest("prefetched must be the prefetcher's socket path", param="prefetched")
+        self._json(200, self.engine.resume(prefetched))
 
     def completions(self) -> None:
         e = self.engine
@@ -443,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from .model import Runner, build_model
-    from .weights import ensure_weights, load_into, load_weights
+    from .weights import ensure_weights, load_into, load_prefetched, load_weights
 
     from . import tp as tpmod
     from .model import check_tensor_parallel, shards
@@ -507,7 +512,9 @@ def main(argv: list[str] | None = None) -> int:
     kv_mib = args.kv_mib if args.kv_mib is not None else (1024 if device.type == "cuda" else 64)
     runner = Runner(model, device, int(kv_mib * (1 << 20)),
                     reload=lambda: load_weights(wpath, str(device), "mmap", shards=mine),
-                    reload_into=lambda params: load_into(wpath, params, shards=mine), peers=peers)
+                    reload_into=lambda params: load_into(wpath, params, shards=mine),
+                    reload_prefetched=lambda params, sock: load_prefetched(wpath, params, sock, shards=mine),
+                    peers=peers)
     phase("build", t, params=sum(p.numel() for p in model.parameters()), kv_bytes=runner.kv_bytes)
 
     mode = args.compile_mode if args.compile else None

@@ -370,3 +370,63 @@ def load_into(path: str | os.PathLike, params: dict[str, "torch.Tensor"], shards
             "threads": threads}
 
 
+
+
+class _DeviceRegion:
+    """A device byte range as a __cuda_array_interface__ exporter, for torch.as_tensor (no copy)."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
+
+
+def load_prefetched(path: str | os.PathLike, params: dict[str, "torch.Tensor"], sock_path: str,
+                    shards: dict[str, Any] | None = None, timeout: float = 60.0) -> dict[str, Any]:
+    """Hydrate CUDA tensors in place from the file's data section that coldsnap.gpu.prefetch already put on this
+    GPU: map the memory it hands over, copy each tensor (its shard) out device to device. Raises PrefetchError (or
+    a CUDA error) when that can't be done; the caller then reloads from the file."""
+    import time
+
+    import torch
+
+    from ...gpu.prefetch import PrefetchError, Session
+    from ...gpu.vmm import Driver, imported
+
+    t0 = time.perf_counter()
+    path = os.fspath(path)
+    base, header = read_header(path)
+    session = Session(sock_path, path, timeout)
+    message = session.message
+    try:
+        try:
+            device = next(iter(params.values())).device
+            if device.type != "cuda":
+                raise PrefetchError(f"prefetched weights are GPU memory; these tensors are on {device}")
+            if message.get("offset") != base:
+                raise PrefetchError(f"the prefetcher's data section starts at {message.get('offset')}, not {base}")
+            ordinal = device.index if device.index is not None else torch.cuda.current_device()
+            driver = Driver()
+            driver.use_primary_context(ordinal)
+        except BaseException:
+            os.close(session.fd)  # imported() below closes it otherwise
+            raise
+        moved = 0
+        with imported(driver, session.fd, int(message["alloc_bytes"]), ordinal) as ptr:
+            whole = torch.as_tensor(_DeviceRegion(ptr, int(message["bytes"])), device=torch.device("cuda", ordinal))
+            with torch.no_grad():
+                for name, dst in params.items():
+                    info = header[name]
+                    start, end = info["data_offsets"]
+                    dtype = getattr(torch, _DTYPES[info["dtype"]][0])
+                    part = _slice(whole[start:end].view(dtype).view(tuple(info["shape"])), (shards or {}).get(name))
+                    if tuple(part.shape) != tuple(dst.shape) or part.dtype != dst.dtype:
+                        raise PrefetchError(f"tensor {name} is {tuple(part.shape)} {part.dtype} in the file, the "
+                                            f"model expects {tuple(dst.shape)} {dst.dtype}")
+                    dst.copy_(part)
+                    moved += dst.numel() * dst.element_size()
+            torch.cuda.synchronize(ordinal)
+            del whole
+    finally:
+        session.close()
+    seconds = time.perf_counter() - t0
+    return {"bytes": moved, "seconds": seconds, "gb_per_s": moved / seconds / 1e9 if seconds else 0.0,
+            "prefetched": True}
