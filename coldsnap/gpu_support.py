@@ -106,7 +106,7 @@ def start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir) -
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}  # the GPU is named by UUID
     try:
         proc = subprocess.Popen([sys.executable, "-m", "coldsnap.gpu.prefetch", "--file", weights[0].path,
-                                 "--gpu", gpu, "--socket", sock], env=env, stdin=subprocess.DEVNULL,
+                                 "--gpu", gpu, "--socket", sock, "--hold"], env=env, stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     except OSError as e:
         return Prefetch(skipped=f"could not start the prefetcher: {e}")
@@ -114,8 +114,8 @@ def start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir) -
 
 
 def finish_prefetch(p: Prefetch, served: bool, wait_s: float = 10.0) -> dict:
-    """Reap the prefetcher: what it reported. served: the engine took the memory (the prefetcher exits by itself
-    once the engine let go of the socket); otherwise it would still wait for the engine and is killed now."""
+    """Reap the prefetcher: what it reported. served: the engine took the memory (the prefetcher frees its own
+    once its stdin closes, here); otherwise it would still wait for the engine and is killed now."""
     import json
     import os
     import subprocess

@@ -135,48 +135,44 @@ def make_bundle(path: Path, rootfs: Path, args: list[str], netns: str | None = N
 
 
 class NetNS:
-    """A named network namespace with lo up (runc restores a netns it created itself with lo down)."""
+    """A named network namespace with lo up (runc restores a netns it created itself with lo down). Made with
+    pyroute2, as ColdSnap makes its own: no iproute2 needed (the GPU machine has none)."""
 
     def __init__(self, prefix: str = "cstest"):
+        from pyroute2 import NetNS as Namespace, netns
+
         self.name = f"{prefix}-{uuid.uuid4().hex[:8]}"
-        subprocess.run(["ip", "netns", "add", self.name], check=True)
-        subprocess.run(["ip", "-n", self.name, "link", "set", "lo", "up"], check=True)
+        netns.create(self.name)
+        with Namespace(self.name) as ns:
+            ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
 
     def delete(self) -> None:
-        subprocess.run(["ip", "netns", "del", self.name], capture_output=True)
+        from pyroute2 import netns
+
+        try:
+            netns.remove(self.name)
+        except OSError:
+            pass
 
 
-class VethNetNS(NetNS):
-    """A NetNS joined to the host by a veth pair (host side `host_address`, container side `address`, a /30 of
-    10.241.0.0/16 not in use): clients on the host reach the container directly, from outside its namespace,
-    the way a pod's clients do. The namespace outlives the containers that join it, as a pod's does."""
+class VethNetNS:
+    """A network namespace joined to the host by a veth pair (host side `host_address`, container side `address`),
+    made by ColdSnap's own coldsnap.net in a free workload slot: clients on the host reach the container directly,
+    from outside its namespace, the way a pod's clients do. It outlives the containers that join it, as a pod's
+    does."""
 
     def __init__(self, prefix: str = "cseng"):
-        super().__init__(prefix)
-        import random
+        from coldsnap.net import allocate_plan, create_network
 
-        used = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True).stdout
-        while True:
-            a, b = random.randrange(256), random.randrange(64)
-            self.host_address, self.address = f"10.241.{a}.{4 * b + 1}", f"10.241.{a}.{4 * b + 2}"
-            if f" {self.host_address}/" not in used and f" {self.address}/" not in used:
-                break
-        self.host_veth = f"csv-{self.name[-8:]}"
-        try:
-            for cmd in (["ip", "link", "add", self.host_veth, "type", "veth", "peer", "name", "eth0", "netns",
-                         self.name],
-                        ["ip", "addr", "add", f"{self.host_address}/30", "dev", self.host_veth],
-                        ["ip", "link", "set", self.host_veth, "up"],
-                        ["ip", "-n", self.name, "addr", "add", f"{self.address}/30", "dev", "eth0"],
-                        ["ip", "-n", self.name, "link", "set", "eth0", "up"]):
-                subprocess.run(cmd, check=True, capture_output=True)
-        except BaseException:
-            self.delete()
-            raise
+        self.plan = allocate_plan(f"{prefix}-{uuid.uuid4().hex[:8]}", 8000)
+        create_network(self.plan)
+        self.name, self.host_veth = self.plan.netns, self.plan.host_veth
+        self.host_address, self.address = self.plan.host_address, self.plan.workload_address
 
     def delete(self) -> None:
-        subprocess.run(["ip", "link", "del", self.host_veth], capture_output=True)  # gone with the netns, usually
-        super().delete()
+        from coldsnap.net import destroy_network
+
+        destroy_network(self.plan)
 
 
 def make_engine_bundle(path: Path, rootfs: Path, launch, netns: str, annotations: dict[str, str] | None = None,

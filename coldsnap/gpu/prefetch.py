@@ -99,8 +99,10 @@ def fill(driver, device: int, ptr: int, fd: int, base: int, length: int, threads
             job.result()
 
 
-def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float) -> dict:
-    """Listen at sock_path, load, hand the memory to the first engine that connects; return what happened."""
+def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float, hold: bool = False) -> dict:
+    """Listen at sock_path, load, hand the memory to the first engine that connects; return what happened.
+    hold: once served, keep the memory and the context until stdin closes: freeing them (and tearing the context
+    down) while the engine captures its CUDA graphs and answers its first request slowed both down."""
     from .cuda_checkpoint import parse_gpu_uuid
     from .vmm import Driver, ExportableBuffer
 
@@ -147,6 +149,8 @@ def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float
             report["served"] = True
             conn.recv(1)  # the engine closes once it has mapped the memory; ours can go then
         report["total_s"] = round(time.monotonic() - t0, 4)
+        if hold:
+            sys.stdin.buffer.read()
         return report
     finally:
         for fd in fds:
@@ -198,11 +202,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--socket", required=True, help="UNIX socket path to serve the memory at (created, 0600)")
     p.add_argument("--threads", type=int, default=8, help="parallel readers (default 8)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the engine (default 120)")
+    p.add_argument("--hold", action="store_true", help="once served, free nothing until stdin closes")
     a = p.parse_args(argv)
     watchdog = threading.Timer(a.timeout + 30, os._exit, args=(3,))  # never linger holding GPU memory
     watchdog.daemon = True
     watchdog.start()
-    report = serve(a.file, a.gpu, a.socket, max(1, a.threads), a.timeout)
+    report = serve(a.file, a.gpu, a.socket, max(1, a.threads), a.timeout, a.hold)
     print(json.dumps(report), flush=True)
     return 0 if report.get("served") and "error" not in report else 1
 

@@ -502,12 +502,17 @@ class Runner:
         return out
 
     def _resume_local(self, prefetched: str | None = None) -> dict[str, Any]:
+        import time
+
+        took: dict[str, float] = {}  # where resume's time goes, in seconds
+        t = time.perf_counter()
         with torch.no_grad():
             hydrate = None
             if self.weights_released:
                 params = dict(self.model.named_parameters())
                 for p in params.values():
                     p.untyped_storage().resize_(p.numel() * p.element_size())
+                took["weights_alloc"] = time.perf_counter() - t
                 prefetch_error = None
                 if prefetched and self._reload_prefetched is not None:
                     try:
@@ -524,15 +529,21 @@ class Runner:
                 if prefetch_error:
                     hydrate = {**(hydrate or {}), "prefetch_error": prefetch_error}
                 self.weights_released = False
+            t = time.perf_counter()
             if self.released:
-                for t in self._kv:
-                    t.untyped_storage().resize_(t.numel() * t.element_size())
-                    t.zero_()
+                for kv in self._kv:
+                    kv.untyped_storage().resize_(kv.numel() * kv.element_size())
+                    kv.zero_()
                 self.released = False
+                self.synchronize()
+                took["kv"] = time.perf_counter() - t
+            t = time.perf_counter()
             if self.use_graphs and not self._graphs:
                 self.capture_graphs()
+                took["cuda_graphs"] = time.perf_counter() - t
             self.synchronize()
-        return {"kv_bytes": self.kv_bytes, "cuda_graphs": len(self._graphs), "weights_reload": hydrate}
+        return {"kv_bytes": self.kv_bytes, "cuda_graphs": len(self._graphs), "weights_reload": hydrate,
+                "took_s": {k: round(v, 4) for k, v in took.items()}}
 
 
 def shards(cfg: ModelConfig, tp: int = 1, rank: int = 0) -> dict[str, Shard]:
