@@ -24,6 +24,9 @@ from typing import Any
 import numpy as np
 
 from ...fsutil import atomic_write
+# Imported now, not at resume: a restored engine's resume is on the clock (they are light: ctypes and sockets).
+from ...gpu.prefetch import PrefetchError, Session
+from ...gpu.vmm import Driver, imported
 from .model import ModelConfig, local_shape, param_specs
 
 _DTYPES = {
@@ -387,9 +390,6 @@ def load_prefetched(path: str | os.PathLike, params: dict[str, "torch.Tensor"], 
     import time
 
     import torch
-
-    from ...gpu.prefetch import PrefetchError, Session
-    from ...gpu.vmm import Driver, imported
 
     t0 = time.perf_counter()
     path = os.fspath(path)

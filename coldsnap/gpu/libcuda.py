@@ -1,0 +1,65 @@
+"""Finding libcuda and naming its error codes: shared by every ctypes binding of the driver here. Light on purpose
+(no ColdSnap imports): a restored engine imports it on its resume path, where every import is on the clock."""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+from typing import Any
+
+# Names for the codes we expect, used when libcuda can't name a code itself (it is absent, or cuGetErrorName fails).
+_KNOWN_ERRORS = {
+    0: "CUDA_SUCCESS",
+    1: "CUDA_ERROR_INVALID_VALUE",
+    2: "CUDA_ERROR_OUT_OF_MEMORY",
+    3: "CUDA_ERROR_NOT_INITIALIZED",
+    4: "CUDA_ERROR_DEINITIALIZED",
+    34: "CUDA_ERROR_STUB_LIBRARY",
+    35: "CUDA_ERROR_INSUFFICIENT_DRIVER",
+    46: "CUDA_ERROR_DEVICES_UNAVAILABLE",
+    100: "CUDA_ERROR_NO_DEVICE",
+    101: "CUDA_ERROR_INVALID_DEVICE",
+    304: "CUDA_ERROR_OPERATING_SYSTEM",
+    400: "CUDA_ERROR_INVALID_HANDLE",
+    401: "CUDA_ERROR_ILLEGAL_STATE",
+    500: "CUDA_ERROR_NOT_FOUND",
+    800: "CUDA_ERROR_NOT_PERMITTED",
+    801: "CUDA_ERROR_NOT_SUPPORTED",
+    909: "CUDA_ERROR_TIMEOUT",
+    999: "CUDA_ERROR_UNKNOWN",
+}
+
+
+def library_candidates() -> list[str]:
+    """Where libcuda.so.1 may be: $COLDSNAP_LIBCUDA, the loader's own search, then the usual driver locations.
+
+    The CUDA toolkit's stubs/libcuda.so is never a candidate (it loads, then every call fails with STUB_LIBRARY)."""
+    names: list[str] = []
+    if os.environ.get("COLDSNAP_LIBCUDA"):
+        names.append(os.environ["COLDSNAP_LIBCUDA"])
+    names.append("libcuda.so.1")
+    for d in (
+        "/usr/local/nvidia/lib64",
+        "/usr/local/nvidia/lib",
+        "/usr/lib/x86_64-linux-gnu",
+        "/usr/lib/aarch64-linux-gnu",
+        "/usr/lib64",
+        "/usr/lib",
+        "/usr/lib/wsl/lib",
+    ):
+        names.extend(sorted(glob.glob(f"{d}/libcuda.so*"), key=lambda p: (not p.endswith(".so.1"), p)))
+    seen: set[str] = set()
+    return [n for n in names if not (n in seen or seen.add(n))]
+
+
+def error_name(code: int, lib: Any = None) -> str:
+    """CUDA_ERROR_… for a CUresult, asking the driver first (cuGetErrorName), then our table."""
+    if lib is not None:
+        try:
+            s = ctypes.c_char_p()
+            if lib.cuGetErrorName(int(code), ctypes.byref(s)) == 0 and s.value:
+                return s.value.decode(errors="replace")
+        except Exception:  # noqa: BLE001 - naming an error must never raise another
+            pass
+    return _KNOWN_ERRORS.get(int(code), f"CUDA_ERROR_{int(code)}")
