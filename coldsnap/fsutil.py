@@ -36,3 +36,17 @@ def atomic_write(path: str | os.PathLike, data: bytes, mode: int = 0o600, defaul
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def submounts(top: str | os.PathLike) -> list[str]:
+    """Mount points strictly below top on this host (e.g. a driver directory mounted at /usr/local/nvidia), shortest
+    first. A container bind of top must bind them one by one: runc declares the spec's bind mounts external to CRIU,
+    and a submount brought along by a recursive bind is not one of them (CRIU fails on a file system it can't dump)."""
+    prefix = os.path.normpath(os.fspath(top)).rstrip("/") + "/"
+    points = set()
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            point = line.split()[4].encode().decode("unicode_escape")  # mountinfo escapes space as \040
+            if point.startswith(prefix):
+                points.add(point)
+    return sorted(points, key=lambda p: (p.count("/"), p))

@@ -71,21 +71,13 @@ def _bind(src: Path | str, dest: Path | str | None = None, ro: bool = True) -> d
             "options": ["rbind", "ro" if ro else "rw"]}
 
 
-def submounts(top: str) -> list[str]:
-    """Mount points strictly below top on this host (e.g. a driver directory mounted at /usr/local/nvidia)."""
-    points = []
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        point = line.split()[4].encode().decode("unicode_escape")  # \040 and friends
-        if point.startswith(top.rstrip("/") + "/"):
-            points.append(point)
-    return sorted(set(points), key=len)
-
-
 def shared_binds() -> list[dict]:
     """Host /usr, the repository (with its venv) and the interpreter's home, read-only at the same paths.
     /usr is bound without its submounts, each of those bound on its own: runc tells CRIU that the spec's bind mounts
     are external, and a submount brought along by a recursive bind is not one of them (CRIU then fails on a file
     system it cannot dump, as the GPU machine's /usr/local/nvidia)."""
+    from coldsnap.fsutil import submounts
+
     usr = _bind("/usr")
     usr["options"] = ["bind", "ro"]
     binds = [usr, *(_bind(p) for p in submounts("/usr")), _bind(REPO)]

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 
+from ..fsutil import submounts
+
 CONFIG = "config.json"
 
 
@@ -95,7 +97,13 @@ def apply_launch(spec: dict, argv: list[str], env: dict[str, str], cwd: str | No
     for bind in binds:
         if os.path.normpath(bind.target) in taken:
             continue
-        mounts.append({"destination": bind.target, "type": "bind", "source": bind.source,
-                       "options": ["rbind", "ro" if bind.readonly else "rw"]})
+        mode = "ro" if bind.readonly else "rw"
+        # Not recursive: each host submount below the source is a bind of its own (see fsutil.submounts).
+        mounts.append({"destination": bind.target, "type": "bind", "source": bind.source, "options": ["bind", mode]})
         taken.add(os.path.normpath(bind.target))
+        for sub in submounts(bind.source):
+            target = os.path.join(bind.target, os.path.relpath(sub, bind.source))
+            if os.path.normpath(target) not in taken:
+                mounts.append({"destination": target, "type": "bind", "source": sub, "options": ["bind", mode]})
+                taken.add(os.path.normpath(target))
     return spec

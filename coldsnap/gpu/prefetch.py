@@ -103,7 +103,6 @@ def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float
     """Listen at sock_path, load, hand the memory to the first engine that connects; return what happened.
     hold: once served, keep the memory and the context until stdin closes: freeing them (and tearing the context
     down) while the engine captures its CUDA graphs and answers its first request slowed both down."""
-    from .cuda_checkpoint import parse_gpu_uuid
     from .vmm import Driver, ExportableBuffer
 
     t0 = time.monotonic()
@@ -119,7 +118,7 @@ def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float
     try:
         try:
             driver = Driver()
-            device = driver.device_by_uuid(parse_gpu_uuid(gpu_uuid))
+            device = driver.device_by_uuid(bytes.fromhex(gpu_uuid.removeprefix("GPU-").replace("-", "")))
             driver.use_primary_context(device)
             report["cuda_init_s"] = round(time.monotonic() - t0, 4)
             base, length = data_section(path)
