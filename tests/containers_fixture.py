@@ -71,16 +71,20 @@ def _bind(src: Path | str, dest: Path | str | None = None, ro: bool = True) -> d
             "options": ["rbind", "ro" if ro else "rw"]}
 
 
-def shared_binds() -> list[dict]:
-    """Host /usr, the repository (with its venv) and the interpreter's home, read-only at the same paths.
-    /usr is bound without its submounts, each of those bound on its own: runc tells CRIU that the spec's bind mounts
-    are external, and a submount brought along by a recursive bind is not one of them (CRIU then fails on a file
-    system it cannot dump, as the GPU machine's /usr/local/nvidia)."""
+def host_binds(src: Path | str) -> list[dict]:
+    """A host directory read-only at the same path, without its submounts, each of those bound on its own: runc
+    tells CRIU that the spec's bind mounts are external, and a submount brought along by a recursive bind is not one
+    of them (CRIU then fails on a file system it cannot dump, as the GPU machine's /usr/local/nvidia)."""
     from coldsnap.fsutil import submounts
 
-    usr = _bind("/usr")
-    usr["options"] = ["bind", "ro"]
-    binds = [usr, *(_bind(p) for p in submounts("/usr")), _bind(REPO)]
+    top = _bind(src)
+    top["options"] = ["bind", "ro"]
+    return [top, *(_bind(p) for p in submounts(src))]
+
+
+def shared_binds() -> list[dict]:
+    """Host /usr, the repository (with its venv) and the interpreter's home, read-only at the same paths."""
+    binds = [*host_binds("/usr"), _bind(REPO)]
     if not str(VENV).startswith(str(REPO) + "/"):
         binds.append(_bind(VENV))
     if not str(PYTHON_HOME).startswith("/usr"):
@@ -198,7 +202,7 @@ def make_engine_bundle(path: Path, rootfs: Path, launch, netns: str, annotations
          "options": ["nosuid", "nodev", "mode=1777", f"size={shm_size}"]},
         {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "nodev", "mode=1777"]},
         {"destination": "/root", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "nodev", "mode=700"]},
-        _bind("/usr")]
+        *host_binds("/usr")]
     apply_launch(spec, launch.argv, launch.env, launch.cwd, launch.mounts)
     spec["linux"]["namespaces"].append({"type": "network", "path": f"/var/run/netns/{netns}"})
     if annotations:
