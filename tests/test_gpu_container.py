@@ -107,6 +107,7 @@ def test_container_captured_and_restored_through_the_shim(lab, device):
         made = make_engine_bundle(lab["base"] / "bundles" / f"{device}-{name}", lab["rootfs"], launch, ns.name, ann)
         return with_gpus(made) if device == "cuda" else made
 
+    assert not healthy_at(ns.address, PORT), "another engine still answers in the lab's namespace"
     cid = unique(f"{device}-cold")
     t0 = time.monotonic()
     r = run_detached(str(RUNTIME), root, bundle("cold"), cid)
@@ -135,8 +136,10 @@ def test_container_captured_and_restored_through_the_shim(lab, device):
     restored = receipt(rid)
     assert restored["state"] == "succeeded" and restored["operation"] == "restore", restored  # not fell-back
     assert restored["result"]["validated_text"] == captured.profile.expected_text
-    after = completions(ns.address, PORT, MODEL_ID,
-                        prompts=PROMPTS)
+    try:
+        after = completions(ns.address, PORT, MODEL_ID, prompts=PROMPTS)
+    finally:
+        runc(root, "delete", "-f", rid)  # the next case serves at the same address
     assert after == before
     print(f"\n[measured] {device} container: cold start to /health {cold_s:.1f} s; restore receipt "
           f"{json.dumps({k: restored['result'].get(k) for k in ('time_to_first_token_s', 'hydrate')})}; spans "
