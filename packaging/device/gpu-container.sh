@@ -15,9 +15,10 @@ exec $PY -c 'import sys; from ${tool#*:} import main; sys.exit(main())' "\$@"
 WRAP
   chmod +x "$BIN/${tool%%:*}"
 done
-export PATH="$BIN:$PATH" COLDSNAP_TEST_RUNTIME="$BIN/coldsnap-runtime"
+export PATH="$BIN:$PATH" COLDSNAP_TEST_RUNTIME="$BIN/coldsnap-runtime"; mkdir -p "${OUT:-/tmp/out}"
 runc --version | head -1; nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader
 timeout ${TEST_TIMEOUT:-500} $PY -m pytest -q -s -p no:cacheprovider -o addopts="" tests/test_gpu_container.py ${CASE:+-k "$CASE"} \
-    -rfs 2>&1 | grep -E "measured|passed|failed|error|Error|assert|SKIP" | tail -30
-mkdir -p "${OUT:-/tmp/out}"
+    -rfs > "${OUT:-/tmp/out}/gpu-container.log" 2>&1
+grep -E "measured|passed|failed|Error|assert|SKIP" "${OUT:-/tmp/out}/gpu-container.log" | tail -20
+
 find /tmp/pytest-of-root -path '*/home/receipts/*.json' 2>/dev/null | tar czf "${OUT:-/tmp/out}/receipts-gpu-container.tgz" -T -
