@@ -1,5 +1,5 @@
 """Bandwidths that bound a restore, measured in the same run as the benchmark (the physical limit beside each
-figure): host memcpy, reading a file from page cache, pinned host→device copies."""
+figure): host memcpy, reading a file from page cache, from disk (cold-cache benches), pinned host→device copies."""
 
 from __future__ import annotations
 
@@ -41,6 +41,21 @@ if path and os.path.exists(path):
     t = time.perf_counter(); list(pool.map(part, range(threads)))
     out["page_cache_read_parallel_gbs"] = size / (time.perf_counter() - t) / 1e9
     os.close(fd)
+cold = sys.argv[2] if len(sys.argv) > 2 else ""
+if cold and os.path.exists(cold):  # from disk: the page cache dropped first, then the same parallel reads
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3")
+    size = os.path.getsize(cold); fd = os.open(cold, os.O_RDONLY); chunk = 64 << 20
+    bufs = [bytearray(chunk) for _ in range(threads)]
+    def cold_part(i):
+        mv = memoryview(bufs[i])
+        for off in range(i * chunk, size, threads * chunk):
+            os.preadv(fd, [mv], off)
+    t = time.perf_counter(); list(pool.map(cold_part, range(threads)))
+    out["disk_read_parallel_gbs"] = size / (time.perf_counter() - t) / 1e9
+    out["disk_read_bytes"] = size
+    os.close(fd)
 out["threads"] = threads
 try:
     import torch
@@ -56,9 +71,11 @@ print(json.dumps(out))
 """
 
 
-def measure(sample_file: Path | None = None) -> dict:
-    r = subprocess.run([sys.executable, "-c", PROBE, str(sample_file or "")], capture_output=True, text=True,
-                       timeout=300)
+def measure(sample_file: Path | None = None, cold_file: Path | None = None) -> dict:
+    """sample_file: read from page cache (twice, timing the second). cold_file: read from disk, after dropping the
+    page cache (root only; for benches whose samples run with the cache dropped)."""
+    r = subprocess.run([sys.executable, "-c", PROBE, str(sample_file or ""), str(cold_file or "")],
+                       capture_output=True, text=True, timeout=600)
     try:
         return {k: round(v, 2) if isinstance(v, float) else v for k, v in json.loads(r.stdout).items()}
     except ValueError:
@@ -69,15 +86,23 @@ def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
 
-def restore_limit(bw: dict, images_bytes: int, weights_bytes: int, weights_in_images: bool) -> dict:
+def restore_limit(bw: dict, images_bytes: int, weights_bytes: int, weights_in_images: bool,
+                  from_disk: bool = False) -> dict:
     """Lower bound of a restore's data movement: CRIU's images pass through host memory once (page cache →
     process pages, a memcpy); GPU state then crosses PCIe (pinned H2D). With the weights in the images (native,
     an engine that cannot save them) the GPU state is inside the images (counted for both); with the weights apart
     (recovery's pinned file, native's saved payload) their file is read from page cache and copied to the GPU.
-    Host copies count at the parallel rate (several threads), since a restore may use several: the hydrate does."""
+    Host copies count at the parallel rate (several threads), since a restore may use several: the hydrate does.
+    from_disk (page cache dropped before each sample): every byte, images and weights, is first read from disk at
+    the parallel disk rate measured; without that rate there is no limit to give."""
     memcpy = bw.get("host_memcpy_parallel_gbs") or bw.get("host_memcpy_gbs") or 0
     read = bw.get("page_cache_read_parallel_gbs") or memcpy
     h2d = bw.get("pinned_h2d_gbs") or 0
+    if from_disk:
+        read = bw.get("disk_read_parallel_gbs") or 0
+        if not read:
+            return {}
+        memcpy = min(memcpy, read) if memcpy else read
     if not memcpy:
         return {}
     host_s = images_bytes / (memcpy * 1e9)
@@ -85,5 +110,6 @@ def restore_limit(bw: dict, images_bytes: int, weights_bytes: int, weights_in_im
     gpu_s = gpu_bytes / (min(h2d, memcpy, read) * 1e9) if h2d else 0.0
     return {"images_bytes": images_bytes, "gpu_bytes_upper": gpu_bytes, "host_s": round(host_s, 3),
             "gpu_s": round(gpu_s, 3), "limit_s": round(host_s + gpu_s, 3),
+            "source": "disk (parallel reads, page cache dropped)" if from_disk else "page cache",
             "assumption": "bytes / measured bandwidth (host copies at the parallel rate); weights in the images "
                           "count all image bytes as GPU bytes (an upper bound)"}

@@ -88,12 +88,14 @@ def run_bench(args, progress=lambda m: None) -> dict:
 
     staged = settings().run / "staged" / cap.capsule.split(":")[1] / "images"
     pages = max(staged.glob("pages-*.img"), key=lambda p: p.stat().st_size, default=None) if staged.exists() else None
-    bw = bandwidth.measure(pages)
-    weights_bytes = sum(os.path.getsize(w.path) for w in (cap.profile.model.weights if cap.profile.model else [])
-                        if os.path.exists(w.path))
+    weight_files = [w.path for w in (cap.profile.model.weights if cap.profile.model else []) if os.path.exists(w.path)]
+    weights_bytes = sum(os.path.getsize(p) for p in weight_files)
+    # Cold samples read their bytes from disk: the rate is measured on the biggest file a restore reads.
+    cold_file = max([*weight_files, *([pages] if pages else [])], key=os.path.getsize, default=None) if drop else None
+    bw = bandwidth.measure(pages, cold_file)
     apart = cap.receipt.get("result", {}).get("weights_apart", cap.profile.weights_mode == "recovery")
     limit = bandwidth.restore_limit(bw, bandwidth.dir_bytes(staged) if staged.exists() else 0, weights_bytes,
-                                    weights_in_images=not apart)
+                                    weights_in_images=not apart, from_disk=drop)
     ratio = round(v["median_s"] / rr["median_s"], 2)
     data = {
         "kind": "coldsnap.bench",
