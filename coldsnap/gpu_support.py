@@ -70,16 +70,42 @@ def restore_restored_tree(root_pid: int, gpu_pairs=None) -> GpuCheckpoint:
 # --- weights prefetch (coldsnap.gpu.prefetch) --------------------------------------------------------------------
 @dataclass
 class Prefetch:
-    """A prefetcher loading the weights onto the GPU while the restore goes on, or why there is none."""
+    """Prefetchers loading the weights onto the workload's GPUs while the restore goes on (one per GPU: each
+    tensor-parallel rank takes its shard from the copy on its own GPU), or why there are none."""
 
-    socket: str | None = None
-    proc: object = None  # subprocess.Popen
+    sockets: dict[str, str] = field(default_factory=dict)  # GPU UUID → the prefetcher's socket
+    procs: list = field(default_factory=list)  # their subprocess.Popen, in the same order
     skipped: str | None = None
+
+    def for_engine(self):
+        """What the engine's resume is given: the socket (one GPU), {GPU UUID: socket} (ranks), or None."""
+        if len(self.sockets) == 1:
+            return next(iter(self.sockets.values()))
+        return dict(self.sockets) or None
+
+
+def _prefetch_refusal(profile, supported: bool) -> str | None:
+    import os
+
+    weights = profile.model.weights if profile.model else []
+    if os.environ.get("COLDSNAP_PREFETCH", "1") == "0":
+        return "COLDSNAP_PREFETCH=0"
+    if not supported:
+        return f"the {profile.engine.name} engine takes no prefetched weights"
+    if not profile.cuda_pids or not profile.gpus_used:
+        return "no CUDA process, or no record of the GPUs it used"
+    ranks = profile.distributed.world_size if profile.distributed else 1
+    if len(profile.gpus_used) != ranks:
+        return f"{len(profile.gpus_used)} GPU(s) used by {ranks} rank(s): not one GPU a rank"
+    if len(weights) != 1:
+        return "the weights are not one file"
+    return None
 
 
 def start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir) -> Prefetch:
-    """Start a prefetcher when the restore will reload weights from one file onto one GPU, there is room for a
-    second copy of them for a moment, and COLDSNAP_PREFETCH is not 0. Never raises: no prefetch is only slower."""
+    """Start a prefetcher on each GPU of the workload when the restore will reload weights from one file, each GPU
+    has room for a second copy of them for a moment, and COLDSNAP_PREFETCH is not 0. Never raises: no prefetch is
+    only slower."""
     import os
     import subprocess
     import sys
@@ -87,54 +113,66 @@ def start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir) -
 
     from .gpu.nvml import free_bytes
 
-    weights = profile.model.weights if profile.model else []
-    if os.environ.get("COLDSNAP_PREFETCH", "1") == "0":
-        return Prefetch(skipped="COLDSNAP_PREFETCH=0")
-    if not supported:
-        return Prefetch(skipped=f"the {profile.engine.name} engine takes no prefetched weights")
-    if not profile.cuda_pids or len(profile.gpus_used) != 1 or profile.distributed is not None:
-        return Prefetch(skipped="not one CUDA process on one GPU")
-    if len(weights) != 1:
-        return Prefetch(skipped="the weights are not one file")
-    gpu = gpu_map.get(profile.gpus_used[0], profile.gpus_used[0])
-    free = free_bytes(gpu)
-    if free is None or free < 2 * weights[0].size + (8 << 30):
-        return Prefetch(skipped=f"not enough free memory on {gpu} for a second copy of the weights")
-    sock = f"{run_dir}/{uuid.uuid4().hex[:12]}.sock"
-    if len(sock.encode()) > 100:
-        return Prefetch(skipped="the socket path would be too long")
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}  # the GPU is named by UUID
-    try:
-        proc = subprocess.Popen([sys.executable, "-m", "coldsnap.gpu.prefetch", "--file", weights[0].path,
-                                 "--gpu", gpu, "--socket", sock, "--hold"], env=env, stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    except OSError as e:
-        return Prefetch(skipped=f"could not start the prefetcher: {e}")
-    return Prefetch(socket=sock, proc=proc)
+    why = _prefetch_refusal(profile, supported)
+    if why:
+        return Prefetch(skipped=why)
+    weights = profile.model.weights[0]
+    gpus = [gpu_map.get(u, u) for u in profile.gpus_used]
+    for gpu in gpus:
+        free = free_bytes(gpu)
+        if free is None or free < 2 * weights.size + (8 << 30):
+            return Prefetch(skipped=f"not enough free memory on {gpu} for a second copy of the weights")
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}  # GPUs are named by UUID
+    p = Prefetch()
+    for gpu in gpus:
+        sock = f"{run_dir}/{uuid.uuid4().hex[:12]}.sock"
+        if len(sock.encode()) > 100:
+            return _abandon(p, "the socket path would be too long")
+        try:
+            p.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "coldsnap.gpu.prefetch", "--file", weights.path, "--gpu", gpu,
+                 "--socket", sock, "--hold"], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, start_new_session=True))
+        except OSError as e:
+            return _abandon(p, f"could not start the prefetcher: {e}")
+        p.sockets[gpu] = sock
+    return p
 
 
-def finish_prefetch(p: Prefetch, served: bool, wait_s: float = 10.0) -> dict:
-    """Reap the prefetcher: what it reported. served: the engine took the memory (the prefetcher frees its own
-    once its stdin closes, here); otherwise it would still wait for the engine and is killed now."""
+def _abandon(p: Prefetch, why: str) -> Prefetch:
+    for proc in p.procs:
+        proc.kill()
+        proc.communicate()
+    return Prefetch(skipped=why)
+
+
+def finish_prefetch(p: Prefetch, wait_s: float = 10.0) -> dict:
+    """Reap the prefetchers: what they reported (one GPU: its report; several: by GPU UUID). One that served an
+    engine has removed its socket and frees its copy once its stdin closes, here; one whose socket is still there
+    would wait for an engine that is not coming, and is killed."""
     import json
     import os
     import subprocess
 
-    if p.proc is None:
+    if not p.procs:
         return {"skipped": p.skipped}
-    if not served:
-        p.proc.kill()
-    try:
-        out, err = p.proc.communicate(timeout=wait_s)
-    except subprocess.TimeoutExpired:
-        p.proc.kill()
-        out, err = p.proc.communicate()
-    try:
-        os.unlink(p.socket)
-    except (FileNotFoundError, TypeError):
-        pass
-    lines = [line for line in out.decode(errors="replace").splitlines() if line.startswith("{")]
-    if lines:
-        return json.loads(lines[-1])
-    tail = err.decode(errors="replace").strip().splitlines()[-1:] or [f"exit status {p.proc.returncode}"]
-    return {"error": f"the prefetcher reported nothing: {tail[0][:300]}"}
+    reports = {}
+    for (gpu, sock), proc in zip(p.sockets.items(), p.procs):
+        if os.path.exists(sock):
+            proc.kill()
+        try:
+            out, err = proc.communicate(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        try:
+            os.unlink(sock)
+        except FileNotFoundError:
+            pass
+        lines = [line for line in out.decode(errors="replace").splitlines() if line.startswith("{")]
+        if lines:
+            reports[gpu] = json.loads(lines[-1])
+        else:
+            tail = err.decode(errors="replace").strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
+            reports[gpu] = {"error": f"the prefetcher reported nothing: {tail[0][:300]}"}
+    return next(iter(reports.values())) if len(reports) == 1 else {"per_gpu": reports}

@@ -86,3 +86,62 @@ def test_prefetched_weights_reach_the_engine_bit_for_bit(tmp_path, tp_rank):
     report = report_of(proc)
     assert report["served"] is True and "error" not in report and proc.returncode == 0, report
     print(json.dumps({"engine": stats, "prefetcher": report}))
+
+
+# --- when a restore prefetches, and reaping the prefetchers ----------------------------------------------------
+def _profile(**over):
+    from types import SimpleNamespace as NS
+
+    base = dict(engine=NS(name="reference"), cuda_pids=1, gpus_used=["GPU-a"], distributed=None,
+                model=NS(weights=[NS(path="/models/w.safetensors", size=10 << 30)]))
+    return NS(**{**base, **over})
+
+
+def test_a_restore_prefetches_only_where_it_can_help_and_says_why_not(monkeypatch, tmp_path):
+    from types import SimpleNamespace as NS
+
+    from coldsnap.gpu_support import _prefetch_refusal, start_prefetch
+
+    assert _prefetch_refusal(_profile(), True) is None
+    assert "takes no prefetched" in _prefetch_refusal(_profile(), False)
+    assert "no CUDA process" in _prefetch_refusal(_profile(cuda_pids=0), True)
+    assert "not one GPU a rank" in _prefetch_refusal(_profile(distributed=NS(world_size=2)), True)
+    assert _prefetch_refusal(_profile(distributed=NS(world_size=2), gpus_used=["GPU-a", "GPU-b"]), True) is None
+    two_files = NS(weights=[NS(path="a", size=1), NS(path="b", size=1)])
+    assert "not one file" in _prefetch_refusal(_profile(model=two_files), True)
+    monkeypatch.setenv("COLDSNAP_PREFETCH", "0")
+    assert start_prefetch(_profile(), True, {}, tmp_path).skipped == "COLDSNAP_PREFETCH=0"
+    monkeypatch.delenv("COLDSNAP_PREFETCH")
+    # Room for a second copy is checked on the GPU the restore maps to (NVML); no answer means no prefetch.
+    monkeypatch.setattr("coldsnap.gpu.nvml.free_bytes", lambda gpu: 64 << 30 if gpu == "GPU-big" else 4 << 30)
+    assert "not enough free memory on GPU-a" in start_prefetch(_profile(), True, {}, tmp_path).skipped
+    assert "GPU-small" in start_prefetch(_profile(), True, {"GPU-a": "GPU-small"}, tmp_path).skipped
+
+
+def test_the_engine_gets_a_socket_for_one_gpu_and_a_map_for_ranks():
+    from coldsnap.gpu_support import Prefetch
+
+    assert Prefetch().for_engine() is None
+    assert Prefetch(sockets={"GPU-a": "/s/a"}).for_engine() == "/s/a"
+    assert Prefetch(sockets={"GPU-a": "/s/a", "GPU-b": "/s/b"}).for_engine() == {"GPU-a": "/s/a", "GPU-b": "/s/b"}
+
+
+def test_a_prefetcher_no_engine_took_is_killed_and_its_socket_removed(tmp_path):
+    from coldsnap.gpu_support import Prefetch, finish_prefetch
+
+    path, _ = ensure_weights(tmp_path / "w.safetensors", TINY)
+    sock = str(tmp_path / "p.sock")
+    proc = start_prefetcher(path, "GPU-00000000-0000-0000-0000-000000000000", sock)  # waits for an engine
+    t = time.monotonic()
+    report = finish_prefetch(Prefetch(sockets={"GPU-a": sock}, procs=[proc]))
+    assert time.monotonic() - t < 5 and proc.returncode is not None  # killed, not waited out
+    assert "reported nothing" in report["error"] and not __import__("os").path.exists(sock)
+
+
+def test_a_rank_takes_only_the_prefetcher_on_its_own_gpu(tmp_path):
+    """{GPU UUID: socket}: a CPU engine (no GPU of its own) takes none of them and reloads from the file quietly."""
+    path, _ = ensure_weights(tmp_path / "w.safetensors", TINY)
+    runner = Runner(build_model(TINY, load_weights(path, mode="copy"), "cpu"), "cpu", kv_bytes=1 << 20)
+    runner.release(save_to=str(tmp_path / "saved.safetensors"))
+    reload = runner.resume(prefetched={"GPU-00000000-0000-0000-0000-000000000000": str(tmp_path / "none.sock")})
+    assert reload["weights_reload"]["bytes"] > 0 and "prefetch_error" not in reload["weights_reload"]

@@ -69,9 +69,9 @@ class EngineAdapter:
         return {}
 
     def after_restore(self, host: str, port: int, kv_discarded: bool, weights_mode: str,
-                      prefetched: str | None = None) -> dict:
+                      prefetched: str | dict[str, str] | None = None) -> dict:
         """Bring back what before_capture released. prefetched (engines with supports_prefetch): the socket of a
-        coldsnap.gpu.prefetch that loaded the weights onto the GPU during the restore."""
+        coldsnap.gpu.prefetch that loaded the weights onto the GPU during the restore, or {GPU UUID: socket}."""
         return {}
 
     def after_capture_left_running(self, host: str, port: int, kv_discarded: bool, weights_mode: str) -> dict:

@@ -161,13 +161,13 @@ def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progr
         with tl.span("hydrate"):
             gpu = gpu_support.restore_restored_tree(pid, gpu_pairs=list(request.gpu_map.items()) or None)
             engine = adapter.after_restore(plan.workload_address, plan.port, profile.kv_discarded,
-                                           profile.weights_mode, prefetched=prefetch.socket)
+                                           profile.weights_mode, prefetched=prefetch.for_engine())
         probe = ValidationProbe(plan.workload_address, plan.port, validation)
         with tl.span("validate"):
             probe.wait_ready(alive=lambda: alive(pid), timeout=validation.ready_timeout_s)
             res = probe.complete(expected=profile.expected_text)
         ttft = res.first_token_s - t0
-        prefetched = gpu_support.finish_prefetch(prefetch, served=_took_prefetch(engine))
+        prefetched = gpu_support.finish_prefetch(prefetch)
         ranks = _ranks_restored(profile, plan, pid)
         progress(f"restored and validated: first token {ttft:.3f} s after restore began"
                  + (f"; {ranks['restored']}/{ranks['expected']} ranks" if ranks else ""))
@@ -187,17 +187,12 @@ def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progr
                 "criu_stats": criu_account,
                 "weights_mode": profile.weights_mode, **({"ranks": ranks} if ranks else {})}
     finally:
-        if prefetched is None:  # failed before the engine could take it
-            gpu_support.finish_prefetch(prefetch, served=False)
+        if prefetched is None:  # failed before the first token: reap the prefetchers whatever they did
+            gpu_support.finish_prefetch(prefetch)
         if not ok:
             if pid is not None:
                 kill_tree(pid)
             destroy_network(plan)
-
-
-def _took_prefetch(engine: dict) -> bool:
-    """Whether the engine's resume took the prefetched weights (else the prefetcher still waits for it)."""
-    return bool(((engine or {}).get("weights_reload") or {}).get("prefetched"))
 
 
 def _ranks_restored(profile, plan, root_pid: int) -> dict | None:

@@ -142,6 +142,7 @@ def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float
         except socket.timeout:
             report["served"] = False
             return report
+        os.unlink(sock_path)  # one engine only; and the restore knows from it that this one was served
         with conn:
             conn.settimeout(timeout)
             socket.send_fds(conn, [json.dumps(message).encode()], fds)

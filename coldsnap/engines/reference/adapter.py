@@ -100,7 +100,7 @@ class ReferenceAdapter(EngineAdapter):
         return post_json(host, port, "/coldsnap/release", {"weights": weights_mode == "recovery"})
 
     def after_restore(self, host: str, port: int, kv_discarded: bool, weights_mode: str,
-                      prefetched: str | None = None) -> dict:
+                      prefetched: str | dict[str, str] | None = None) -> dict:
         if prefetched:
             return post_json(host, port, "/coldsnap/resume", {"prefetched": prefetched})
         return post_json(host, port, "/coldsnap/resume") if (kv_discarded or weights_mode == "recovery") else {}

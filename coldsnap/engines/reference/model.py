@@ -490,16 +490,28 @@ class Runner:
                     torch.cuda.empty_cache()
         return {"freed_bytes": freed, **out}
 
-    def resume(self, prefetched: str | None = None) -> dict[str, Any]:
+    def resume(self, prefetched: str | dict[str, str] | None = None) -> dict[str, Any]:
         """Re-allocate (and zero) the KV cache; on CUDA reload the weights from their file, or from the copy a
-        prefetcher already put on the GPU (its socket: prefetched). Idempotent.
+        prefetcher already put on the GPU: prefetched is its socket, or {GPU UUID: socket} when each GPU has one
+        (each rank takes the one on its own GPU). Idempotent.
         Tensor-parallel peers resume at the same time (each reloads its own shard)."""
         if self.peers is not None:
-            self.peers.send({"op": "resume"})
-        out = self._resume_local(prefetched)
+            self.peers.send({"op": "resume", **({"prefetched": prefetched} if isinstance(prefetched, dict) else {})})
+        out = self._resume_local(self._prefetch_socket(prefetched))
         if self.peers is not None:
             out["peers"] = self.peers.replies()
         return out
+
+    def _prefetch_socket(self, prefetched: str | dict[str, str] | None) -> str | None:
+        if not isinstance(prefetched, dict):
+            return prefetched
+        if self.device.type != "cuda":
+            return None
+        def key(uuid: str) -> str:  # NVML writes GPU-8d0a62a0-…, torch 8d0a62a0-…: compare the hex digits
+            return str(uuid).removeprefix("GPU-").replace("-", "").lower()
+
+        mine = key(torch.cuda.get_device_properties(self.device).uuid)
+        return next((sock for gpu, sock in prefetched.items() if key(gpu) == mine), None)
 
     def _resume_local(self, prefetched: str | None = None) -> dict[str, Any]:
         import time

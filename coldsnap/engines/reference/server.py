@@ -155,8 +155,9 @@ class Engine:
             _malloc_trim()
             return {"released": True, "seconds": time.monotonic() - t, "rss_bytes": _rss_bytes(), **out}
 
-    def resume(self, prefetched: str | None = None) -> dict[str, Any]:
-        """prefetched: the socket of a coldsnap.gpu.prefetch that holds the weights on the GPU already."""
+    def resume(self, prefetched: str | dict[str, str] | None = None) -> dict[str, Any]:
+        """prefetched: the socket of a coldsnap.gpu.prefetch that holds the weights on the GPU already, or
+        {GPU UUID: socket}, one per GPU of a tensor-parallel engine."""
         with self.lock:
             t = time.monotonic()
             out = self.runner.resume(prefetched)
@@ -283,8 +284,10 @@ class Handler(BaseHTTPRequestHandler):
     def resume(self) -> None:
         body = self._body(required=False) or {}
         prefetched = body.get("prefetched")
-        if prefetched is not None and not isinstance(prefetched, str):
-            raise BadRequest("prefetched must be the prefetcher's socket path", param="prefetched")
+        if prefetched is not None and not (isinstance(prefetched, str) or (
+                isinstance(prefetched, dict) and all(isinstance(v, str) for v in prefetched.values()))):
+            raise BadRequest("prefetched must be a prefetcher's socket path, or {GPU UUID: socket path}",
+                             param="prefetched")
         self._json(200, self.engine.resume(prefetched))
 
     def completions(self) -> None:

@@ -206,7 +206,7 @@ def serve_rank(runner, fds: str, started: dict[str, Any]) -> int:
             elif op == "release":
                 answer(runner.release(weights=bool(cmd.get("weights", True))))
             elif op == "resume":
-                answer(runner.resume())
+                answer(runner.resume(cmd.get("prefetched")))  # {GPU UUID: socket}: this rank takes its GPU's
             elif op == "exit":
                 break
         except Exception as e:  # noqa: BLE001 - report it to rank 0, which fails the request
