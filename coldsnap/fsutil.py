@@ -1,4 +1,5 @@
-"""Atomic file replacement: the one way ColdSnap writes a file that someone else may read at any moment."""
+"""File helpers: atomic replacement (the one way ColdSnap writes a file that someone else may read at any moment),
+full positional reads, the host's submounts."""
 
 from __future__ import annotations
 
@@ -50,3 +51,13 @@ def submounts(top: str | os.PathLike) -> list[str]:
             if point.startswith(prefix):
                 points.add(point)
     return sorted(points, key=lambda p: (p.count("/"), p))
+
+
+def pread_full(fd: int, view: memoryview, offset: int) -> None:
+    """Fill view from the file at offset (a short read is continued; the file ending first is an error)."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise ValueError(f"the file ended {len(view) - done} bytes early")
+        done += n

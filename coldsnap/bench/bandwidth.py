@@ -13,6 +13,16 @@ import json, os, sys, time
 from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 out = {}
+def parallel_read_gbs(path):  # `threads` threads reading the whole file, 64 MiB preads each, interleaved
+    size = os.path.getsize(path); fd = os.open(path, os.O_RDONLY); chunk = 64 << 20
+    bufs = [bytearray(chunk) for _ in range(threads)]
+    def part(i):
+        mv = memoryview(bufs[i])
+        for off in range(i * chunk, size, threads * chunk):
+            os.preadv(fd, [mv], off)
+    t = time.perf_counter(); list(pool.map(part, range(threads)))
+    os.close(fd)
+    return size / (time.perf_counter() - t) / 1e9
 threads = max(1, min(8, os.cpu_count() or 1))  # what the weight hydrate uses (engines/reference/weights.load_into)
 pool = ThreadPoolExecutor(threads)
 n = 1 << 30
@@ -32,30 +42,14 @@ if path and os.path.exists(path):
         buf = bytearray(64 << 20); mv = memoryview(buf)
         while f.readinto(mv): pass
     out["page_cache_read_gbs"] = size / (time.perf_counter() - t) / 1e9
-    fd = os.open(path, os.O_RDONLY); chunk = 64 << 20
-    bufs = [bytearray(chunk) for _ in range(threads)]
-    def part(i):
-        mv = memoryview(bufs[i])
-        for off in range(i * chunk, size, threads * chunk):
-            os.preadv(fd, [mv], off)
-    t = time.perf_counter(); list(pool.map(part, range(threads)))
-    out["page_cache_read_parallel_gbs"] = size / (time.perf_counter() - t) / 1e9
-    os.close(fd)
+    out["page_cache_read_parallel_gbs"] = parallel_read_gbs(path)
 cold = sys.argv[2] if len(sys.argv) > 2 else ""
 if cold and os.path.exists(cold):  # from disk: the page cache dropped first, then the same parallel reads
     os.sync()
     with open("/proc/sys/vm/drop_caches", "w") as f:
         f.write("3")
-    size = os.path.getsize(cold); fd = os.open(cold, os.O_RDONLY); chunk = 64 << 20
-    bufs = [bytearray(chunk) for _ in range(threads)]
-    def cold_part(i):
-        mv = memoryview(bufs[i])
-        for off in range(i * chunk, size, threads * chunk):
-            os.preadv(fd, [mv], off)
-    t = time.perf_counter(); list(pool.map(cold_part, range(threads)))
-    out["disk_read_parallel_gbs"] = size / (time.perf_counter() - t) / 1e9
-    out["disk_read_bytes"] = size
-    os.close(fd)
+    out["disk_read_parallel_gbs"] = parallel_read_gbs(cold)
+    out["disk_read_bytes"] = os.path.getsize(cold)
 out["threads"] = threads
 try:
     import torch

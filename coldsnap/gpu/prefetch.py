@@ -25,6 +25,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from ..fsutil import pread_full
+
 CHUNK = 16 << 20  # bytes per read and per copy; two per thread
 
 
@@ -44,15 +46,6 @@ def file_identity(path: str) -> dict:
     """What tells a file from another one put in its place: the engine checks it before using the memory."""
     st = os.stat(path)
     return {"dev": st.st_dev, "ino": st.st_ino, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-
-
-def _pread_full(fd: int, view: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n <= 0:
-            raise PrefetchError(f"the weights file ended {len(view) - done} bytes early")
-        done += n
 
 
 def fill(driver, device: int, ptr: int, fd: int, base: int, length: int, threads: int) -> None:
@@ -81,7 +74,7 @@ def fill(driver, device: int, ptr: int, fd: int, base: int, length: int, threads
                 k, n = i % 2, min(CHUNK, hi - off)
                 if i >= 2:
                     driver.call("cuEventSynchronize", events[k])  # this buffer's previous copy is done
-                _pread_full(fd, views[k][:n], base + off)
+                pread_full(fd, views[k][:n], base + off)
                 driver.call("cuMemcpyHtoDAsync_v2", ptr + off, bufs[k], n, stream)
                 driver.call("cuEventRecord", events[k], stream)
                 off, i = off + n, i + 1

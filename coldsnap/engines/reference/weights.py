@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ...fsutil import atomic_write
+from ...fsutil import atomic_write, pread_full
 # Imported now, not at resume: a restored engine's resume is on the clock (they are light: ctypes and sockets).
 from ...gpu.prefetch import PrefetchError, Session
 from ...gpu.vmm import Driver, imported
@@ -259,16 +259,6 @@ def load_weights(path: str | os.PathLike, device: str = "cpu", mode: str = "mmap
     return out
 
 
-def _pread_into(fd: int, view: memoryview, offset: int) -> None:
-    """Fill view from the file at offset (a short read is continued; EOF is an error)."""
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n <= 0:
-            raise ValueError(f"weights file ended {len(view) - done} bytes early")
-        done += n
-
-
 def load_into(path: str | os.PathLike, params: dict[str, "torch.Tensor"], shards: dict[str, Any] | None = None,
               chunk_bytes: int = 128 << 20, threads: int | None = None) -> dict[str, float]:
     """Hydrate tensors in place from a safetensors file at full speed: the page cache is read by `threads`
@@ -298,7 +288,7 @@ def load_into(path: str | os.PathLike, params: dict[str, "torch.Tensor"], shards
     def parallel_read(view: memoryview, offset: int) -> None:
         step = -(-len(view) // threads)
         step += -step % 4096
-        jobs = [pool.submit(_pread_into, fd, view[a:a + step], offset + a) for a in range(0, len(view), step)]
+        jobs = [pool.submit(pread_full, fd, view[a:a + step], offset + a) for a in range(0, len(view), step)]
         for j in jobs:
             j.result()
 
