@@ -45,6 +45,22 @@ def _zero_pages(pages, offset: int, nbytes: int) -> int:
     return sum(1 for at in range(0, len(data), PAGE) if data[at : at + PAGE] == ZERO_PAGE)
 
 
+MADV_DONTFORK, MADV_HUGEPAGE = 10, 14  # bit numbers in CRIU's vma.madv (1 << advice)
+
+
+def _anon_name(vma: dict) -> str:
+    """An anonymous mapping by size, address and the hints that tell whose it is: MADV_DONTFORK is what the CUDA
+    driver sets on the host memory it pins (cudaHostAlloc), for one."""
+    start, end = int(vma["start"]), int(vma["end"])
+    hints = []
+    try:
+        madv = int(vma.get("madv", 0) or 0)
+        hints += [h for bit, h in ((MADV_DONTFORK, "dontfork"), (MADV_HUGEPAGE, "hugepage")) if madv >> bit & 1]
+    except (TypeError, ValueError):  # a pretty-printed image: show it as it is
+        hints.append(f"madv={vma.get('madv')}")
+    return f"anon {end - start >> 20} MiB mapping at {start:#x}" + (f" [{' '.join(hints)}]" if hints else "")
+
+
 def account(images: Path, zeros: bool = False) -> dict:
     names = _file_names(images)
     out = {"processes": [], "total_bytes": 0}
@@ -71,7 +87,7 @@ def account(images: Path, zeros: bool = False) -> dict:
                 key = "?"
             else:
                 shmid = int(vma.get("shmid", 0))
-                key = names.get(shmid) or f"anon {int(vma['end']) - int(vma['start']) >> 20} MiB mapping"
+                key = names.get(shmid) or _anon_name(vma)
             by_vma[key] += nbytes
             if pages:
                 zero_by_vma[key] += _zero_pages(pages, offset, nbytes) * PAGE
