@@ -238,8 +238,11 @@ def test_release_then_resume_keeps_the_output(eager):
     assert status == 200 and rel["released"] is True and rel["seconds"] >= 0 and rel["freed_bytes"] >= 2 << 20
     assert eager.json("GET", "/health")[0] == 503
     assert eager.json("POST", "/v1/completions", {"prompt": "x"})[0] == 503
+    for bad in (5, ["/s"], {"GPU-a": 1}):  # a socket path or {GPU UUID: socket path}, nothing else
+        status, err = eager.json("POST", "/coldsnap/resume", {"prefetched": bad})
+        assert status == 400 and "prefetched" in err["error"]["message"], (bad, err)
     status, res = eager.json("POST", "/coldsnap/resume", {})
-    assert status == 200 and res["released"] is False and res["seconds"] >= 0
+    assert status == 200 and res["released"] is False and res["seconds"] >= 0 and "kv" in res["took_s"]
     assert eager.json("GET", "/health") == (200, {"status": "ok"})
     assert eager.complete(PROMPTS[1]) == before
 
