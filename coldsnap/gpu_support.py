@@ -85,13 +85,15 @@ class Prefetch:
 
 
 def _prefetch_refusal(profile, supported: bool) -> str | None:
+    """Why this restore gets no prefetch (None: it does). supported: the engine takes prefetched weights and this
+    restore reloads them from a file."""
     import os
 
     weights = profile.model.weights if profile.model else []
     if os.environ.get("COLDSNAP_PREFETCH", "1") == "0":
         return "COLDSNAP_PREFETCH=0"
     if not supported:
-        return f"the {profile.engine.name} engine takes no prefetched weights"
+        return f"the {profile.engine.name} engine does not reload weights from a file on this restore"
     if not profile.cuda_pids or not profile.gpus_used:
         return "no CUDA process, or no record of the GPUs it used"
     ranks = profile.distributed.world_size if profile.distributed else 1

@@ -103,7 +103,7 @@ def test_a_restore_prefetches_only_where_it_can_help_and_says_why_not(monkeypatc
     from coldsnap.gpu_support import _prefetch_refusal, start_prefetch
 
     assert _prefetch_refusal(_profile(), True) is None
-    assert "takes no prefetched" in _prefetch_refusal(_profile(), False)
+    assert "does not reload weights" in _prefetch_refusal(_profile(), False)
     assert "no CUDA process" in _prefetch_refusal(_profile(cuda_pids=0), True)
     assert "not one GPU a rank" in _prefetch_refusal(_profile(distributed=NS(world_size=2)), True)
     assert _prefetch_refusal(_profile(distributed=NS(world_size=2), gpus_used=["GPU-a", "GPU-b"]), True) is None

@@ -63,7 +63,7 @@ def stage(capsule: LoadedCapsule) -> Staged:
     store.verify(capsule)
     profile = capsule.profile
     payload = capsule.manifest.get("annotations", {}).get(mt.ANNOTATION_PAYLOAD)
-    if profile.model and (payload or profile.weights_mode == "recovery"):  # weights the restore reloads from files
+    if reloads_weights(capsule):
         if payload:
             materialize(store, payload, profile.model.weights)
         verify_weights(profile.model.weights)
@@ -89,6 +89,13 @@ def stage(capsule: LoadedCapsule) -> Staged:
             raise
     files = root / "files"
     return Staged(capsule=capsule, images=root / "images", files=files if files.exists() else None)
+
+
+def reloads_weights(capsule: LoadedCapsule) -> bool:
+    """Whether the restored engine reloads its weights from files (recovery's pinned files, or native weights that
+    travel as a payload), rather than finding them in its restored memory."""
+    payload = capsule.manifest.get("annotations", {}).get(mt.ANNOTATION_PAYLOAD)
+    return bool(capsule.profile.model) and (bool(payload) or capsule.profile.weights_mode == "recovery")
 
 
 def _put_back_files(staged: Staged) -> None:
@@ -145,8 +152,8 @@ def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progr
     ok = False
     t0 = time.monotonic()  # the restore clock: staging is excluded, as for a vanilla start
     # The weights go onto the GPU meanwhile, when they can (a process of its own; the engine takes them at resume).
-    prefetch = gpu_support.start_prefetch(profile, adapter.supports_prefetch, request.gpu_map,
-                                          private_dir(settings().run / "prefetch"))
+    prefetch = gpu_support.start_prefetch(profile, adapter.supports_prefetch and reloads_weights(staged.capsule),
+                                          request.gpu_map, private_dir(settings().run / "prefetch"))
     prefetched = None
     try:
         with tl.span("network"):
