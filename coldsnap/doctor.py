@@ -382,6 +382,13 @@ def capabilities() -> Capabilities:
             "criu-process/tensor-parallel": "2xH200 NV18, NCCL (P2P/SHM/cuMem/NVLS off): reference engine TP2, one "
                                             "capsule, 10/10 restores with 2/2 ranks validated "
                                             "(bench/results/reference-cuda-tp2.json); gloo TP2 on CPU (make test)",
+            "criu-runc/cuda": "H200: the reference engine on the GPU in a runc container through coldsnap-runtime, "
+                              "captured (CUDA checkpoint by host PID) and restored by an annotated create/start, "
+                              "validated (bench/results/reference-cuda-container.receipts.json)",
+            "weights-prefetch/cuda": "H200: the weights loaded onto the GPU during the restore and taken by the engine "
+                                     "in 10/10 recovery and 5/5 native restores "
+                                     "(bench/results/reference-cuda-{recovery,native}.receipts.json); tensor "
+                                     "parallel not yet run",
             "criu-runc/cpu": "Debian 12, runc 1.1.5, CRIU 4.2.1, through coldsnap-runtime: reference engine under "
                              "runc, podman, docker, containerd; vLLM 0.32 CPU and SGLang 0.5.23 CPU under runc: 10/10 "
                              "completions identical after restore, vLLM captured with 16 streams in flight (quiesce "
