@@ -9,7 +9,8 @@ and copies its parameters out device to device (milliseconds). Anything wrong on
 another file, a timeout) is an error message on the socket, and the engine reloads from the file as before.
 
 Run as `python -m coldsnap.gpu.prefetch --file F --gpu GPU-UUID --socket PATH`: it listens at once, serves one
-engine, prints one JSON line (what it moved, how fast) and exits. It never outlives --timeout.
+engine, prints one JSON line (what it moved, how fast) and exits; a watchdog ends it 30 s after --timeout at the
+latest, whatever it is doing (it must never sit on GPU memory).
 """
 
 from __future__ import annotations
