@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -503,10 +504,12 @@ class Runner:
         return out
 
     def _prefetch_socket(self, prefetched: str | dict[str, str] | None) -> str | None:
+        """This rank's prefetcher socket: the one given, or the one for this rank's GPU in {GPU UUID: socket}."""
         if not isinstance(prefetched, dict):
             return prefetched
         if self.device.type != "cuda":
             return None
+
         def key(uuid: str) -> str:  # NVML writes GPU-8d0a62a0-…, torch 8d0a62a0-…: compare the hex digits
             return str(uuid).removeprefix("GPU-").replace("-", "").lower()
 
@@ -514,8 +517,6 @@ class Runner:
         return next((sock for gpu, sock in prefetched.items() if key(gpu) == mine), None)
 
     def _resume_local(self, prefetched: str | None = None) -> dict[str, Any]:
-        import time
-
         took: dict[str, float] = {}  # where resume's time goes, in seconds
         t = time.perf_counter()
         with torch.no_grad():
