@@ -72,14 +72,11 @@ def _bind(src: Path | str, dest: Path | str | None = None, ro: bool = True) -> d
 
 
 def host_binds(src: Path | str) -> list[dict]:
-    """A host directory read-only at the same path, without its submounts, each of those bound on its own: runc
-    tells CRIU that the spec's bind mounts are external, and a submount brought along by a recursive bind is not one
-    of them (CRIU then fails on a file system it cannot dump, as the GPU machine's /usr/local/nvidia)."""
-    from coldsnap.fsutil import submounts
+    """A host directory read-only at the same path, as ColdSnap binds one (its submounts each on their own, or CRIU
+    fails on the GPU machine's /usr/local/nvidia)."""
+    from coldsnap.bundle.spec import host_bind
 
-    top = _bind(src)
-    top["options"] = ["bind", "ro"]
-    return [top, *(_bind(p) for p in submounts(src))]
+    return host_bind(str(src), str(src))
 
 
 def shared_binds() -> list[dict]:

@@ -97,13 +97,17 @@ def apply_launch(spec: dict, argv: list[str], env: dict[str, str], cwd: str | No
     for bind in binds:
         if os.path.normpath(bind.target) in taken:
             continue
-        mode = "ro" if bind.readonly else "rw"
-        # Not recursive: each host submount below the source is a bind of its own (see fsutil.submounts).
-        mounts.append({"destination": bind.target, "type": "bind", "source": bind.source, "options": ["bind", mode]})
-        taken.add(os.path.normpath(bind.target))
-        for sub in submounts(bind.source):
-            target = os.path.join(bind.target, os.path.relpath(sub, bind.source))
-            if os.path.normpath(target) not in taken:
-                mounts.append({"destination": target, "type": "bind", "source": sub, "options": ["bind", mode]})
-                taken.add(os.path.normpath(target))
+        for mount in host_bind(bind.source, bind.target, bind.readonly):
+            if os.path.normpath(mount["destination"]) not in taken:
+                mounts.append(mount)
+                taken.add(os.path.normpath(mount["destination"]))
     return spec
+
+
+def host_bind(source: str, target: str, readonly: bool = True) -> list[dict]:
+    """The spec mounts that bind a host directory at target: the directory itself, not recursively, then each host
+    submount below it as a bind of its own (see fsutil.submounts: runc makes only the spec's binds external)."""
+    mode = "ro" if readonly else "rw"
+    return [{"destination": target, "type": "bind", "source": source, "options": ["bind", mode]}] + [
+        {"destination": os.path.join(target, os.path.relpath(sub, source)), "type": "bind", "source": sub,
+         "options": ["bind", mode]} for sub in submounts(source)]
