@@ -156,6 +156,7 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> dict:
             "cuda_processes": len(gpu.pids),
             "criu_options": options.cli_flags(),
             "criu_stats": dump_stats,
+            **({"release": released} if released else {}),
             "_profile": profile,
         }
     finally:

@@ -2,6 +2,7 @@
 # GPU qualification on the device machine: doctor, GPU tests, bench (recovery or native), sleep/wake.
 # Usage (from the repo root there, with .whl and .carry/criu carried): packaging/device/gpu-bench.sh MODE [SAMPLES]
 # MODE: recovery | native (bench) | sleepwake (sleep/wake of a running workload, SLEEP_MODES) | none (TESTS only)
+# DRIVER=1: time the driver's own checkpoint/restore first; ACCOUNT=1: CRIU pages of the capsule after
 # TESTS: pytest files to run first; SUFFIX: appended to the result name (e.g. -noprefetch with COLDSNAP_PREFETCH=0)
 MODE=${1:-recovery}; N=${2:-5}; NV=${NV:-2}
 source packaging/device/env.sh
@@ -16,6 +17,9 @@ if [ "${DOCTOR:-0}" = 1 ]; then
 fi
 if [ -n "${TESTS:-}" ]; then  # e.g. TESTS=tests/test_gpu_prefetch.py
   timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" $TESTS -rs -s 2>&1 | grep -v "^$" | tail -12
+fi
+if [ "${DRIVER:-0}" = 1 ]; then  # the driver's own checkpoint/restore, apart from ours
+  python3 -m coldsnap.gpu.driver_rate --gib 0 --gib 4 --repeat 3 --json | tee "$OUT/driver-rate.json"
 fi
 if [ "$MODE" = sleepwake ]; then
   # Sleep/wake of a running 15 GiB workload, engine mode (weights released, reloaded at wake) then cuda mode.
@@ -51,5 +55,9 @@ if [ "${SLEEP:-0}" = 1 ]; then
     $CS wake bench-reference --json | python3 -c "import json,sys;r=json.load(sys.stdin);print('wake',r['result']['time_to_first_token_s'],[(s['name'],s['duration_s']) for s in r['spans']])"
   done
   $CS stop bench-reference
+fi
+python3 packaging/device/summary.py
+if [ "${ACCOUNT:-0}" = 1 ]; then  # where the capsule's CRIU pages are
+  python3 -m coldsnap.criu.account /tmp/coldsnap-run/staged/${D#sha256:}/images --top 10 --zeros
 fi
 cp -r /tmp/coldsnap/receipts "$OUT/" 2>/dev/null; tar czf "$OUT/receipts.tgz" -C /tmp/coldsnap receipts 2>/dev/null; rm -rf "$OUT/receipts"

@@ -489,6 +489,10 @@ class Runner:
                 self.weights_released = True
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
+            if self.device.type == "cuda":  # what the driver's checkpoint still has to save, context included
+                free, total = torch.cuda.mem_get_info(self.device)
+                out["gpu_used_bytes"] = total - free
+                out["torch_reserved_bytes"] = torch.cuda.memory_reserved(self.device)
         return {"freed_bytes": freed, **out}
 
     def resume(self, prefetched: str | dict[str, str] | None = None) -> dict[str, Any]:

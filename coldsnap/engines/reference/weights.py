@@ -382,10 +382,12 @@ def load_prefetched(path: str | os.PathLike, params: dict[str, "torch.Tensor"], 
     import torch
 
     t0 = time.perf_counter()
+    took: dict[str, float] = {}  # where the hand-over's time goes: waiting for the prefetcher, mapping, copying
     path = os.fspath(path)
     base, header = read_header(path)
     session = Session(sock_path, path, timeout)
     message = session.message
+    took["wait"] = time.perf_counter() - t0
     try:
         try:
             device = next(iter(params.values())).device
@@ -400,7 +402,10 @@ def load_prefetched(path: str | os.PathLike, params: dict[str, "torch.Tensor"], 
             os.close(session.fd)  # imported() below closes it otherwise
             raise
         moved = 0
+        t = time.perf_counter()
         with imported(driver, session.fd, int(message["alloc_bytes"]), ordinal) as ptr:
+            took["map"] = time.perf_counter() - t
+            t = time.perf_counter()
             whole = torch.as_tensor(_DeviceRegion(ptr, int(message["bytes"])), device=torch.device("cuda", ordinal))
             with torch.no_grad():
                 for name, dst in params.items():
@@ -415,8 +420,11 @@ def load_prefetched(path: str | os.PathLike, params: dict[str, "torch.Tensor"], 
                     moved += dst.numel() * dst.element_size()
             torch.cuda.synchronize(ordinal)
             del whole
+            took["copy"] = time.perf_counter() - t
+            t = time.perf_counter()
+        took["unmap"] = time.perf_counter() - t
     finally:
         session.close()
     seconds = time.perf_counter() - t0
     return {"bytes": moved, "seconds": seconds, "gb_per_s": moved / seconds / 1e9 if seconds else 0.0,
-            "prefetched": True}
+            "prefetched": True, "took_s": {k: round(v, 4) for k, v in took.items()}}
