@@ -27,4 +27,6 @@ for f in sorted(d.glob("*.json"), key=lambda p: p.stat().st_mtime):
           f"{cs.get('pages_restored')} pages) cuda {(h.get('cuda_restore_s') or {}).get('restore')} "
           f"resume {er.get('seconds')} {er.get('took_s')} reload {wr.get('took_s')} "
           f"prefetch init {pf.get('cuda_init_s')} load {pf.get('load_s')} ready {pf.get('ready_s')} "
-          f"validate {spans.get('validate')}")
+          f"validate {spans.get('validate')}"
+          + "".join(f" | peer reload {(q.get('weights_reload') or {}).get('seconds')} {q.get('took_s')}"
+                    for q in er.get("peers") or []))

@@ -50,4 +50,5 @@ for step in $STEPS; do
     done ;;
   esac
 done
+python3 packaging/device/summary.py
 tar czf "$OUT/receipts-tp.tgz" -C /tmp/coldsnap receipts 2>/dev/null
