@@ -5,6 +5,7 @@ A thin seam over coldsnap.gpu so flows stay readable and CPU-only hosts never lo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 
 @dataclass
@@ -13,6 +14,7 @@ class GpuCheckpoint:
     seconds: dict[str, float] = field(default_factory=dict)
     summary: str = "no CUDA processes"
     gpu_uuids: list[str] = field(default_factory=list)  # the GPUs they use, by index (known at checkpoint)
+    per_pid: dict[str, dict[str, float]] = field(default_factory=dict)  # each process's own seconds per step
 
 
 def checkpoint_tree(root_pid: int) -> GpuCheckpoint:
@@ -64,6 +66,7 @@ def restore_restored_tree(root_pid: int, gpu_pairs=None) -> GpuCheckpoint:
         return GpuCheckpoint(summary="no CUDA processes")
     report = tree.restore_tree(pids, gpu_pairs=gpu_pairs)
     return GpuCheckpoint(pids=list(report.pids), seconds=dict(report.seconds),
+                         per_pid={str(p): {k: round(v, 4) for k, v in s.items()} for p, s in report.per_pid.items()},
                          summary=f"CUDA state of {len(pids)} process(es) restored")
 
 
@@ -139,6 +142,23 @@ def start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir) -
             return _abandon(p, f"could not start the prefetcher: {e}")
         p.sockets[gpu] = sock
     return p
+
+
+def start_prefetch_soon(profile, supported: bool, gpu_map: dict[str, str], run_dir) -> Callable[[], Prefetch]:
+    """start_prefetch on a thread of its own, so the restore does not wait for its NVML queries and process starts
+    (~10 ms); the answer, called, waits for it and returns the Prefetch."""
+    import threading
+
+    box: dict[str, Prefetch] = {}
+    thread = threading.Thread(target=lambda: box.update(p=start_prefetch(profile, supported, gpu_map, run_dir)),
+                              name="coldsnap-prefetch-start", daemon=True)
+    thread.start()
+
+    def started() -> Prefetch:
+        thread.join()
+        return box.get("p") or Prefetch(skipped="starting the prefetchers failed")
+
+    return started
 
 
 def _abandon(p: Prefetch, why: str) -> Prefetch:

@@ -100,7 +100,7 @@ def _profile(**over):
 def test_a_restore_prefetches_only_where_it_can_help_and_says_why_not(monkeypatch, tmp_path):
     from types import SimpleNamespace as NS
 
-    from coldsnap.gpu_support import _prefetch_refusal, start_prefetch
+    from coldsnap.gpu_support import _prefetch_refusal, start_prefetch, start_prefetch_soon
 
     assert _prefetch_refusal(_profile(), True) is None
     assert "does not reload weights" in _prefetch_refusal(_profile(), False)
@@ -116,6 +116,8 @@ def test_a_restore_prefetches_only_where_it_can_help_and_says_why_not(monkeypatc
     monkeypatch.setattr("coldsnap.gpu.nvml.free_bytes", lambda gpu: 64 << 30 if gpu == "GPU-big" else 4 << 30)
     assert "not enough free memory on GPU-a" in start_prefetch(_profile(), True, {}, tmp_path).skipped
     assert "GPU-small" in start_prefetch(_profile(), True, {"GPU-a": "GPU-small"}, tmp_path).skipped
+    # The restore starts them on a thread of its own and takes the same answer when it needs it.
+    assert "GPU-small" in start_prefetch_soon(_profile(), True, {"GPU-a": "GPU-small"}, tmp_path)().skipped
 
 
 def test_the_engine_gets_a_socket_for_one_gpu_and_a_map_for_ranks():

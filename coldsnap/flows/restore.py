@@ -152,8 +152,9 @@ def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progr
     ok = False
     t0 = time.monotonic()  # the restore clock: staging is excluded, as for a vanilla start
     # The weights go onto the GPU meanwhile, when they can (a process of its own; the engine takes them at resume).
-    prefetch = gpu_support.start_prefetch(profile, adapter.supports_prefetch and reloads_weights(staged.capsule),
-                                          request.gpu_map, private_dir(settings().run / "prefetch"))
+    prefetch_started = gpu_support.start_prefetch_soon(
+        profile, adapter.supports_prefetch and reloads_weights(staged.capsule), request.gpu_map,
+        private_dir(settings().run / "prefetch"))
     prefetched = None
     try:
         with tl.span("network"):
@@ -167,6 +168,7 @@ def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progr
         criu_account = criu_stats(work, "restore")
         with tl.span("hydrate"):
             gpu = gpu_support.restore_restored_tree(pid, gpu_pairs=list(request.gpu_map.items()) or None)
+            prefetch = prefetch_started()
             engine = adapter.after_restore(plan.workload_address, plan.port, profile.kv_discarded,
                                            profile.weights_mode, prefetched=prefetch.for_engine())
         probe = ValidationProbe(plan.workload_address, plan.port, validation)
@@ -174,7 +176,7 @@ def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progr
             probe.wait_ready(alive=lambda: alive(pid), timeout=validation.ready_timeout_s)
             res = probe.complete(expected=profile.expected_text)
         ttft = res.first_token_s - t0
-        prefetched = gpu_support.finish_prefetch(prefetch)
+        prefetched = gpu_support.finish_prefetch(prefetch_started())
         ranks = _ranks_restored(profile, plan, pid)
         progress(f"restored and validated: first token {ttft:.3f} s after restore began"
                  + (f"; {ranks['restored']}/{ranks['expected']} ranks" if ranks else ""))
@@ -190,12 +192,14 @@ def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progr
                 "url": f"http://{plan.workload_address}:{plan.port}",
                 "time_to_first_token_s": round(ttft, 4), "validated_text": res.text,
                 "cuda_processes": len(gpu.pids), "criu_options": options.cli_flags(),
-                "hydrate": {"cuda_restore_s": gpu.seconds, "engine_resume": engine, "prefetch": prefetched},
+                "hydrate": {"cuda_restore_s": gpu.seconds, **({"cuda_restore_per_pid_s": gpu.per_pid}
+                                                              if len(gpu.pids) > 1 else {}),
+                            "engine_resume": engine, "prefetch": prefetched},
                 "criu_stats": criu_account,
                 "weights_mode": profile.weights_mode, **({"ranks": ranks} if ranks else {})}
     finally:
         if prefetched is None:  # failed before the first token: reap the prefetchers whatever they did
-            gpu_support.finish_prefetch(prefetch)
+            gpu_support.finish_prefetch(prefetch_started())
         if not ok:
             if pid is not None:
                 kill_tree(pid)

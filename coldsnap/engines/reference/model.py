@@ -487,9 +487,14 @@ class Runner:
                     freed += p.untyped_storage().nbytes()
                     p.untyped_storage().resize_(0)
                 self.weights_released = True
-                if self.device.type == "cuda":
-                    torch.cuda.empty_cache()
-            if self.device.type == "cuda":  # what the driver's checkpoint still has to save, context included
+            if self.device.type == "cuda":
+                # cuBLAS keeps a workspace per stream it ran on; the graphs' streams are gone. Fewer bytes for the
+                # driver's checkpoint to save and restore; cuBLAS allocates again when it next runs.
+                clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+                if clear_workspaces is not None:
+                    clear_workspaces()
+                torch.cuda.empty_cache()
+                # what the driver's checkpoint still has to save, the context included
                 free, total = torch.cuda.mem_get_info(self.device)
                 out["gpu_used_bytes"] = total - free
                 out["torch_reserved_bytes"] = torch.cuda.memory_reserved(self.device)

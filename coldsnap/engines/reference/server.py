@@ -34,6 +34,7 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # before torch is i
 
 import argparse  # noqa: E402
 import ctypes  # noqa: E402
+import gc  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import socket  # noqa: E402
@@ -152,6 +153,7 @@ class Engine:
                 out = self.runner.release(weights=weights, save_to=save_to)
             except ValueError as e:
                 raise BadRequest(str(e), 400, code="unsupported") from None
+            gc.collect()  # garbage freed first, so the trim below can hand its pages back before the dump
             _malloc_trim()
             return {"released": True, "seconds": time.monotonic() - t, "rss_bytes": _rss_bytes(), **out}
 

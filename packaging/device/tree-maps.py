@@ -1,0 +1,61 @@
+"""Diagnosis (device runs): run one `coldsnap capture` with the CLI's own arguments, and just before the CUDA
+checkpoint print each process of the workload's tree with its large mappings (size, resident, VmFlags: `dc` is
+MADV_DONTFORK, what the CUDA driver sets on host memory it pins; `lo` is locked). Then the capture goes on.
+Usage: python3 packaging/device/tree-maps.py capture --device cuda ... (the same arguments as coldsnap)."""
+import os
+import sys
+
+from coldsnap import gpu_support
+from coldsnap.cli import main
+
+MIN = int(os.environ.get("MAPS_MIN_MIB", "16")) << 20
+
+
+def tree(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                ppid = int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
+
+
+def show(pid: int) -> None:
+    cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ")[:100].decode(errors="replace")
+    print(f"pid {pid}: {cmd}")
+    entry = None
+    for line in open(f"/proc/{pid}/smaps"):
+        head = line.split()
+        if "-" in head[0] and not head[0].endswith(":"):
+            lo, hi = (int(x, 16) for x in head[0].split("-"))
+            entry = {"start": lo, "size": hi - lo, "name": " ".join(head[5:]) or "anon"}
+        elif head[0] == "Rss:":
+            entry["rss"] = int(head[1]) << 10
+        elif head[0] == "VmFlags:" and entry and entry["size"] >= MIN:
+            print(f"   {entry['start']:#14x} {entry['size'] >> 20:6d} MiB  rss {entry['rss'] >> 20:6d} MiB  {entry['name'][:60]:60s}  "
+                  f"{' '.join(head[1:])}")
+
+
+_checkpoint = gpu_support.checkpoint_tree
+
+
+def checkpoint_tree(root_pid: int):
+    for pid in tree(root_pid):
+        try:
+            show(pid)
+        except OSError as e:
+            print(f"pid {pid}: {e}")
+    sys.stdout.flush()
+    return _checkpoint(root_pid)
+
+
+gpu_support.checkpoint_tree = checkpoint_tree
+sys.exit(main(sys.argv[1:]))
