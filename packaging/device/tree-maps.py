@@ -30,7 +30,7 @@ def tree(root: int) -> list[int]:
 
 def show(pid: int) -> None:
     cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ")[:100].decode(errors="replace")
-    print(f"pid {pid}: {cmd}")
+    print(f"pid {pid}: {cmd}", file=sys.stderr)
     entry = None
     for line in open(f"/proc/{pid}/smaps"):
         head = line.split()
@@ -41,7 +41,7 @@ def show(pid: int) -> None:
             entry["rss"] = int(head[1]) << 10
         elif head[0] == "VmFlags:" and entry and entry["size"] >= MIN:
             print(f"   {entry['start']:#14x} {entry['size'] >> 20:6d} MiB  rss {entry['rss'] >> 20:6d} MiB  {entry['name'][:60]:60s}  "
-                  f"{' '.join(head[1:])}")
+                  f"{' '.join(head[1:])}", file=sys.stderr)
 
 
 _checkpoint = gpu_support.checkpoint_tree
@@ -52,8 +52,8 @@ def checkpoint_tree(root_pid: int):
         try:
             show(pid)
         except OSError as e:
-            print(f"pid {pid}: {e}")
-    sys.stdout.flush()
+            print(f"pid {pid}: {e}", file=sys.stderr)
+    sys.stderr.flush()
     return _checkpoint(root_pid)
 
 
