@@ -54,6 +54,8 @@ def test_capture_writes_a_private_verified_capsule_and_stops_the_workload(captur
     r = captured.receipt
     assert r["state"] == "succeeded" and r["operation"] == "capture"
     assert {"cold-start", "criu-dump", "pack"} <= {s["name"] for s in r["spans"]}
+    # What the engine released before the dump (here the KV cache: CPU weights are file-backed) is on record.
+    assert r["result"]["release"]["released"] is True and r["result"]["release"]["freed_bytes"] > 0
     assert stat.S_IMODE(os.stat(r["_path"]).st_mode) == 0o600
     store = CapsuleStore(settings().store)
     cap = store.load(captured.capsule)
