@@ -8,8 +8,10 @@ MAPS_MIN_MIB=${MAPS_MIN_MIB:-30} python3 packaging/device/tree-maps.py capture -
     --engine-opt tensor_parallel=2 --engine-opt nccl_env=NCCL_DEBUG=INFO,NCCL_DEBUG_SUBSYS=ALLOC --json > /tmp/tpmaps.json
 echo "capture rc=$?"
 D=$(python3 -c "import json;print(json.load(open('/tmp/tpmaps.json'))['result']['capsule'].split(':')[1])")
+echo "== NCCL's log lines: where they are"
+grep -rlc "NCCL INFO" /tmp/coldsnap-run /tmp/coldsnap /tmp/*.log 2>/dev/null | head -5
 echo "== NCCL allocations of 1 MiB or more"
-grep -rh "NCCL INFO" /tmp/coldsnap-run /tmp/coldsnap 2>/dev/null | grep -i "alloc" | \
+grep -rh "NCCL INFO" /tmp/coldsnap-run /tmp/coldsnap /tmp/*.log 2>/dev/null | grep -i "alloc" | \
     python3 -c "
 import re,sys,collections
 c=collections.Counter()

@@ -42,6 +42,23 @@ def show(pid: int) -> None:
         elif head[0] == "VmFlags:" and entry and entry["size"] >= MIN:
             print(f"   {entry['start']:#14x} {entry['size'] >> 20:6d} MiB  rss {entry['rss'] >> 20:6d} MiB  {entry['name'][:60]:60s}  "
                   f"{' '.join(head[1:])}", file=sys.stderr)
+            if entry["name"] == "anon" and entry["rss"] >= MIN:
+                print(f"      {sample(pid, entry['start'], entry['size'])}", file=sys.stderr)
+
+
+def sample(pid: int, start: int, size: int) -> str:
+    """What a mapping holds, as a hint to whose it is: from 1 MiB at its middle, the share of zero bytes, how many
+    distinct byte values, and the first non-zero bytes."""
+    n = min(size, 1 << 20)
+    try:
+        with open(f"/proc/{pid}/mem", "rb") as f:
+            f.seek(start + (size - n) // 2)
+            data = f.read(n)
+    except OSError as e:
+        return f"unreadable: {e}"
+    nonzero = data.lstrip(b"\0")
+    return (f"sample: {data.count(0) / max(1, len(data)):.0%} zero bytes, {len(set(data))} byte values, "
+            f"first non-zero: {nonzero[:24].hex(' ')}")
 
 
 _checkpoint = gpu_support.checkpoint_tree
