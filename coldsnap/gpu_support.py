@@ -150,13 +150,19 @@ def start_prefetch_soon(profile, supported: bool, gpu_map: dict[str, str], run_d
     import threading
 
     box: dict[str, Prefetch] = {}
-    thread = threading.Thread(target=lambda: box.update(p=start_prefetch(profile, supported, gpu_map, run_dir)),
-                              name="coldsnap-prefetch-start", daemon=True)
+
+    def start() -> None:
+        try:
+            box["p"] = start_prefetch(profile, supported, gpu_map, run_dir)
+        except Exception as e:  # noqa: BLE001 - no prefetch is only slower; say why in the receipt
+            box["p"] = Prefetch(skipped=f"starting the prefetchers failed: {e}")
+
+    thread = threading.Thread(target=start, name="coldsnap-prefetch-start", daemon=True)
     thread.start()
 
     def started() -> Prefetch:
         thread.join()
-        return box.get("p") or Prefetch(skipped="starting the prefetchers failed")
+        return box["p"]
 
     return started
 

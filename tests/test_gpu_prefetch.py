@@ -118,6 +118,8 @@ def test_a_restore_prefetches_only_where_it_can_help_and_says_why_not(monkeypatc
     assert "GPU-small" in start_prefetch(_profile(), True, {"GPU-a": "GPU-small"}, tmp_path).skipped
     # The restore starts them on a thread of its own and takes the same answer when it needs it.
     assert "GPU-small" in start_prefetch_soon(_profile(), True, {"GPU-a": "GPU-small"}, tmp_path)().skipped
+    monkeypatch.setattr("coldsnap.gpu.nvml.free_bytes", lambda gpu: 1 / 0)  # whatever goes wrong, no traceback
+    assert "division by zero" in start_prefetch_soon(_profile(), True, {}, tmp_path)().skipped
 
 
 def test_the_engine_gets_a_socket_for_one_gpu_and_a_map_for_ranks():

@@ -12,7 +12,9 @@ The tokenizer is byte-level: token = UTF-8 byte, plus BOS/EOS/PAD; no training i
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import gc
 import math
 import time
 from dataclasses import dataclass
@@ -297,6 +299,15 @@ class Transformer(nn.Module):
 # --- runner ------------------------------------------------------------------------------------
 
 
+def trim_host_memory() -> None:
+    """Collect garbage, then hand freed heap pages back to the kernel, so a dump does not carry them."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 class Runner:
     """Owns the model, its KV cache and the (optionally compiled) step; not thread-safe.
 
@@ -498,6 +509,7 @@ class Runner:
                 free, total = torch.cuda.mem_get_info(self.device)
                 out["gpu_used_bytes"] = total - free
                 out["torch_reserved_bytes"] = torch.cuda.memory_reserved(self.device)
+        trim_host_memory()  # every rank, not only the one that serves HTTP
         return {"freed_bytes": freed, **out}
 
     def resume(self, prefetched: str | dict[str, str] | None = None) -> dict[str, Any]:

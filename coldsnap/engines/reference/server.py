@@ -33,8 +33,6 @@ import os
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # before torch is imported, see the docstring
 
 import argparse  # noqa: E402
-import ctypes  # noqa: E402
-import gc  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import socket  # noqa: E402
@@ -62,14 +60,6 @@ def _rss_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
-
-
-def _malloc_trim() -> None:
-    """Hand freed heap memory back to the kernel, so a dump does not carry it."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 class BadRequest(Exception):
@@ -153,8 +143,6 @@ class Engine:
                 out = self.runner.release(weights=weights, save_to=save_to)
             except ValueError as e:
                 raise BadRequest(str(e), 400, code="unsupported") from None
-            gc.collect()  # garbage freed first, so the trim below can hand its pages back before the dump
-            _malloc_trim()
             return {"released": True, "seconds": time.monotonic() - t, "rss_bytes": _rss_bytes(), **out}
 
     def resume(self, prefetched: str | dict[str, str] | None = None) -> dict[str, Any]:
@@ -452,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     t = time.monotonic()
     import torch
 
-    from .model import Runner, build_model
+    from .model import Runner, build_model, trim_host_memory
     from .weights import ensure_weights, load_into, load_prefetched, load_weights
 
     from . import tp as tpmod
@@ -526,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     if mode:
         runner.compile(mode)
     if rank > 0:  # from here on rank 0 drives: every step it runs, this rank runs too
-        _malloc_trim()
+        trim_host_memory()
         return tpmod.serve_rank(runner, args.tp_fds, {"rank": rank, "device": str(device), "pid": os.getpid(),
                                                            "phases": phases})
     peer_reports = peers.ready() if peers else []
@@ -583,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     phase("listen", t)
     info["startup_phases"] = dict(phases)
     info["startup_seconds"] = round(time.monotonic() - _T0, 4)
-    _malloc_trim()
+    trim_host_memory()
     host, port = httpd.server_address[:2]
     emit(
         "ready",
