@@ -52,18 +52,9 @@ def ensure(*parts: str) -> None:
 
 
 def make_rootfs(root: Path) -> Path:
-    """bin/lib/lib64/sbin → usr/* symlinks (the host's /usr is bound read-only), and the empty dirs runc mounts on."""
-    root.mkdir(parents=True, exist_ok=True)
-    for name in ("bin", "lib", "lib64", "sbin"):
-        if (Path("/") / "usr" / name).exists() and not (root / name).is_symlink() and not (root / name).exists():
-            (root / name).symlink_to(f"usr/{name}")
-    for d in ("usr", "proc", "sys", "dev", "tmp", "etc", "root", "models", "run"):
-        (root / d).mkdir(exist_ok=True)
-    (root / "tmp").chmod(0o1777)
-    (root / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
-    (root / "etc" / "group").write_text("root:x:0:\n")
-    (root / "etc" / "hosts").write_text("127.0.0.1 localhost\n")
-    return root
+    from coldsnap.bundle.rootfs import host_usr_rootfs
+
+    return host_usr_rootfs(root)
 
 
 def _bind(src: Path | str, dest: Path | str | None = None, ro: bool = True) -> dict:

@@ -127,3 +127,16 @@ def test_malformed_annotations_are_invalid_requests(ann, where):
     with pytest.raises(ColdSnapError) as e:
         request_from_annotations({"io.coldsnap.capsule": "sha256:" + "c" * 64, **ann})
     assert e.value.code == ErrorCode.INVALID_REQUEST and where in e.value.message
+
+
+def test_the_host_usr_rootfs_has_the_links_and_mount_points_and_can_be_made_twice(tmp_path):
+    import stat
+
+    from coldsnap.bundle.rootfs import MOUNT_POINTS, host_usr_rootfs
+
+    root = host_usr_rootfs(tmp_path / "rootfs", extra_dirs=("/cache",))
+    assert host_usr_rootfs(root, extra_dirs=("/cache",)) == root  # again over itself: no error, same result
+    assert os.readlink(root / "bin") == "usr/bin"
+    assert all((root / d).is_dir() for d in (*MOUNT_POINTS, "cache"))
+    assert stat.S_IMODE((root / "tmp").stat().st_mode) == 0o1777
+    assert (root / "etc" / "passwd").read_text().startswith("root:x:0:0:")

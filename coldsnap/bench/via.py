@@ -28,6 +28,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
+from ..bundle.rootfs import host_usr_rootfs
 from ..config import settings
 from ..contracts import ColdSnapError, ErrorCode, Validation
 from ..contracts import capsule as mt
@@ -54,20 +55,6 @@ ENGINE_ARGS = [str(VENV / "bin" / "python"), "-m", "coldsnap.engines.reference.s
 
 
 # --- the image and the engines, as tests/containers_fixture.py and tests/test_shim_{podman,docker}.py do ----------
-def make_rootfs(root: Path) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
-    for name in ("bin", "lib", "lib64", "sbin"):
-        if (Path("/usr") / name).exists():
-            (root / name).symlink_to(f"usr/{name}")
-    for d in ("usr", "proc", "sys", "dev", "tmp", "etc", "root", "models", "run", CACHE.strip("/")):
-        (root / d).mkdir(exist_ok=True)
-    (root / "tmp").chmod(0o1777)
-    (root / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
-    (root / "etc" / "group").write_text("root:x:0:\n")
-    (root / "etc" / "hosts").write_text("127.0.0.1 localhost\n")
-    return root
-
-
 def shared_volumes() -> list[str]:
     """Host /usr, the repository (with its venv) and the interpreter's home, read-only at the same paths."""
     paths = ["/usr", str(REPO)]
@@ -403,7 +390,7 @@ def _bench(args, engine: Engine, progress: Progress) -> dict:
     via, n, base = engine.via, args.samples, engine.base
     validation = Validation()
     engine.start()
-    rootfs = make_rootfs(base / "rootfs")
+    rootfs = host_usr_rootfs(base / "rootfs", extra_dirs=(CACHE,))
     with tarfile.open(base / "rootfs.tar", "w") as tar:
         tar.add(rootfs, arcname=".")
     engine.import_image(base / "rootfs.tar")
