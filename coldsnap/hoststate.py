@@ -87,6 +87,12 @@ def put_back_file(src: str | os.PathLike | None, f: CapturedFile) -> None:
     os.replace(tmp, f.path)
 
 
+def snapshot_file(src: str, f: CapturedFile, dest: Path) -> str:
+    """Copy f's bytes (its recorded size) from src to dest, private: what a capture packs later. Returns dest."""
+    put_back_file(src, f.model_copy(update={"path": str(dest), "mode": 0o600}))
+    return str(dest)
+
+
 def tree_shm_files(pid: int) -> list[str]:
     """/dev/shm files of the live tree rooted at pid: every name in /dev/shm whose inode the tree maps or holds open
     (so also a POSIX semaphore's real name when the tree maps it under glibc's deleted temporary name). Call before
@@ -178,3 +184,93 @@ def remove_socket_files(paths: list[str]) -> None:
                 os.unlink(path)
         except OSError:
             continue
+
+
+# --- a container's /dev/shm bound from the host ----------------------------------------------------------------------
+# podman, docker and containerd give a container (or a pod) a /dev/shm of its own that is a bind mount of a host
+# tmpfs, not a tmpfs in the container's spec: runc declares it external to CRIU, so CRIU stores none of its files'
+# bytes, and the restored container gets the new container's empty /dev/shm (vLLM's queues missing:
+# "Can't open file dev/shm/psm_… on restore"). The capture carries the files the dump refers to, as process mode
+# carries the host's; the restore writes them into the new container's /dev/shm before CRIU runs.
+CONTAINER_SHM = "/dev/shm/"
+
+
+def bound_shm_source(spec: dict) -> str | None:
+    """The host directory a container's /dev/shm is bound from, or None when /dev/shm is the container's own tmpfs
+    (CRIU carries that one's contents itself) or not mounted."""
+    for m in spec.get("mounts") or []:
+        if os.path.normpath(str(m.get("destination", ""))) == "/dev/shm":
+            options = m.get("options") or []
+            if m.get("type") == "bind" or "bind" in options or "rbind" in options:
+                return str(m.get("source") or "") or None
+            return None
+    return None
+
+
+class HeldShm:
+    """The regular files of a bound /dev/shm, held open from before the dump: the container's engine dies with the
+    dump and its engine (podman, docker) may unmount that tmpfs at once, but a held file keeps its bytes."""
+
+    def __init__(self, source: str | None):
+        self.source = source
+        self.fds: dict[str, int] = {}
+        if not source:
+            return
+        try:
+            entries = list(os.scandir(source))
+        except OSError:
+            return
+        for e in entries:
+            try:
+                fd = os.open(e.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                continue
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                self.fds[e.name] = fd
+            else:
+                os.close(fd)
+
+    def captured(self, images: Path) -> tuple[list[CapturedFile], dict[str, str]]:
+        """The files the dump refers to under /dev/shm (as container paths) and where to read each one's bytes;
+        a file created during the dump (CRIU's link_remap.N) is opened now, at the host path."""
+        from .criu import criu_images_open_files
+
+        if not self.source:
+            return [], {}
+        files, sources = [], {}
+        for f in criu_images_open_files(images):
+            path = f["path"]
+            name = path[len(CONTAINER_SHM):]
+            if not path.startswith(CONTAINER_SHM) or "/" in name or path in sources:
+                continue
+            if name not in self.fds:
+                try:
+                    self.fds[name] = os.open(os.path.join(self.source, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                except OSError:
+                    continue  # gone: CRIU ghosted it into the images
+            st = os.fstat(self.fds[name])
+            if stat.S_ISREG(st.st_mode):
+                files.append(CapturedFile(path=path, size=st.st_size, mode=stat.S_IMODE(st.st_mode)))
+                sources[path] = f"/proc/self/fd/{self.fds[name]}"
+        return sorted(files, key=lambda f: f.path), sources
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds = {}
+
+
+def put_back_container_shm(files_dir: Path | None, files: list[CapturedFile], spec: dict) -> list[str]:
+    """Write a capsule's /dev/shm files into the new container's bound /dev/shm (its spec's bind source) before
+    the restore. Returns the host paths written (for removal if the restore fails). Nothing to do when the
+    capsule has none; when the new container's /dev/shm is not bound, the restore will say what is missing."""
+    shm = [(i, f) for i, f in enumerate(files) if f.path.startswith(CONTAINER_SHM)]
+    source = bound_shm_source(spec)
+    if not shm or not source:
+        return []
+    written = []
+    for i, f in shm:
+        host = os.path.join(source, f.path[len(CONTAINER_SHM):])
+        put_back_file(files_dir / str(i) if files_dir else None, f.model_copy(update={"path": host}))
+        written.append(host)
+    return written

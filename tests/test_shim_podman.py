@@ -1,6 +1,8 @@
 """coldsnap-runtime under rootful podman 4.3, for real: `podman run --runtime <coldsnap-runtime> --annotation
 io.coldsnap.capsule=…` restores a captured reference-engine container (validated by coldsnap-hook, injected
-by podman from an oci-hooks.d file) and falls back to a cold start when the capsule is refused.
+by podman from an oci-hooks.d file) and falls back to a cold start when the capsule is refused; and a real vLLM
+(CPU build) container, run from its adapter's container launch in a pod-style network namespace, is captured and
+restored the same way with identical completions.
 
 Podman runs with private storage/run/tmp dirs and --network none (the runc-created netns: the shim brings lo
 up after the restore). The image is `podman import` of the tests' rootfs; /usr, the repository and the
@@ -15,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from containers_fixture import (ENGINE_ARGS, REPO, coldsnap_env, completion_in, ensure, env_wrapper, healthy_in,
-                                make_rootfs, needs_root, private_coldsnap, receipt, shared_binds, unique, wait_for)
+from containers_fixture import (ENGINE_ARGS, REPO, VethNetNS, coldsnap_env, completion_in, ensure, env_wrapper,
+                                healthy_at, healthy_in, host_binds, make_rootfs, needs_root, private_coldsnap, receipt,
+                                shared_binds, unique, wait_for)
 from coldsnap.capsule import CapsuleStore
 from coldsnap.config import settings
 from coldsnap.contracts import capsule as mt
@@ -128,3 +131,74 @@ def test_podman_run_falls_back_cold_when_the_capsule_is_refused(podman, captured
     wait_for(lambda: healthy_in(info["State"]["Pid"]), 120, "the cold engine")
     assert completion_in(info["State"]["Pid"]) == captured["text"]
     podman("rm", "-f", "-t", "0", name)
+
+
+# --- vLLM ---------------------------------------------------------------------------------------------------------
+def run_launch(podman: Podman, name: str, launch, netns: str, *extra: str) -> subprocess.CompletedProcess:
+    """`podman run -d` of an engine adapter's container launch (prepare_container), as a user would write it: the
+    launch's read-only binds, its environment and working directory, private tmpfs for /tmp and $HOME, a 1 GiB
+    /dev/shm (vLLM's queues), in a network namespace made beforehand (a pod's): clients reach it from the host."""
+    from coldsnap.bundle.spec import host_bind
+
+    binds = [*host_binds("/usr")] + [m for b in launch.mounts for m in host_bind(b.source, b.target, b.readonly)]
+    volumes = [a for m in binds for a in ("-v", f"{m['source']}:{m['destination']}:{m['options'][-1]}")]
+    env = [a for k, v in launch.env.items() for a in ("-e", f"{k}={v}")]
+    return podman("run", "-d", "--name", name, "--runtime", str(podman.runtime), "--network", f"ns:/var/run/netns/{netns}",
+                  *LIMITS, "--shm-size", "1g", "--tmpfs", "/tmp:rw,mode=1777", "--tmpfs", "/root:rw,mode=700",
+                  "-e", "HOME=/root", *env, *(["-w", launch.cwd] if launch.cwd else []), *volumes, *extra,
+                  IMAGE, *launch.argv, check=False)
+
+
+@pytest.fixture(scope="module")
+def vllm_pod(podman):
+    from test_engine_vllm import FIXTURE_MODEL, VLLM_VENV, ensure_engine
+
+    from coldsnap.contracts import CaptureRequest
+    from coldsnap.engines.base import get_adapter
+
+    ensure_engine("vllm", VLLM_VENV)
+    launch = get_adapter("vllm").prepare_container(CaptureRequest(operation="capture", engine={
+        "name": "vllm", "options": {"venv": VLLM_VENV, "model": FIXTURE_MODEL, "enforce_eager": True,
+                                    "max_model_len": 2048}}))
+    ns = VethNetNS("cspod")
+    try:
+        yield {"launch": launch, "ns": ns}
+    finally:
+        ns.delete()
+
+
+def test_podman_restores_a_vllm_container_with_the_same_completions(podman, vllm_pod):
+    from test_engine_vllm import completions
+
+    from coldsnap.flows.container import capture_container
+
+    launch, ns = vllm_pod["launch"], vllm_pod["ns"]
+    model = launch.model.id
+    name = unique("vllm-cold")
+    r = run_launch(podman, name, launch, ns.name)
+    assert r.returncode == 0, r.stderr
+    wait_for(lambda: healthy_at(ns.address, 8000) or podman.inspect(name)["State"]["Status"] != "running", 600,
+             "vLLM to answer /health")
+    assert healthy_at(ns.address, 8000), f"the vLLM container stopped: {podman('logs', name, check=False).stderr[-800:]}"
+    before = completions(ns.address, 8000, model)
+    assert len(set(before)) > 1, before  # not degenerate
+    res = capture_container(podman.inspect(name)["Id"], "/run/runc", engine="vllm", tag="podman-vllm")
+    assert res.receipt["state"] == "succeeded" and res.profile.engine.name == "vllm"
+    assert res.profile.snapshot_driver == "criu-runc" and res.profile.launch.command == launch.argv
+    wait_for(lambda: podman.inspect(name)["State"]["Status"] == "exited", 30, "podman to see the capture's stop")
+    podman("rm", name)
+
+    restored = unique("vllm-restored")
+    r = run_launch(podman, restored, launch, ns.name, "--annotation", f"{mt.ANNOTATION_CAPSULE}={res.capsule}",
+                   "--hooks-dir", str(podman.hooks_dir))
+    assert r.returncode == 0, r.stderr
+    info = podman.inspect(restored)
+    rec = receipt(info["Id"])
+    assert rec["state"] == "succeeded" and "fallback_reason" not in rec["result"], (rec["state"], rec["result"].get(
+        "fallback_reason"), rec.get("error"))  # restored, not fell back
+    assert [s["name"] for s in rec["spans"]] == ["admit", "stage", "criu-restore", "hydrate", "validate"]
+    assert rec["result"]["validated_text"] == res.profile.expected_text
+    assert completions(ns.address, 8000, model) == before
+    print(f"\n[measured] vLLM under podman: restore → first token {rec['result'].get('time_to_first_token_s')} s, "
+          f"capture {[(s['name'], round(s['duration_s'], 2)) for s in res.receipt['spans']]}")
+    podman("rm", "-f", "-t", "0", restored)

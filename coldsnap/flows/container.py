@@ -18,7 +18,7 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
-from .. import gpu_support
+from .. import gpu_support, hoststate
 from ..bundle import criu_runc
 from ..bundle.spec import coldsnap_annotations, load_spec
 from ..config import private_dir, settings
@@ -125,7 +125,8 @@ def capture_container(container_id: str, runc_root: str | Path = "/run/runc", bu
     tl = Timeline()
     op_id = f"capture-{container_id[:24]}-{uuid.uuid4().hex[:8]}"
     try:
-        result = _capture(request, container_id, runc_root, int(state["pid"]), val_ann.get("host"), runc, tl, progress)
+        result = _capture(request, container_id, runc_root, int(state["pid"]), val_ann.get("host"), runc, tl, progress,
+                          shm_source=hoststate.bound_shm_source(spec))
     except ColdSnapError as e:
         finish_receipt(request, op_id, "capture", tl, "failed", error=e)
         raise
@@ -134,7 +135,7 @@ def capture_container(container_id: str, runc_root: str | Path = "/run/runc", bu
 
 
 def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str | None, runc: str, tl: Timeline,
-             progress: Progress) -> dict:
+             progress: Progress, shm_source: str | None = None) -> dict:
     criu = CriuDriver()
     adapter = get_adapter(request.engine.name)
     target = Target(pid=pid, port=request.launch.port, host=host)
@@ -142,6 +143,7 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
     in_flight = request.policy.quiesce == "none"
     tmp = private_dir(settings().run / "capture" / uuid.uuid4().hex)
     images, work = tmp / "images", private_dir(tmp / "work")
+    held_shm = None
     try:
         progress(f"validating container {cid} at {target.describe()}")
         with tl.span("validate"):
@@ -166,12 +168,18 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
             with tl.span("gpu-checkpoint"):
                 gpu = gpu_support.checkpoint_tree(pid)
             progress(gpu.summary)
+            held_shm = hoststate.HeldShm(shm_source)  # a bound /dev/shm: its files outlive the container for us
             progress("checkpointing with runc + CRIU")
             with tl.span("criu-dump"):
                 argv = runc_checkpoint(runc, runc_root, cid, images, work, options)
         except ColdSnapError:
             _resume(target, adapter, gpu, kv_discard, weights_mode)  # no dump: the container serves on as it was
             raise
+        # The bound /dev/shm files the dump refers to, copied at their dump-time bytes before anything resumes.
+        files, sources = held_shm.captured(images)
+        for i, f in enumerate(files):
+            sources[f.path] = hoststate.snapshot_file(sources[f.path], f, private_dir(tmp / "shm") / str(i))
+        held_shm.close()
         if request.lifecycle.leave_running:
             with tl.span("resume"):
                 _resume(target, adapter, gpu, kv_discard, weights_mode)
@@ -180,15 +188,17 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
             "criu-runc", request, criu, info, first.text, options=options, engine_version=info.get("version"),
             model=saved_weights_model(adapter, released) or request.model, weights_mode=weights_mode,
             kv_discarded=kv_discard, launch=request.launch, network=None, cuda_pids=len(gpu.pids),
-            gpus_used=gpu.gpu_uuids,
+            gpus_used=gpu.gpu_uuids, files=files,
             image_digest=request.launch.image_digest)
-        packed = thin_and_pack(images, work, [], profile, request.tag, released, tl, progress)
+        packed = thin_and_pack(images, work, files, profile, request.tag, released, tl, progress, sources)
         return {**packed, "tag": request.tag, "container": cid,
                 "left_running": request.lifecycle.leave_running, "quiesce": request.policy.quiesce,
                 "connections_in_flight": connections, "validated_text": first.text,
                 "weights_mode": weights_mode, "cuda_processes": len(gpu.pids), "criu_options": options.cli_flags(),
                 "runc_checkpoint": argv, "_profile": profile}
     finally:
+        if held_shm is not None:
+            held_shm.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
 

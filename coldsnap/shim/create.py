@@ -76,7 +76,7 @@ def create_from_capsule(runc: str, parsed: RuncArgv, spec: dict) -> int:
         with tl.span("stage"):
             staged = _stage(capsule)
         attempted = True
-        restored = restore_container(runc, parsed, staged, creq.host, creq.port, tl)
+        restored = restore_container(runc, parsed, staged, spec, creq.host, creq.port, tl)
     except Exception as e:  # noqa: BLE001 - whatever went wrong, the container must still come up (or say why)
         cause = e if isinstance(e, ColdSnapError) else ColdSnapError(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
         return fall_back(runc, parsed, creq, tl, capsule, cause, attempted, netns_path(spec))

@@ -11,7 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from .. import gpu_support
+from .. import gpu_support, hoststate
 from ..bundle import criu_runc
 from ..bundle.argv import RuncArgv
 from ..config import private_dir, settings
@@ -94,14 +94,20 @@ def runc_restore(runc: str, parsed: RuncArgv, staged: Staged, work: Path) -> tup
         raise ColdSnapError(ErrorCode.RUNTIME, f"runc restore wrote no pid to {pid_file}") from None
 
 
-def restore_container(runc: str, parsed: RuncArgv, staged: Staged, target_host: str | None, target_port: int | None,
-                      tl: Timeline) -> dict:
-    """criu-restore and hydrate spans; returns what the record needs."""
+def restore_container(runc: str, parsed: RuncArgv, staged: Staged, spec: dict, target_host: str | None,
+                      target_port: int | None, tl: Timeline) -> dict:
+    """criu-restore and hydrate spans; returns what the record needs. spec: the new container's."""
     profile = staged.capsule.profile
     work = work_dir(parsed.container_id)
     t0 = time.monotonic()  # the restore clock: staging excluded, as for process mode
     with tl.span("criu-restore"):
-        pid, argv = runc_restore(runc, parsed, staged, work)
+        # files of a bound /dev/shm the dump refers to: into the new container's before CRIU looks for them
+        put_back = hoststate.put_back_container_shm(staged.files, profile.files, spec)
+        try:
+            pid, argv = runc_restore(runc, parsed, staged, work)
+        except BaseException:
+            hoststate.remove_files(put_back)  # a cold start gets its /dev/shm as it was
+            raise
     target = Target(pid=pid, port=target_port or profile.launch.port, host=target_host)
     with tl.span("hydrate"):
         call_in_netns(pid, loopback_up)  # a netns runc re-created comes back with lo down
