@@ -150,45 +150,51 @@ def run_launch(podman: Podman, name: str, launch, netns: str, *extra: str) -> su
 
 
 @pytest.fixture(scope="module")
-def vllm_pod(podman):
+def pod_network():
+    ns = VethNetNS("cspod")
+    try:
+        yield ns
+    finally:
+        ns.delete()
+
+
+def engine_launch(engine: str):
+    from test_engine_sglang import SGLANG_VENV
     from test_engine_vllm import FIXTURE_MODEL, VLLM_VENV, ensure_engine
 
     from coldsnap.contracts import CaptureRequest
     from coldsnap.engines.base import get_adapter
 
-    ensure_engine("vllm", VLLM_VENV)
-    launch = get_adapter("vllm").prepare_container(CaptureRequest(operation="capture", engine={
-        "name": "vllm", "options": {"venv": VLLM_VENV, "model": FIXTURE_MODEL, "enforce_eager": True,
-                                    "max_model_len": 2048}}))
-    ns = VethNetNS("cspod")
-    try:
-        yield {"launch": launch, "ns": ns}
-    finally:
-        ns.delete()
+    options = {"vllm": {"venv": VLLM_VENV, "model": FIXTURE_MODEL, "enforce_eager": True, "max_model_len": 2048},
+               "sglang": {"venv": SGLANG_VENV, "model": FIXTURE_MODEL}}[engine]
+    ensure_engine(engine, options["venv"])
+    return get_adapter(engine).prepare_container(CaptureRequest(operation="capture", engine={
+        "name": engine, "options": options}))
 
 
-def test_podman_restores_a_vllm_container_with_the_same_completions(podman, vllm_pod):
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_podman_restores_an_engine_container_with_the_same_completions(podman, pod_network, engine):
     from test_engine_vllm import completions
 
     from coldsnap.flows.container import capture_container
 
-    launch, ns = vllm_pod["launch"], vllm_pod["ns"]
+    launch, ns = engine_launch(engine), pod_network
     model = launch.model.id
-    name = unique("vllm-cold")
+    name = unique(f"{engine}-cold")
     r = run_launch(podman, name, launch, ns.name)
     assert r.returncode == 0, r.stderr
     wait_for(lambda: healthy_at(ns.address, 8000) or podman.inspect(name)["State"]["Status"] != "running", 600,
-             "vLLM to answer /health")
-    assert healthy_at(ns.address, 8000), f"the vLLM container stopped: {podman('logs', name, check=False).stderr[-800:]}"
+             f"{engine} to answer /health")
+    assert healthy_at(ns.address, 8000), f"the {engine} container stopped: {podman('logs', name, check=False).stderr[-800:]}"
     before = completions(ns.address, 8000, model)
     assert len(set(before)) > 1, before  # not degenerate
-    res = capture_container(podman.inspect(name)["Id"], "/run/runc", engine="vllm", tag="podman-vllm")
-    assert res.receipt["state"] == "succeeded" and res.profile.engine.name == "vllm"
+    res = capture_container(podman.inspect(name)["Id"], "/run/runc", engine=engine, tag=f"podman-{engine}")
+    assert res.receipt["state"] == "succeeded" and res.profile.engine.name == engine
     assert res.profile.snapshot_driver == "criu-runc" and res.profile.launch.command == launch.argv
     wait_for(lambda: podman.inspect(name)["State"]["Status"] == "exited", 30, "podman to see the capture's stop")
     podman("rm", name)
 
-    restored = unique("vllm-restored")
+    restored = unique(f"{engine}-restored")
     r = run_launch(podman, restored, launch, ns.name, "--annotation", f"{mt.ANNOTATION_CAPSULE}={res.capsule}",
                    "--hooks-dir", str(podman.hooks_dir))
     assert r.returncode == 0, r.stderr
@@ -199,6 +205,7 @@ def test_podman_restores_a_vllm_container_with_the_same_completions(podman, vllm
     assert [s["name"] for s in rec["spans"]] == ["admit", "stage", "criu-restore", "hydrate", "validate"]
     assert rec["result"]["validated_text"] == res.profile.expected_text
     assert completions(ns.address, 8000, model) == before
-    print(f"\n[measured] vLLM under podman: restore → first token {rec['result'].get('time_to_first_token_s')} s, "
-          f"capture {[(s['name'], round(s['duration_s'], 2)) for s in res.receipt['spans']]}")
+    shm = [f.path for f in res.profile.files if f.path.startswith("/dev/shm/")]
+    print(f"\n[measured] {engine} under podman: restore → first token {rec['result'].get('time_to_first_token_s')} s; "
+          f"{len(shm)} /dev/shm file(s) carried; capture {[(s['name'], round(s['duration_s'], 2)) for s in res.receipt['spans']]}")
     podman("rm", "-f", "-t", "0", restored)
