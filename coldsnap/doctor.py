@@ -387,12 +387,13 @@ def capabilities() -> Capabilities:
                               "validated (bench/results/reference-cuda-container.receipts.json)",
             "weights-prefetch/cuda": "H200: the weights loaded onto the GPU during the restore and taken by the engine "
                                      "in 10/10 recovery and 5/5 native restores "
-                                     "(bench/results/reference-cuda-{recovery,native}.receipts.json); tensor "
-                                     "parallel not yet run",
+                                     "(bench/results/reference-cuda-{recovery,native}.receipts.json); and on "
+                                     "each GPU of 10/10 tensor-parallel-2 restores (reference-cuda-tp2.receipts.json)",
             "criu-runc/cpu": "Debian 12, runc 1.1.5, CRIU 4.2.1, through coldsnap-runtime: reference engine under "
-                             "runc, podman, docker, containerd; vLLM 0.32 CPU and SGLang 0.5.23 CPU under runc: 10/10 "
-                             "completions identical after restore, vLLM captured with 16 streams in flight (quiesce "
-                             "none), 16/16 finished identical (tests/test_engines_in_containers.py)",
+                             "runc, podman, docker, containerd; vLLM 0.32 CPU and SGLang 0.5.23 CPU under runc and "
+                             "podman (its bound /dev/shm carried): 10/10 completions identical after restore, vLLM "
+                             "captured with 16 streams in flight (quiesce none), 16/16 finished identical "
+                             "(tests/test_engines_in_containers.py, tests/test_shim_podman.py)",
             "registry": "Debian docker-registry 2.8: push/pull/resume/tamper refusal/shared payload (make test)",
         },
     )
