@@ -100,19 +100,19 @@ def restore_container(runc: str, parsed: RuncArgv, staged: Staged, spec: dict, t
     profile = staged.capsule.profile
     work = work_dir(parsed.container_id)
     t0 = time.monotonic()  # the restore clock: staging excluded, as for process mode
-    with tl.span("criu-restore"):
-        # files of a bound /dev/shm the dump refers to: into the new container's before CRIU looks for them
-        put_back = hoststate.put_back_container_shm(staged.files, profile.files, spec)
-        try:
+    # files of a bound /dev/shm the dump refers to: into the new container's before CRIU looks for them
+    put_back = hoststate.put_back_container_shm(staged.files, profile.files, spec)
+    try:
+        with tl.span("criu-restore"):
             pid, argv = runc_restore(runc, parsed, staged, work)
-        except BaseException:
-            hoststate.remove_files(put_back)  # a cold start gets its /dev/shm as it was
-            raise
-    target = Target(pid=pid, port=target_port or profile.launch.port, host=target_host)
-    with tl.span("hydrate"):
-        call_in_netns(pid, loopback_up)  # a netns runc re-created comes back with lo down
-        gpu = gpu_support.restore_restored_tree(pid) if profile.cuda_pids else gpu_support.GpuCheckpoint()
-        adapter = get_adapter(profile.engine.name)
-        target.call(adapter.after_restore, profile.kv_discarded, profile.weights_mode)
+        target = Target(pid=pid, port=target_port or profile.launch.port, host=target_host)
+        with tl.span("hydrate"):
+            call_in_netns(pid, loopback_up)  # a netns runc re-created comes back with lo down
+            gpu = gpu_support.restore_restored_tree(pid) if profile.cuda_pids else gpu_support.GpuCheckpoint()
+            adapter = get_adapter(profile.engine.name)
+            target.call(adapter.after_restore, profile.kv_discarded, profile.weights_mode)
+    except BaseException:
+        hoststate.remove_files(put_back)  # the cold start the caller falls back to gets its /dev/shm as it was
+        raise
     return {"pid": pid, "t0": t0, "work_dir": str(work), "runc_restore": argv, "port": target.port,
             "host": target.host, "cuda_processes": len(gpu.pids)}
