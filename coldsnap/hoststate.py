@@ -222,7 +222,7 @@ class HeldShm:
             return
         for e in entries:
             try:
-                fd = os.open(e.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                fd = _open_held(e.path)
             except OSError:
                 continue
             if stat.S_ISREG(os.fstat(fd).st_mode):
@@ -245,7 +245,7 @@ class HeldShm:
                 continue
             if name not in self.fds:
                 try:
-                    self.fds[name] = os.open(os.path.join(self.source, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                    self.fds[name] = _open_held(os.path.join(self.source, name))
                 except OSError:
                     continue  # gone: CRIU ghosted it into the images
             st = os.fstat(self.fds[name])
@@ -258,6 +258,10 @@ class HeldShm:
         for fd in self.fds.values():
             os.close(fd)
         self.fds = {}
+
+
+def _open_held(path: str) -> int:
+    return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
 
 
 def put_back_container_shm(files_dir: Path | None, files: list[CapturedFile], spec: dict) -> list[str]:

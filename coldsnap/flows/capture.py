@@ -118,10 +118,8 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> dict:
         dump_stats = criu_stats(images, "dump")
         # State outside the images (host /dev/shm files): snapshot their dump-time bytes before anything resumes.
         extra = hoststate.extra_files(images)
-        extra_src = {}
-        for i, f in enumerate(extra):
-            extra_src[f.path] = str(private_dir(images.parent / "extra") / str(i))
-            hoststate.put_back_file(f.path, f.model_copy(update={"path": extra_src[f.path]}))
+        extra_src = {f.path: hoststate.snapshot_file(f.path, f, private_dir(images.parent / "extra") / str(i))
+                     for i, f in enumerate(extra)}
 
         if request.lifecycle.leave_running:
             with tl.span("resume"):
