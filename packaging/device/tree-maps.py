@@ -47,24 +47,36 @@ def show(pid: int) -> None:
 
 
 def sample(pid: int, start: int, size: int) -> str:
-    """What a mapping holds, as a hint to whose it is: from 1 MiB at its middle, the share of zero bytes, how many
-    distinct byte values, and the first non-zero bytes."""
-    n = min(size, 1 << 20)
+    """What a mapping holds, as a hint to whose it is: over the whole mapping (up to 512 MiB), the share of zero
+    bytes, how many ELF headers and CUDA code markers it holds, and its first printable strings."""
+    import re
+
     try:
         with open(f"/proc/{pid}/mem", "rb") as f:
-            f.seek(start + (size - n) // 2)
-            data = f.read(n)
+            f.seek(start)
+            data = f.read(min(size, 512 << 20))
     except OSError as e:
         return f"unreadable: {e}"
-    nonzero = data.lstrip(b"\0")
-    return (f"sample: {data.count(0) / max(1, len(data)):.0%} zero bytes, {len(set(data))} byte values, "
-            f"first non-zero: {nonzero[:24].hex(' ')}")
+    marks = {m: data.count(m) for m in (b"\x7fELF", b"nccl", b"NCCL", b".nv.info", b"sm_90", b"ncclDevKernel")}
+    strings = [s.decode() for s in re.findall(rb"[ -~]{16,}", data[: 64 << 20])[:8]]
+    mid = data[len(data) // 2: len(data) // 2 + 32]
+    return (f"sample: {data.count(0) / max(1, len(data)):.0%} zero bytes, markers {marks}, "
+            f"middle {mid.hex(' ')}, strings {strings}")
+
+
+def gpu_apps() -> None:
+    import subprocess
+
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory", "--format=csv,noheader"],
+                         capture_output=True, text=True).stdout
+    print("GPU memory by process:\n" + out, file=sys.stderr)
 
 
 _checkpoint = gpu_support.checkpoint_tree
 
 
 def checkpoint_tree(root_pid: int):
+    gpu_apps()
     for pid in tree(root_pid):
         try:
             show(pid)
