@@ -17,6 +17,11 @@ class Settings:
     criu_binary: str | None  # explicit CRIU entry point; wins over the prefix
 
     @property
+    def code(self) -> Path:
+        """CUDA device code moved out of engines' memory at capture (coldsnap.codestash), one file per content."""
+        return self.home / "code"
+
+    @property
     def criu(self) -> str:
         if self.criu_binary:
             return self.criu_binary

@@ -9,6 +9,10 @@ host, while those files happen to still be there; the second restore fails with
   Error (criu/files-reg.c:2258): Can't link dev/shm/link_remap.237 -> dev/shm/sem.8SOzZI: No such file or directory
 and a restore after the shared memory changed (another run of the capsule) would see foreign queue contents.
 These helpers let the flows carry those files in the capsule like the run dir's log file.
+
+The same goes for the CUDA device code an engine moved into files at release (coldsnap.codestash): content-
+addressed files that the restored processes map. A restore puts a missing one back after checking its bytes
+against the digest in its name, and leaves one already there alone (same name, same bytes).
 """
 
 from __future__ import annotations
@@ -17,14 +21,16 @@ import os
 import stat
 from pathlib import Path
 
-from .contracts import CapturedFile
+from . import codestash
+from .contracts import CapturedFile, ColdSnapError, ErrorCode
 
 SHM_DIRS = ("/dev/shm/",)
 
 
 def extra_files(images: Path) -> list[CapturedFile]:
     """Files outside the run dir that a restore of `images` needs back with their dump-time bytes: every regular
-    file under /dev/shm the dumped tree held open or mapped, and CRIU's link_remap.N links to such files. Call it
+    file under /dev/shm the dumped tree held open or mapped, CRIU's link_remap.N links to such files, and the CUDA
+    code files it maps (coldsnap.codestash). Call it
     right after the dump (the dumped tree is dead, so the files hold their dump-time bytes). Sizes are the files'
     real ones (CRIU records none for link_remap entries); files already gone are skipped (CRIU ghosted them)."""
     from .criu import criu_images_open_files
@@ -32,7 +38,7 @@ def extra_files(images: Path) -> list[CapturedFile]:
     out: dict[str, CapturedFile] = {}
     for f in criu_images_open_files(images):
         path = f["path"]
-        if not path.startswith(SHM_DIRS) or path in out:
+        if not (path.startswith(SHM_DIRS) or codestash.is_code_file(path)) or path in out:
             continue
         try:
             st = os.stat(path)
@@ -75,7 +81,10 @@ def copy_sparse(src: str | os.PathLike, dst: str | os.PathLike, size: int, block
 
 
 def put_back_file(src: str | os.PathLike | None, f: CapturedFile) -> None:
-    """Put one captured file back at its path (atomically, sparse, dump-time size and mode)."""
+    """Put one captured file back at its path (atomically, sparse, dump-time size and mode). A CUDA code file is
+    content-addressed: kept when already there at its size, otherwise checked against its name's digest."""
+    if codestash.is_code_file(f.path):
+        return _put_back_code_file(src, f)
     Path(f.path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = f"{f.path}.coldsnap-tmp{os.getpid()}"
     if src is not None and os.path.exists(src):
@@ -85,6 +94,31 @@ def put_back_file(src: str | os.PathLike | None, f: CapturedFile) -> None:
             fo.truncate(f.size)
     os.chmod(tmp, f.mode)
     os.replace(tmp, f.path)
+
+
+def _put_back_code_file(src: str | os.PathLike | None, f: CapturedFile) -> None:
+    try:
+        if os.stat(f.path).st_size == f.size:
+            return
+    except FileNotFoundError:
+        pass
+    if src is None or not os.path.exists(src):
+        raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"the capsule lacks the CUDA code file {f.path}")
+    Path(f.path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = f"{f.path}.coldsnap-tmp{os.getpid()}"
+    try:
+        copy_sparse(src, tmp, f.size)
+        want = codestash.NAME.match(os.path.basename(f.path)).group(1)
+        from .capsule.store import sha256_file
+
+        if sha256_file(Path(tmp))[0] != f"sha256:{want}":
+            raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"CUDA code file {f.path}: its bytes do not match "
+                                "the digest in its name")
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, f.path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def snapshot_file(src: str, f: CapturedFile, dest: Path) -> str:

@@ -4,6 +4,7 @@ and write a capsule. Any failure stops the workload and leaves no capsule, proce
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import uuid
 from dataclasses import dataclass
@@ -95,9 +96,10 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> dict:
 
         with tl.span("release"):
             # native: the weights leave the dump as a file of their own, where the engine can save them (a
-            # container's engine would save inside the container's filesystem, so container capture does not ask)
+            # container's engine would save inside the container's filesystem, so container capture does not ask
+            # for that, nor for its CUDA code as files)
             released = adapter.before_capture(plan.workload_address, plan.port, request.policy.kv_discard,
-                                              launch.weights_mode, save_weights=True)
+                                              launch.weights_mode, save_weights=True, code_dir=_code_dir())
         model = saved_weights_model(adapter, released) or model
         with tl.span("quiesce"):
             wait_no_connections(pid, plan.port)
@@ -180,6 +182,14 @@ def engine_info(host: str, port: int) -> dict:
         return json.loads(data) if resp.status == 200 else {}
     except (OSError, ValueError):
         return {}
+
+
+def _code_dir() -> str | None:
+    """Where engines put the CUDA device code they hold in anonymous memory (coldsnap.codestash);
+    COLDSNAP_CODE_STASH=0 keeps it in the dump."""
+    if os.environ.get("COLDSNAP_CODE_STASH", "1") == "0":
+        return None
+    return str(private_dir(settings().code))
 
 
 def _captured_files(images: Path, wdir: Path) -> list[CapturedFile]:

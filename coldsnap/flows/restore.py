@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .. import gpu_support, hoststate
+from .. import codestash, gpu_support, hoststate
 from ..capsule import CapsuleStore, LoadedCapsule, unpack_layer
 from ..capsule.payload import materialize
 from ..config import private_dir, settings
@@ -88,7 +88,9 @@ def stage(capsule: LoadedCapsule) -> Staged:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     files = root / "files"
-    return Staged(capsule=capsule, images=root / "images", files=files if files.exists() else None)
+    staged = Staged(capsule=capsule, images=root / "images", files=files if files.exists() else None)
+    _put_back_files(staged, only_code=True)  # big, and the same for every restore: here, off the restore's clock
+    return staged
 
 
 def reloads_weights(capsule: LoadedCapsule) -> bool:
@@ -98,11 +100,12 @@ def reloads_weights(capsule: LoadedCapsule) -> bool:
     return bool(capsule.profile.model) and (bool(payload) or capsule.profile.weights_mode == "recovery")
 
 
-def _put_back_files(staged: Staged) -> None:
+def _put_back_files(staged: Staged, only_code: bool = False) -> None:
     """Files the process held open must look as they did at the dump (CRIU checks their size): the run dir's log,
-    host /dev/shm state. Sparse, atomic, with their recorded mode."""
+    host /dev/shm state, CUDA code files (only those with only_code). Sparse, atomic, with their recorded mode."""
     for i, f in enumerate(staged.capsule.profile.files):
-        hoststate.put_back_file(staged.files / str(i) if staged.files else None, f)
+        if not only_code or codestash.is_code_file(f.path):
+            hoststate.put_back_file(staged.files / str(i) if staged.files else None, f)
 
 
 # --- the whole restore -------------------------------------------------------------------------------------------

@@ -88,16 +88,17 @@ class ReferenceAdapter(EngineAdapter):
                            settings=tp.get("settings") or {})
 
     def before_capture(self, host: str, port: int, kv_discard: bool, weights_mode: str,
-                       save_weights: bool = False) -> dict:
+                       save_weights: bool = False, code_dir: str | None = None) -> dict:
         # recovery: weights and KV go (the engine reloads the weights from the pinned file after restore). native
         # with save_weights: the engine first saves its weights as they are in memory to a file of its own, which
         # travels beside the images as a content-addressed payload, and reloads from it after restore. native
         # otherwise: the weights stay in the dump, only the KV cache goes.
+        stash = {"stash_code": code_dir} if code_dir else {}
         if weights_mode == "native" and save_weights:
-            return post_json(host, port, "/coldsnap/release", {"weights": True, "save": True})
+            return post_json(host, port, "/coldsnap/release", {"weights": True, "save": True, **stash})
         if not kv_discard and weights_mode != "recovery":
             return {}
-        return post_json(host, port, "/coldsnap/release", {"weights": weights_mode == "recovery"})
+        return post_json(host, port, "/coldsnap/release", {"weights": weights_mode == "recovery", **stash})
 
     def after_restore(self, host: str, port: int, kv_discarded: bool, weights_mode: str,
                       prefetched: str | dict[str, str] | None = None) -> dict:

@@ -457,21 +457,29 @@ class Runner:
                 pos += 1
                 yield tok
 
-    def release(self, weights: bool = True, save_to: str | None = None) -> dict[str, Any]:
+    def release(self, weights: bool = True, save_to: str | None = None,
+                stash_code: str | None = None) -> dict[str, Any]:
         """Drop the KV cache (and, on CUDA, the weights unless weights=False). Idempotent.
         save_to: first write the weights as they are in memory to that safetensors file, then drop them on any
         device; resume() reloads them from it (native weights that travel as their own file, not in the dump).
+        stash_code: then move the CUDA device code this process holds in anonymous memory into files there
+        (coldsnap.codestash), so a dump carries file mappings instead of those pages.
         Tensor-parallel peers release at the same time; the answer counts every rank's bytes."""
         if save_to and self.peers is not None:
             raise ValueError("saving the weights of a tensor-parallel engine is not supported: use recovery mode")
         if self.peers is not None:
-            self.peers.send({"op": "release", "weights": weights})
-        out = self._release_local(weights, save_to)
+            self.peers.send({"op": "release", "weights": weights, "stash_code": stash_code})
+        out = self._release_local(weights, save_to, stash_code)
         if self.peers is not None:
-            out["freed_bytes"] += sum(int(p.get("freed_bytes", 0)) for p in self.peers.replies())
+            for reply in self.peers.replies():
+                out["freed_bytes"] += int(reply.get("freed_bytes", 0))
+                for key in ("files", "bytes"):
+                    if "code_stash" in out:
+                        out["code_stash"][key] += int((reply.get("code_stash") or {}).get(key, 0))
         return out
 
-    def _release_local(self, weights: bool, save_to: str | None = None) -> dict[str, Any]:
+    def _release_local(self, weights: bool, save_to: str | None = None,
+                       stash_code: str | None = None) -> dict[str, Any]:
         from .weights import load_into, load_prefetched, load_weights, save_tensors
 
         freed = 0
@@ -510,6 +518,10 @@ class Runner:
                 out["gpu_used_bytes"] = total - free
                 out["torch_reserved_bytes"] = torch.cuda.memory_reserved(self.device)
         trim_host_memory()  # every rank, not only the one that serves HTTP
+        if stash_code:
+            from coldsnap.codestash import stash_code as stash
+
+            out["code_stash"] = stash(stash_code)
         return {"freed_bytes": freed, **out}
 
     def resume(self, prefetched: str | dict[str, str] | None = None) -> dict[str, Any]:

@@ -130,9 +130,10 @@ class Engine:
             for tok in self.runner.generate(ids, max_tokens):
                 yield decode([tok])
 
-    def release(self, weights: bool = True, save: bool = False) -> dict[str, Any]:
+    def release(self, weights: bool = True, save: bool = False, stash_code: str | None = None) -> dict[str, Any]:
         """save: write the weights as they are in memory next to the weights file first (a new file each time,
-        named in the answer's saved_weights), then drop them; resume() reloads from that file."""
+        named in the answer's saved_weights), then drop them; resume() reloads from that file.
+        stash_code: a directory for the CUDA device code held in anonymous memory (coldsnap.codestash)."""
         save_to = None
         if save:
             src = Path(self.info["weights"]["path"])
@@ -140,7 +141,7 @@ class Engine:
         with self.lock:
             t = time.monotonic()
             try:
-                out = self.runner.release(weights=weights, save_to=save_to)
+                out = self.runner.release(weights=weights, save_to=save_to, stash_code=stash_code)
             except ValueError as e:
                 raise BadRequest(str(e), 400, code="unsupported") from None
             return {"released": True, "seconds": time.monotonic() - t, "rss_bytes": _rss_bytes(), **out}
@@ -269,7 +270,9 @@ class Handler(BaseHTTPRequestHandler):
 
     def release(self) -> None:
         body = self._body(required=False) or {}
-        self._json(200, self.engine.release(weights=bool(body.get("weights", True)), save=bool(body.get("save"))))
+        stash = body.get("stash_code")
+        self._json(200, self.engine.release(weights=bool(body.get("weights", True)), save=bool(body.get("save")),
+                                            stash_code=str(stash) if stash else None))
 
     def resume(self) -> None:
         body = self._body(required=False) or {}

@@ -204,7 +204,7 @@ def serve_rank(runner, fds: str, started: dict[str, Any]) -> int:
                 with torch.no_grad():
                     runner.run_step(cmd["ids"], cmd["start"])
             elif op == "release":
-                answer(runner.release(weights=bool(cmd.get("weights", True))))
+                answer(runner.release(weights=bool(cmd.get("weights", True)), stash_code=cmd.get("stash_code")))
             elif op == "resume":
                 answer(runner.resume(cmd.get("prefetched")))  # {GPU UUID: socket}: this rank takes its GPU's
             elif op == "exit":
