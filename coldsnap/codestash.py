@@ -6,8 +6,8 @@ those pages and write every one of them back at restore, in each process. The sa
 every capture of the same libraries, so they are better as a file: an engine calls stash_code() in its release
 hook (the process quiet, nothing running on the GPU). Each mapping that holds CUDA code is written once to
 DIR/sha256-HEX.cubin and mapped over itself, private and at the same address, so the process sees the same bytes.
-Found by their first bytes: a mapping that starts with such an image (after a malloc chunk header, whose size
-bounds it). An image that shares its mapping with memory below it stays in the dump.
+Found by their first bytes: a mapping that starts with such an image (a fatbin, or a GPU ELF within its first
+64 KiB; a malloc chunk header first bounds it by its size). An image that shares its mapping with memory below it stays in the dump.
 CRIU then records a file mapping with no dirty pages; a restore maps the file from the page cache instead of
 copying the pages. The capture packs the files beside the images and a restore puts them back, verified, at the
 same path (hoststate.code_files, restore.stage).
@@ -24,6 +24,8 @@ import re
 from pathlib import Path
 
 EM_CUDA = 190  # ELF e_machine of NVIDIA device code
+FATBIN_MAGIC = (0xBA55ED50).to_bytes(4, "little")
+HEAD_BYTES = 64 << 10  # how far into a mapping its first CUDA image may start
 MIN_BYTES = 8 << 20  # smaller images are not worth a file
 NAME = re.compile(r"^sha256-([0-9a-f]{64})\.cubin$")
 
@@ -37,9 +39,16 @@ def is_code_file(path: str) -> bool:
 
 
 def holds_cuda_code(head: bytes) -> bool:
-    """An allocation that starts (after at most a malloc chunk header) with a 64-bit ELF image for NVIDIA GPUs."""
-    at = head.find(b"\x7fELF\x02", 0, 64)
-    return at >= 0 and len(head) >= at + 20 and int.from_bytes(head[at + 18:at + 20], "little") == EM_CUDA
+    """An allocation that starts with CUDA code: a fatbin's magic in its first page, or a 64-bit ELF image for
+    NVIDIA GPUs in its first 64 KiB (after a malloc chunk header, fatbin headers, whatever the runtime puts first)."""
+    if head.find(FATBIN_MAGIC, 0, 4096) >= 0:
+        return True
+    at = head.find(b"\x7fELF\x02", 0, HEAD_BYTES)
+    while at >= 0:
+        if len(head) >= at + 20 and int.from_bytes(head[at + 18:at + 20], "little") == EM_CUDA:
+            return True
+        at = head.find(b"\x7fELF\x02", at + 1, HEAD_BYTES)
+    return False
 
 
 def allocation_bytes(head: bytes, mapping_bytes: int) -> int:
@@ -70,13 +79,16 @@ def candidate_mappings(maps: str) -> list[tuple[int, int, int]]:
 
 def stash_code(directory: str | os.PathLike) -> dict:
     """Back every anonymous mapping of this process that holds CUDA device code with a file of its bytes. Returns
-    {"files": n, "bytes": moved}. Call only while no thread of the process writes such memory (a release hook)."""
+    {"files": n, "bytes": moved, "left": [the first bytes of each big mapping left alone]}. Call only while no
+    thread of the process writes such memory (a release hook)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    moved, files = 0, 0
+    moved, files, left = 0, 0, []
     for lo, hi, prot in candidate_mappings(Path("/proc/self/maps").read_text()):
-        head = ctypes.string_at(lo, 64)
+        head = ctypes.string_at(lo, HEAD_BYTES)
         if not holds_cuda_code(head):
+            if hi - lo >= 64 << 20:  # what a big one that stays starts with, to tell next time
+                left.append(f"{(hi - lo) >> 20} MiB at {lo:#x}: {head[:48].hex()}")
             continue
         hi = lo + allocation_bytes(head, hi - lo)
         data = ctypes.string_at(lo, hi - lo)
@@ -98,4 +110,4 @@ def stash_code(directory: str | os.PathLike) -> dict:
             raise OSError(ctypes.get_errno(), f"mapping {path.name} over {lo:#x} failed")
         moved += hi - lo
         files += 1
-    return {"files": files, "bytes": moved}
+    return {"files": files, "bytes": moved, "left": left}

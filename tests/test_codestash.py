@@ -83,7 +83,9 @@ def test_cuda_code_is_recognised_only_by_its_elf_header():
     head = bytes(16) + b"\x7fELF\x02" + bytes(13) + (190).to_bytes(2, "little") + bytes(32)
     assert codestash.holds_cuda_code(head)
     assert not codestash.holds_cuda_code(head.replace((190).to_bytes(2, "little"), (62).to_bytes(2, "little")))
-    assert not codestash.holds_cuda_code(bytes(64)) and not codestash.holds_cuda_code(bytes(80) + head)
+    assert not codestash.holds_cuda_code(bytes(64)) and not codestash.holds_cuda_code(bytes(64 << 10) + head)
+    assert codestash.holds_cuda_code(bytes(9000) + head)  # after a chunk header, a fatbin's headers, ...
+    assert codestash.holds_cuda_code(bytes(16) + codestash.FATBIN_MAGIC + bytes(44))
     maps = ("7f0000000000-7f0001000000 rw-p 00000000 00:00 0 \n"
             "7f0002000000-7f0002100000 rw-p 00000000 00:00 0 \n"  # 1 MiB: too small
             "7f0003000000-7f0004000000 rw-p 00000000 00:00 0          [heap]\n"
