@@ -1,16 +1,15 @@
 """Move a process's decompressed CUDA device code out of its anonymous memory into content-addressed files.
 
-The CUDA runtime decompresses each library's fatbin into plain anonymous memory and keeps it (lazy loading reads
-kernels from it later): 200 MiB a process for NCCL alone, more for torch's and Triton's kernels. CRIU would dump
-those pages and write every one of them back at restore, in each process. The same bytes sit in every rank and
-every capture of the same libraries, so they are better as a file: an engine calls stash_code() in its release
-hook (the process quiet, nothing running on the GPU). Each mapping that holds CUDA code is written once to
-DIR/sha256-HEX.cubin and mapped over itself, private and at the same address, so the process sees the same bytes.
-Found by their first bytes: a mapping that starts with such an image (a fatbin, or a GPU ELF within its first
-64 KiB; a malloc chunk header first bounds it by its size). An image that shares its mapping with memory below it stays in the dump.
-CRIU then records a file mapping with no dirty pages; a restore maps the file from the page cache instead of
-copying the pages. The capture packs the files beside the images and a restore puts them back, verified, at the
-same path (hoststate.code_files, restore.stage).
+The CUDA runtime decompresses a library's fatbin into plain anonymous memory and keeps it there (lazy loading reads
+kernels from it later): NCCL's kernels take 200 MiB in every tensor-parallel rank on the H200. CRIU would dump
+those pages and write each one back at restore, in every process, although the same bytes sit in every rank and
+every capture of the same libraries. So an engine calls stash_code() in its release hook (the process quiet,
+nothing running on the GPU): each piece of memory holding CUDA code (code_ranges: one of malloc's mmapped chunks
+that holds a GPU ELF image, or a mapping that starts with CUDA code) is written once to DIR/sha256-HEX.cubin and
+that file is mapped over it, private and at the same address, so the process sees the same bytes. CRIU then
+records a file mapping without dirty pages, and a restore maps the file from the page cache instead of copying
+pages. The capture carries the files in the capsule (hoststate.extra_files); staging puts a missing one back,
+checked against its name (hoststate.put_back_file).
 
 Only stdlib: it runs inside engines."""
 
@@ -25,6 +24,7 @@ from pathlib import Path
 
 EM_CUDA = 190  # ELF e_machine of NVIDIA device code
 FATBIN_MAGIC = (0xBA55ED50).to_bytes(4, "little")
+CUDA_ELF = re.compile(rb"\x7fELF\x02.{13}" + EM_CUDA.to_bytes(2, "little"), re.S)  # e_machine at 18
 HEAD_BYTES = 64 << 10  # how far into a mapping its first CUDA image may start
 MIN_BYTES = 8 << 20  # smaller images are not worth a file
 NAME = re.compile(r"^sha256-([0-9a-f]{64})\.cubin$")
@@ -38,30 +38,44 @@ def is_code_file(path: str) -> bool:
     return bool(NAME.match(os.path.basename(path)))
 
 
+def has_cuda_elf(data, limit: int | None = None) -> bool:
+    """Whether data (any buffer) holds a 64-bit ELF header for NVIDIA GPUs (within its first `limit` bytes)."""
+    return CUDA_ELF.search(data, 0, len(data) if limit is None else limit) is not None
+
+
 def holds_cuda_code(head: bytes) -> bool:
-    """An allocation that starts with CUDA code: a fatbin's magic in its first page, or a 64-bit ELF image for
-    NVIDIA GPUs in its first 64 KiB (after a malloc chunk header, fatbin headers, whatever the runtime puts first)."""
-    if head.find(FATBIN_MAGIC, 0, 4096) >= 0:
-        return True
-    at = head.find(b"\x7fELF\x02", 0, HEAD_BYTES)
-    while at >= 0:
-        if len(head) >= at + 20 and int.from_bytes(head[at + 18:at + 20], "little") == EM_CUDA:
-            return True
-        at = head.find(b"\x7fELF\x02", at + 1, HEAD_BYTES)
-    return False
+    """A mapping that starts with CUDA code: a fatbin's magic in its first page, or a GPU ELF image in its first
+    64 KiB (after whatever the runtime puts first)."""
+    return re.compile(re.escape(FATBIN_MAGIC)).search(head, 0, 4096) is not None or has_cuda_elf(head, HEAD_BYTES)
 
 
-def allocation_bytes(head: bytes, mapping_bytes: int) -> int:
-    """How much of a mapping the allocation at its start takes: a glibc chunk of its own (malloc's mmap for large
-    sizes: prev_size 0, size with IS_MMAPPED) says so in its header; otherwise the whole mapping. The kernel merges
-    neighbouring anonymous mappings, so memory above the chunk can be someone else's and stays where it is."""
-    prev_size = int.from_bytes(head[0:8], "little")
-    size = int.from_bytes(head[8:16], "little")
-    if prev_size == 0 and size & 2 and not size & 4:  # IS_MMAPPED, not NON_MAIN_ARENA
-        size &= ~7
-        if 0 < size <= mapping_bytes and size % mmap.PAGESIZE == 0:
-            return size
-    return mapping_bytes
+def mmapped_chunk_bytes(header: bytes, room: int) -> int:
+    """The size of the glibc chunk this 16-byte header starts (malloc's own mmap for a large allocation: prev_size
+    0, size with IS_MMAPPED, not NON_MAIN_ARENA, whole pages, fits in `room`), else 0."""
+    prev_size = int.from_bytes(header[0:8], "little")
+    size = int.from_bytes(header[8:16], "little")
+    if prev_size != 0 or not size & 2 or size & 4:
+        return 0
+    size &= ~7
+    return size if 0 < size <= room and size % mmap.PAGESIZE == 0 else 0
+
+
+def code_ranges(read, lo: int, hi: int) -> list[tuple[int, int]]:
+    """The parts of the anonymous mapping [lo, hi) that hold CUDA code; read(addr, n) returns its bytes.
+    The kernel merges neighbouring anonymous mappings, so a mapping is often several of malloc's mmapped chunks in
+    a row (the CUDA runtime keeps each decompressed fatbin in one): each chunk that holds a GPU ELF image is one
+    range. A mapping that does not start with a chunk is one range if its start holds CUDA code."""
+    out, at = [], lo
+    while at + 16 <= hi:
+        size = mmapped_chunk_bytes(read(at, 16), hi - at)
+        if not size:
+            break
+        if has_cuda_elf(read(at, size)):
+            out.append((at, at + size))
+        at += size
+    if at == lo and holds_cuda_code(read(lo, min(HEAD_BYTES, hi - lo))):
+        out.append((lo, hi))
+    return out
 
 
 def candidate_mappings(maps: str) -> list[tuple[int, int, int]]:
@@ -84,30 +98,37 @@ def stash_code(directory: str | os.PathLike) -> dict:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     moved, files, left = 0, 0, []
-    for lo, hi, prot in candidate_mappings(Path("/proc/self/maps").read_text()):
-        head = ctypes.string_at(lo, HEAD_BYTES)
-        if not holds_cuda_code(head):
-            if hi - lo >= 64 << 20:  # what a big one that stays starts with, to tell next time
-                left.append(f"{(hi - lo) >> 20} MiB at {lo:#x}: {head[:48].hex()}")
-            continue
-        hi = lo + allocation_bytes(head, hi - lo)
-        data = ctypes.string_at(lo, hi - lo)
-        path = directory / f"sha256-{hashlib.sha256(data).hexdigest()}.cubin"
-        if not path.exists():
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            with open(tmp, "wb") as f:
-                os.fchmod(f.fileno(), 0o600)
-                f.write(data)
-            os.replace(tmp, path)
-        del data
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            # Same address, same protection, private: the process cannot tell, and its writes (if any) stay its own.
-            got = _libc.mmap(lo, hi - lo, prot, mmap.MAP_PRIVATE | 0x10, fd, 0)  # 0x10: MAP_FIXED
-        finally:
-            os.close(fd)
-        if got != lo:
-            raise OSError(ctypes.get_errno(), f"mapping {path.name} over {lo:#x} failed")
-        moved += hi - lo
-        files += 1
+    for start, end, prot in candidate_mappings(Path("/proc/self/maps").read_text()):
+        ranges = code_ranges(_memory, start, end)
+        if not ranges and end - start >= 64 << 20:  # what a big one left alone starts with, to tell next time
+            left.append(f"{(end - start) >> 20} MiB at {start:#x}: {ctypes.string_at(start, 48).hex()}")
+        for lo, hi in ranges:
+            moved += _back_with_file(directory, lo, hi, prot)
+            files += 1
     return {"files": files, "bytes": moved, "left": left}
+
+
+def _memory(addr: int, n: int):
+    """n bytes of this process's memory at addr, without copying them."""
+    return (ctypes.c_char * n).from_address(addr)
+
+
+def _back_with_file(directory: Path, lo: int, hi: int, prot: int) -> int:
+    data = ctypes.string_at(lo, hi - lo)
+    path = directory / f"sha256-{hashlib.sha256(data).hexdigest()}.cubin"
+    if not path.exists():
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            os.fchmod(f.fileno(), 0o600)
+            f.write(data)
+        os.replace(tmp, path)
+    del data
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        # Same address, same protection, private: the process cannot tell, and its writes (if any) stay its own.
+        got = _libc.mmap(lo, hi - lo, prot, mmap.MAP_PRIVATE | 0x10, fd, 0)  # 0x10: MAP_FIXED
+    finally:
+        os.close(fd)
+    if got != lo:
+        raise OSError(ctypes.get_errno(), f"mapping {path.name} over {lo:#x} failed")
+    return hi - lo

@@ -91,11 +91,31 @@ def test_cuda_code_is_recognised_only_by_its_elf_header():
             "7f0003000000-7f0004000000 rw-p 00000000 00:00 0          [heap]\n"
             "7f0005000000-7f0006000000 r--p 00000000 00:00 0 \n")
     assert [(lo, hi) for lo, hi, _ in codestash.candidate_mappings(maps)] == [(0x7f0000000000, 0x7f0001000000)]
-    # a glibc chunk of its own bounds the allocation; anything else takes the whole mapping
-    assert codestash.allocation_bytes(bytes(8) + ((8 * MIB) | 2).to_bytes(8, "little"), 24 * MIB) == 8 * MIB
-    assert codestash.allocation_bytes(bytes(8) + ((8 * MIB) | 6).to_bytes(8, "little"), 24 * MIB) == 24 * MIB
-    assert codestash.allocation_bytes(bytes(8) + ((48 * MIB) | 2).to_bytes(8, "little"), 24 * MIB) == 24 * MIB
-    assert codestash.allocation_bytes(head, 24 * MIB) == 24 * MIB
+
+
+
+def chunk(size: int, body: bytes) -> bytes:
+    """A glibc mmapped chunk of `size` bytes: its 16-byte header, then body, zero-padded."""
+    return (bytes(8) + (size | 2).to_bytes(8, "little") + body).ljust(size, b"\0")
+
+
+def test_each_mmapped_chunk_holding_cuda_code_is_one_range():
+    elf = b"\x7fELF\x02" + bytes(13) + (190).to_bytes(2, "little") + bytes(42)
+    # As found in a tensor-parallel rank: one 200 MiB mapping, malloc's chunks in a row; here 3 chunks of which
+    # the middle one holds a GPU ELF image deep inside (after the runtime's own header), then something else.
+    mem = chunk(MIB, os.urandom(1000)) + chunk(2 * MIB, bytes(300_000) + elf) + chunk(MIB, b"x" * 100) + bytes(4096)
+    base = 0x7f0000000000
+
+    def read(addr, n):
+        return mem[addr - base: addr - base + n]
+
+    assert codestash.code_ranges(read, base, base + len(mem)) == [(base + MIB, base + 3 * MIB)]
+    # a mapping that is not malloc's: all of it when it starts with CUDA code, none of it otherwise
+    plain = bytes(100) + elf + bytes(MIB)
+    assert codestash.code_ranges(lambda a, n: plain[a:a + n], 0, len(plain)) == [(0, len(plain))]
+    assert codestash.code_ranges(lambda a, n: bytes(n), 0, MIB) == []
+    assert codestash.mmapped_chunk_bytes(bytes(8) + ((8 * MIB) | 6).to_bytes(8, "little"), 24 * MIB) == 0  # arena
+    assert codestash.mmapped_chunk_bytes(bytes(8) + ((48 * MIB) | 2).to_bytes(8, "little"), 24 * MIB) == 0  # too big
 
 
 def test_stashed_code_leaves_the_dump_and_restores_from_its_file(tmp_path, monkeypatch):
