@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from .. import gpu_support, hoststate
+from .. import codestash, gpu_support, hoststate
 from ..capsule import CapsuleStore, pack_dir
 from ..capsule.payload import write_payload
 from ..config import private_dir, settings
@@ -164,7 +164,8 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> dict:
             if cold is not None:
                 kill_tree(cold.state.pid)
                 destroy_network(plan)
-                for path in set(shm_names) | {f.path for f in extra}:  # the dumped tree's, orphaned now
+                # the dumped tree's, orphaned now; CUDA code files are shared by content and stay
+                for path in set(shm_names) | {f.path for f in extra if not codestash.is_code_file(f.path)}:
                     Path(path).unlink(missing_ok=True)
             shutil.rmtree(wdir, ignore_errors=True)
         shutil.rmtree(images.parent, ignore_errors=True)
@@ -185,9 +186,10 @@ def engine_info(host: str, port: int) -> dict:
 
 
 def _code_dir() -> str | None:
-    """Where engines put the CUDA device code they hold in anonymous memory (coldsnap.codestash);
-    COLDSNAP_CODE_STASH=0 keeps it in the dump."""
-    if os.environ.get("COLDSNAP_CODE_STASH", "1") == "0":
+    """Where engines put the CUDA device code they hold in anonymous memory (coldsnap.codestash), with
+    COLDSNAP_CODE_STASH=1. Off by default until a GPU restore of such a capsule has been measured: so far the
+    2×H200 capture of tensor parallel 2 ran with it (400 MiB less to dump), not yet a restore."""
+    if os.environ.get("COLDSNAP_CODE_STASH", "0") != "1":
         return None
     return str(private_dir(settings().code))
 
