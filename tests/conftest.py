@@ -23,6 +23,19 @@ def coldsnap_home(tmp_path, monkeypatch):
     return home
 
 
+def kill_and_reap(*pids) -> None:
+    """SIGKILL each pid given (None skipped) and reap it when it is our child; gone already is fine."""
+    import signal
+
+    for pid in pids:
+        if pid:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+
+
 def needs_root_criu():
     if os.geteuid() != 0:
         pytest.skip("needs root: CRIU and namespaces")

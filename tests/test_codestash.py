@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import CRIU_PREFIX, needs_root_criu
+from conftest import CRIU_PREFIX, kill_and_reap, needs_root_criu
 from coldsnap import codestash
 from coldsnap.contracts import CapturedFile, ColdSnapError
 from coldsnap.criu import CriuDriver, CriuOptions
@@ -147,13 +147,7 @@ def test_stashed_code_leaves_the_dump_and_restores_from_its_file(tmp_path, monke
         assert report_of(restored, str(report))[0] == digest
         assert mapped_path(restored, addr) == str(code_file)
     finally:
-        for pid in (proc.pid, restored):
-            if pid:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
-                except (ProcessLookupError, ChildProcessError):
-                    pass
+        kill_and_reap(proc.pid, restored)
 
 
 def test_a_second_process_with_the_same_code_shares_the_file(tmp_path):

@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from conftest import CRIU_PREFIX, needs_root_criu
+from conftest import CRIU_PREFIX, kill_and_reap, needs_root_criu
 from coldsnap.criu import CriuDriver, CriuOptions
 from coldsnap.criu.account import account
 from coldsnap.criu.sparse import drop_zero_pages
@@ -83,13 +83,7 @@ def test_zero_pages_are_dropped_and_restore_the_same_bytes(tmp_path, monkeypatch
         # Idempotent: nothing left to drop.
         assert drop_zero_pages(images).dropped == 0
     finally:
-        for pid in (proc.pid, restored):
-            if pid:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
-                except (ProcessLookupError, ChildProcessError):
-                    pass
+        kill_and_reap(proc.pid, restored)
 
 
 def test_a_dump_with_a_parent_is_left_alone(tmp_path):
