@@ -267,9 +267,11 @@ def cmd_rm(args) -> int:
 
 def cmd_gc(args) -> int:
     from .capsule.gc import gc
+    from .config import settings
 
-    r = gc(_store(), grace_s=args.grace)
-    _emit(args, r, f"freed {r['freed_bytes'] / 2**20:.1f} MiB ({len(r['removed_blobs'])} blobs)")
+    r = gc(_store(), grace_s=args.grace, code_dir=settings().code)
+    _emit(args, r, f"freed {r['freed_bytes'] / 2**20:.1f} MiB ({len(r['removed_blobs'])} blobs, "
+                   f"{r['code_removed']} CUDA code files)")
     return 0
 
 
@@ -440,8 +442,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("rm", cmd_rm, "remove a capsule from the local index (blobs stay until gc)")
     sp.add_argument("ref")
     sp.add_argument("--json", action="store_true")
-    sp = add("gc", cmd_gc, "delete blobs no capsule references")
-    sp.add_argument("--grace", type=float, default=600, help="keep unreferenced blobs younger than this (s)")
+    sp = add("gc", cmd_gc, "delete blobs no capsule references, and CUDA code files (COLDSNAP_CODE_STASH=1) no "
+                           "capsule lists and no process maps")
+    sp.add_argument("--grace", type=float, default=600,
+                    help="keep unreferenced blobs and code files younger than this (s)")
     sp.add_argument("--json", action="store_true")
     sp = add("push", cmd_push, "push a capsule (and its weights payload) to an OCI registry")
     sp.add_argument("capsule", help="local capsule: sha256:… or NAME@sha256:…")

@@ -1,7 +1,9 @@
 """Capsules in a real OCI registry (Debian's docker-registry 2.8): push/pull, verification, resume, dedup, gc."""
 
 import base64
+import hashlib
 import json
+import mmap
 import os
 import threading
 import time
@@ -16,7 +18,7 @@ from coldsnap.capsule import gc as capsule_gc
 from coldsnap.capsule import registry as reg_mod
 from coldsnap.capsule.registry import pull, push
 from coldsnap.capsule.registry_bench import LocalRegistry, free_port
-from coldsnap.contracts import CapsuleProfile, ColdSnapError, ErrorCode, HostProfile, NetworkPlan
+from coldsnap.contracts import CapsuleProfile, CapturedFile, ColdSnapError, ErrorCode, HostProfile, NetworkPlan
 from coldsnap.contracts import capsule as mt
 
 MIB = 1 << 20
@@ -381,3 +383,26 @@ def test_bad_references(ref, src, dst):
     assert e.value.code == ErrorCode.INVALID_REQUEST
     assert reg_mod.parse_remote("localhost:5000/a/b-c:v1.2@sha256:" + "0" * 64) == reg_mod.RemoteRef(
         "localhost:5000", "a/b-c", "v1.2", "sha256:" + "0" * 64)
+
+
+def test_gc_removes_cuda_code_files_nothing_uses(src, tmp_path):
+    code = tmp_path / "code"
+    code.mkdir()
+    files = {}
+    for name in ("listed", "orphan", "mapped"):
+        data = name.encode() * 5000
+        files[name] = code / f"sha256-{hashlib.sha256(data).hexdigest()}.cubin"
+        files[name].write_bytes(data)
+    (code / "notes.txt").write_text("not a code file: left alone")
+    listed = CapturedFile(path=str(files["listed"]), size=files["listed"].stat().st_size, mode=0o600)
+    src.write_capsule(profile().model_copy(update={"files": [listed]}), [random_layer(src, tmp_path, MIB)],
+                      {mt.ANNOTATION_ENGINE: "reference"}, tag="with-code")
+    with open(files["mapped"], "rb") as f:
+        held = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)  # a running workload maps it
+    try:
+        assert capsule_gc.gc(src, grace_s=3600, code_dir=code)["code_removed"] == 0  # young: kept
+        res = capsule_gc.gc(src, grace_s=0, code_dir=code)
+    finally:
+        held.close()
+    assert res["code_removed"] == 1 and res["freed_bytes"] >= len(b"orphan" * 5000)
+    assert sorted(p.name for p in code.iterdir()) == sorted([files["listed"].name, files["mapped"].name, "notes.txt"])

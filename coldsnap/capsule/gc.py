@@ -5,6 +5,8 @@ index.json manifest (the manifest, its config, its layers, and whatever its `io.
 names, followed transitively when that is itself a manifest). gc runs under the store's lock and leaves alone:
 blobs whose per-blob lock is held (a pull in flight), blobs younger than `grace_s` (a capture writes its blobs
 before its manifest is indexed), `.partial` downloads whose lock is live, and tmp files younger than 1 h.
+With code_dir, gc also deletes the CUDA code files there (coldsnap.codestash) that no indexed capsule's profile
+lists and no live process maps, once older than `grace_s`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import re
 import time
 from pathlib import Path
 
+from .. import codestash
 from ..contracts import ColdSnapError, ErrorCode
 from ..contracts import capsule as mt
 from .registry import acquire_blob_lock, lock_path, release_blob_lock
@@ -128,13 +131,47 @@ def _locked_elsewhere(store: CapsuleStore, hexd: str) -> bool:
     return False
 
 
-def gc(store: CapsuleStore, grace_s: float = DEFAULT_GRACE_S, tmp_max_age_s: float = TMP_MAX_AGE_S) -> dict:
-    """Delete unreachable blobs and stale tmp files. Returns counts and freed bytes."""
+def code_files_in_use(store: CapsuleStore, live: set[str]) -> set[str]:
+    """CUDA code files that a reachable capsule's profile lists (its config blob's files), or a process maps."""
+    used = set()
+    for digest in live:
+        profile = _json_blob(store, digest)
+        if not profile or "snapshot_driver" not in profile:  # not a capsule's config
+            continue
+        for f in profile.get("files") or []:
+            if isinstance(f, dict) and codestash.is_code_file(str(f.get("path", ""))):
+                used.add(str(f["path"]))
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            used.update(line.split(None, 5)[5].strip() for line in maps.read_text().splitlines()
+                        if line.count(" ") >= 5 and ".cubin" in line)
+        except OSError:
+            continue
+    return used
+
+
+def _gc_code_files(code_dir: Path, used: set[str], grace_s: float, now: float, out: dict) -> None:
+    for path in sorted(code_dir.iterdir()) if code_dir.is_dir() else []:
+        if not codestash.is_code_file(str(path)) or str(path) in used:
+            continue
+        st = path.stat()
+        if _age(st, now) >= grace_s:
+            path.unlink(missing_ok=True)
+            out["code_removed"] += 1
+            out["freed_bytes"] += st.st_size
+
+
+def gc(store: CapsuleStore, grace_s: float = DEFAULT_GRACE_S, tmp_max_age_s: float = TMP_MAX_AGE_S,
+       code_dir: Path | None = None) -> dict:
+    """Delete unreachable blobs, stale tmp files and (with code_dir) unused CUDA code files. Returns counts and
+    freed bytes."""
     now = time.time()
     out = {"freed_bytes": 0, "removed_blobs": [], "kept_blobs": 0, "kept_young": 0, "kept_in_flight": 0,
-           "tmp_removed": 0, "tmp_freed_bytes": 0}
+           "tmp_removed": 0, "tmp_freed_bytes": 0, "code_removed": 0}
     with store._locked():
         live = reachable(store)
+        if code_dir is not None:
+            _gc_code_files(code_dir, code_files_in_use(store, live), grace_s, now, out)
         if store.blobs.is_dir():
             for path in store.blobs.iterdir():
                 st = path.stat()
