@@ -372,8 +372,8 @@ def capabilities() -> Capabilities:
             "criu-process/cpu": "Debian 12, kernel 6.18, CRIU 4.2.1: capture, restore, restore twice, refusal, cold "
                                 "fallback (make test); bench/results/reference-cpu-*.json",
             "criu-process/cuda": "H200, driver 580.159.04, CUDA 13.0: reference engine 11 GiB weights + 4 GiB KV, "
-                                 "recovery 10/10 and native 5/5 restores validated; "
-                                 "bench/results/reference-cuda-*.json",
+                                 "recovery 10/10 (1.53x its physical limit) and native 10/10 (1.99x) restores "
+                                 "validated; bench/results/reference-cuda-*.json",
             "cuda-checkpoint/sleep-wake": "H200, 15 GiB of GPU state: sleep --mode engine 3/3 wakes validated in "
                                           "1.30-1.47 s; --mode cuda 3/3 in 2.5-5.1 s "
                                           "(bench/results/reference-cuda-sleep-wake.receipts.json)",
@@ -386,7 +386,7 @@ def capabilities() -> Capabilities:
                               "captured (CUDA checkpoint by host PID) and restored by an annotated create/start, "
                               "validated (bench/results/reference-cuda-container.receipts.json)",
             "weights-prefetch/cuda": "H200: the weights loaded onto the GPU during the restore and taken by the engine "
-                                     "in 10/10 recovery and 5/5 native restores "
+                                     "in 10/10 recovery and 10/10 native restores "
                                      "(bench/results/reference-cuda-{recovery,native}.receipts.json); and on "
                                      "each GPU of 10/10 tensor-parallel-2 restores (reference-cuda-tp2.receipts.json)",
             "criu-runc/cpu": "Debian 12, runc 1.1.5, CRIU 4.2.1, through coldsnap-runtime: reference engine under "
