@@ -58,7 +58,8 @@ def admission_for(capsule: LoadedCapsule, strictness: str):
 
 # --- stage -------------------------------------------------------------------------------------------------------
 def stage(capsule: LoadedCapsule) -> Staged:
-    """Verify every blob digest, check pinned weights, unpack CRIU images (cached per capsule digest)."""
+    """Verify every blob digest, check pinned weights, unpack CRIU images (cached per capsule digest), put back
+    the CUDA code files the capsule's processes map."""
     store = CapsuleStore(settings().store)
     store.verify(capsule)
     profile = capsule.profile

@@ -473,9 +473,9 @@ class Runner:
         if self.peers is not None:
             for reply in self.peers.replies():
                 out["freed_bytes"] += int(reply.get("freed_bytes", 0))
-                for key in ("files", "bytes"):
-                    if "code_stash" in out:
-                        out["code_stash"][key] += int((reply.get("code_stash") or {}).get(key, 0))
+                theirs = reply.get("code_stash") or {}
+                for key in ("files", "bytes") if "code_stash" in out else ():
+                    out["code_stash"][key] += int(theirs.get(key, 0))
         return out
 
     def _release_local(self, weights: bool, save_to: str | None = None,
