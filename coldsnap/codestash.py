@@ -28,6 +28,7 @@ CUDA_ELF = re.compile(rb"\x7fELF\x02.{13}" + EM_CUDA.to_bytes(2, "little"), re.S
 HEAD_BYTES = 64 << 10  # how far into a mapping its first CUDA image may start
 MIN_BYTES = 8 << 20  # smaller images are not worth a file
 NAME = re.compile(r"^sha256-([0-9a-f]{64})\.cubin$")
+MAP_FIXED = 0x10
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -46,7 +47,7 @@ def has_cuda_elf(data, limit: int | None = None) -> bool:
 def holds_cuda_code(head: bytes) -> bool:
     """A mapping that starts with CUDA code: a fatbin's magic in its first page, or a GPU ELF image in its first
     64 KiB (after whatever the runtime puts first)."""
-    return re.compile(re.escape(FATBIN_MAGIC)).search(head, 0, 4096) is not None or has_cuda_elf(head, HEAD_BYTES)
+    return FATBIN_MAGIC in head[:4096] or has_cuda_elf(head, HEAD_BYTES)
 
 
 def mmapped_chunk_bytes(header: bytes, room: int) -> int:
@@ -114,7 +115,7 @@ def _memory(addr: int, n: int):
 
 
 def _back_with_file(directory: Path, lo: int, hi: int, prot: int) -> int:
-    data = ctypes.string_at(lo, hi - lo)
+    data = _memory(lo, hi - lo)  # read in place: no second copy of hundreds of MiB
     path = directory / f"sha256-{hashlib.sha256(data).hexdigest()}.cubin"
     if not path.exists():
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -122,11 +123,10 @@ def _back_with_file(directory: Path, lo: int, hi: int, prot: int) -> int:
             os.fchmod(f.fileno(), 0o600)
             f.write(data)
         os.replace(tmp, path)
-    del data
     fd = os.open(path, os.O_RDONLY)
     try:
         # Same address, same protection, private: the process cannot tell, and its writes (if any) stay its own.
-        got = _libc.mmap(lo, hi - lo, prot, mmap.MAP_PRIVATE | 0x10, fd, 0)  # 0x10: MAP_FIXED
+        got = _libc.mmap(lo, hi - lo, prot, mmap.MAP_PRIVATE | MAP_FIXED, fd, 0)
     finally:
         os.close(fd)
     if got != lo:
