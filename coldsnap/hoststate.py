@@ -22,6 +22,7 @@ import stat
 from pathlib import Path
 
 from . import codestash
+from .capsule.store import sha256_file
 from .contracts import CapturedFile, ColdSnapError, ErrorCode
 
 SHM_DIRS = ("/dev/shm/",)
@@ -30,9 +31,9 @@ SHM_DIRS = ("/dev/shm/",)
 def extra_files(images: Path) -> list[CapturedFile]:
     """Files outside the run dir that a restore of `images` needs back with their dump-time bytes: every regular
     file under /dev/shm the dumped tree held open or mapped, CRIU's link_remap.N links to such files, and the CUDA
-    code files it maps (coldsnap.codestash). Call it
-    right after the dump (the dumped tree is dead, so the files hold their dump-time bytes). Sizes are the files'
-    real ones (CRIU records none for link_remap entries); files already gone are skipped (CRIU ghosted them)."""
+    code files it maps (coldsnap.codestash). Call it right after the dump (the dumped tree is dead, so the files
+    hold their dump-time bytes). Sizes are the files' real ones (CRIU records none for link_remap entries); files
+    already gone are skipped (CRIU ghosted them)."""
     from .criu import criu_images_open_files
 
     out: dict[str, CapturedFile] = {}
@@ -109,8 +110,6 @@ def _put_back_code_file(src: str | os.PathLike | None, f: CapturedFile) -> None:
     try:
         copy_sparse(src, tmp, f.size)
         want = codestash.NAME.match(os.path.basename(f.path)).group(1)
-        from .capsule.store import sha256_file
-
         if sha256_file(Path(tmp))[0] != f"sha256:{want}":
             raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"CUDA code file {f.path}: its bytes do not match "
                                 "the digest in its name")
