@@ -22,7 +22,7 @@ import stat
 from pathlib import Path
 
 from . import codestash
-from .capsule.store import sha256_file
+from .digests import sha256_file
 from .contracts import CapturedFile, ColdSnapError, ErrorCode
 
 SHM_DIRS = ("/dev/shm/",)

@@ -1,47 +1,17 @@
-"""Weight files referenced by digest: hashing with a stat-keyed cache (hash a multi-GiB file once, not per restore)."""
+"""Weight files referenced by digest, checked before a restore relies on them (a multi-GiB file is hashed once, and
+again only when it changes: coldsnap.digests)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-from pathlib import Path
 
-from .config import settings
 from .contracts import ColdSnapError, ErrorCode, WeightFile
-
-CHUNK = 8 << 20
-
-
-def _cache_path() -> Path:
-    return settings().home / "weights-digests.json"
+from .digests import checked_sha256
 
 
 def file_sha256(path: str) -> str:
-    st = os.stat(path)
-    key = f"{path}:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
-    cache_file = _cache_path()
-    try:
-        cache = json.loads(cache_file.read_text())
-    except (OSError, ValueError):
-        cache = {}
-    if key in cache:
-        return cache[key]
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-    digest = h.hexdigest()
-    cache = {k: v for k, v in cache.items() if not k.startswith(path + ":")}
-    cache[key] = digest
-    try:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(cache))
-        os.replace(tmp, cache_file)
-    except OSError:
-        pass
-    return digest
+    """The file's sha256 (hex), hashed only when it changed since its last check (coldsnap.digests)."""
+    return checked_sha256(path)[0].removeprefix("sha256:")
 
 
 def verify_weights(files: list[WeightFile]) -> None:

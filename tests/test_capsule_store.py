@@ -3,6 +3,7 @@
 import json
 import os
 import stat
+import time
 
 import pytest
 
@@ -22,7 +23,7 @@ def profile():
 
 
 @pytest.fixture
-def store(tmp_path):
+def store(tmp_path, coldsnap_home):
     return CapsuleStore(tmp_path / "store").init()
 
 
@@ -73,6 +74,42 @@ def test_corrupt_blob_is_refused(store, tmp_path):
     with pytest.raises(ColdSnapError) as e:
         store.verify(cap)
     assert e.value.code == ErrorCode.CAPSULE_CORRUPT and "missing" in e.value.message
+
+
+def test_a_checked_blob_is_hashed_again_only_when_it_changes(store, tmp_path, monkeypatch):
+    from coldsnap import digests
+
+    digest = make_capsule(store, tmp_path, payload=os.urandom(1 << 20))
+    cap = store.load(digest)
+    hashed = []
+    real = digests.sha256_file
+    monkeypatch.setattr(digests, "sha256_file", lambda p: hashed.append(p) or real(p))
+    monkeypatch.setattr(digests, "SETTLED_NS", 50_000_000)
+    time.sleep(0.1)  # the blob was written more than SETTLED_NS ago: its check is remembered
+    store.verify(cap)
+    store.verify(cap)
+    blob = store.blob_path(cap.layer(mt.LAYER_CRIU).digest)
+    assert hashed == [str(blob)]  # the second check trusted the memo: the blob had not changed
+    memo = digests._memo_path()
+    assert stat.S_IMODE(memo.stat().st_mode) == 0o600 and str(blob) in json.loads(memo.read_text())
+
+    before = blob.stat()
+    time.sleep(0.05)  # the next clock tick: a change now moves the ctime
+    with open(blob, "r+b") as f:  # same size, and the mtime put back: only the ctime tells
+        f.seek(100)
+        f.write(b"\0tampered\0")
+    os.utime(blob, ns=(before.st_atime_ns, before.st_mtime_ns))
+    with pytest.raises(ColdSnapError) as e:
+        store.verify(cap)
+    assert e.value.code == ErrorCode.CAPSULE_CORRUPT and len(hashed) == 2
+
+
+def test_a_blob_changed_just_before_its_check_is_not_remembered(store, tmp_path):
+    from coldsnap import digests
+
+    digest = make_capsule(store, tmp_path)
+    store.verify(store.load(digest))  # written a moment ago: a change in the same clock tick could hide
+    assert not digests._memo_path().exists()
 
 
 def test_corrupt_manifest_and_config_are_refused(store, tmp_path):

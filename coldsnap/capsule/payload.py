@@ -11,7 +11,8 @@ from pathlib import Path
 
 from ..contracts import ColdSnapError, ErrorCode, WeightFile
 from ..contracts import capsule as mt
-from .store import CapsuleStore, Descriptor, sha256_file
+from ..digests import sha256_file
+from .store import CapsuleStore, Descriptor
 
 EMPTY_CONFIG = b"{}"
 

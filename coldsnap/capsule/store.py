@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ..config import private_dir
+from ..digests import checked_sha256, sha256_file
 from ..fsutil import atomic_write
 
 from ..contracts import CapsuleProfile, ColdSnapError, ErrorCode
@@ -68,16 +69,6 @@ def parse_reference(ref: str) -> tuple[str | None, str | None]:
             raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"capsule reference {ref!r}: digest must be sha256:<64 hex>")
         return name, digest
     return ref, None
-
-
-def sha256_file(path: Path) -> tuple[str, int]:
-    h = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-            size += len(chunk)
-    return "sha256:" + h.hexdigest(), size
 
 
 class CapsuleStore:
@@ -159,7 +150,7 @@ class CapsuleStore:
         path = self.blob_path(desc.digest)
         if not path.exists():
             raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"blob {desc.digest} ({desc.media_type}) is missing")
-        digest, size = sha256_file(path)
+        digest, size = checked_sha256(path)  # hashed unless unchanged since its last check (coldsnap.digests)
         if digest != desc.digest or size != desc.size:
             raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT,
                                 f"blob {desc.digest} ({desc.media_type}) fails verification: content hashes to {digest}, "
