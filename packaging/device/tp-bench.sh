@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Tensor parallel 2 over NCCL on the 2-GPU machine (device tool kind nvidia-h200-x2), and the one-GPU baseline with
 # the same per-rank state. Usage (repo root there, .whl and .carry/criu carried): packaging/device/tp-bench.sh STEPS
-# STEPS: any of test tp2 tp1 gpumap account (default: test tp2 tp1). N samples (default 10), NV vanilla samples
+# STEPS: any of test tp2 tp1 gpumap noprefetch account (default: test tp2 tp1). N samples (default 10), NV vanilla samples
 # (default 1). TP_OPTS: more options for the TP2 bench, e.g. smaller NCCL buffers (fewer pinned pages per rank):
 # TP_OPTS="--engine-opt nccl_env=NCCL_BUFFSIZE=1048576" TP_NAME=-buf1m. Both benches prefetch the weights onto each GPU
 # during the restore (COLDSNAP_PREFETCH=0 turns that off for both). COLDSNAP_CODE_STASH=1: the engines move their CUDA
@@ -42,6 +42,15 @@ for step in $STEPS; do
     python3 -c "import json;r=json.load(open('$OUT/gpumap.json'));print(r['state'],r['result'].get('time_to_first_token_s'),r['result'].get('hydrate',{}).get('cuda_restore_s'), r.get('error'))"
     nvidia-smi --query-gpu=index,memory.used --format=csv,noheader
     $CS stop bench-reference ;;
+  noprefetch)
+    # The TP2 capsule restored 3 times without the prefetchers: do their page-cache reads (the whole file onto each
+    # GPU) slow CRIU's page restore and the driver's down? Compare the spans with the bench's.
+    D=$(python3 -c "import json;print(json.load(open('$OUT/reference-cuda-tp2${TP_NAME:-}.json'))['capsule']['digest'])")
+    for i in 1 2 3; do
+      COLDSNAP_PREFETCH=0 $CS restore --capsule "$D" --no-fallback --json > "$OUT/noprefetch-$i.json"; echo "rc=$?"
+      python3 -c "import json;r=json.load(open('$OUT/noprefetch-$i.json'));h=r['result'].get('hydrate',{});print({s['name']:round(s['duration_s'],3) for s in r['spans']}, h.get('cuda_restore_per_pid_s'), r['result'].get('criu_stats',{}).get('restore_s'))"
+      $CS stop bench-reference >/dev/null
+    done ;;
   account)
     # Where each capsule's CRIU pages are, per process (python -m coldsnap.criu.account).
     for j in "$OUT"/*.json; do
