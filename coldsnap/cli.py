@@ -442,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("rm", cmd_rm, "remove a capsule from the local index (blobs stay until gc)")
     sp.add_argument("ref")
     sp.add_argument("--json", action="store_true")
-    sp = add("gc", cmd_gc, "delete blobs no capsule references, and CUDA code files (COLDSNAP_CODE_STASH=1) no "
+    sp = add("gc", cmd_gc, "delete blobs no capsule references, and CUDA code files (coldsnap.codestash) no "
                            "capsule lists and no process maps")
     sp.add_argument("--grace", type=float, default=600,
                     help="keep unreferenced blobs and code files younger than this (s)")

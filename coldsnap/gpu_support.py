@@ -107,40 +107,57 @@ def _prefetch_refusal(profile, supported: bool) -> str | None:
     return None
 
 
+def _gpu_key(uuid: str) -> str:
+    """NVML writes GPU-8d0a62a0-…, torch 8d0a62a0-…: compare the hex digits."""
+    return str(uuid).removeprefix("GPU-").replace("-", "").lower()
+
+
 def start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir) -> Prefetch:
     """Start a prefetcher on each GPU of the workload when the restore will reload weights from one file, each GPU
-    has room for a second copy of them for a moment, and COLDSNAP_PREFETCH is not 0. Never raises: no prefetch is
+    has room for a second copy of what it loads for a moment, and COLDSNAP_PREFETCH is not 0. A tensor-parallel
+    capsule's plan (profile.prefetch_plans) has each GPU load only its rank's part. Never raises: no prefetch is
     only slower."""
+    import json
     import os
     import subprocess
     import sys
     import uuid
 
+    from .fsutil import atomic_write
     from .gpu.nvml import free_bytes
+    from .gpu.prefetch import packed_layout
 
     why = _prefetch_refusal(profile, supported)
     if why:
         return Prefetch(skipped=why)
     weights = profile.model.weights[0]
-    gpus = [gpu_map.get(u, u) for u in profile.gpus_used]
-    for gpu in gpus:
+    plans = {_gpu_key(g): pieces for g, pieces in (getattr(profile, "prefetch_plans", None) or {}).items()}
+    # (GPU now, the pieces of the file its rank holds, or None: all of it)
+    targets = [(gpu_map.get(u, u), plans.get(_gpu_key(u))) for u in profile.gpus_used]
+    for gpu, pieces in targets:
+        size = packed_layout(pieces)[1] if pieces else weights.size
         free = free_bytes(gpu)
-        if free is None or free < 2 * weights.size + (8 << 30):
+        if free is None or free < 2 * size + (8 << 30):
             return Prefetch(skipped=f"not enough free memory on {gpu} for a second copy of the weights")
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}  # GPUs are named by UUID
     p = Prefetch()
-    for gpu in gpus:
-        sock = f"{run_dir}/{uuid.uuid4().hex[:12]}.sock"
+    for gpu, pieces in targets:
+        name = f"{run_dir}/{uuid.uuid4().hex[:12]}"
+        sock = name + ".sock"
         if len(sock.encode()) > 100:
             return _abandon(p, "the socket path would be too long")
+        p.sockets[gpu] = sock  # from here on its files are removed whatever happens
         try:
+            plan = []
+            if pieces:
+                atomic_write(name + ".plan.json", json.dumps(pieces).encode())
+                plan = ["--plan", name + ".plan.json"]
             p.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "coldsnap.gpu.prefetch", "--file", weights.path, "--gpu", gpu,
-                 "--socket", sock, "--hold"], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                 "--socket", sock, "--hold", *plan], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE, start_new_session=True))
         except OSError as e:
-            return _abandon(p, f"could not start the prefetcher: {e}")
-        p.sockets[gpu] = sock
+            return _abandon(p, f"could not start the prefetcher: {e}")  # its plan file included
     return p
 
 
@@ -171,7 +188,20 @@ def _abandon(p: Prefetch, why: str) -> Prefetch:
     for proc in p.procs:
         proc.kill()
         proc.communicate()
+    for sock in p.sockets.values():
+        _remove_files(sock)
     return Prefetch(skipped=why)
+
+
+def _remove_files(sock: str) -> None:
+    """A prefetcher's socket and its plan, if they are still there."""
+    import os
+
+    for path in (sock, sock.removesuffix(".sock") + ".plan.json"):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def finish_prefetch(p: Prefetch, wait_s: float = 10.0) -> dict:
@@ -193,10 +223,7 @@ def finish_prefetch(p: Prefetch, wait_s: float = 10.0) -> dict:
         except subprocess.TimeoutExpired:
             proc.kill()
             out, err = proc.communicate()
-        try:
-            os.unlink(sock)
-        except FileNotFoundError:
-            pass
+        _remove_files(sock)
         lines = [line for line in out.decode(errors="replace").splitlines() if line.startswith("{")]
         if lines:
             reports[gpu] = json.loads(lines[-1])

@@ -7,23 +7,29 @@ engine with its reason, and the engine must reload from the file instead: that p
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
+from types import SimpleNamespace as NS
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from coldsnap.engines.reference.model import ModelConfig, Runner, build_model, decode, encode, shards  # noqa: E402
-from coldsnap.engines.reference.weights import ensure_weights, load_prefetched, load_weights  # noqa: E402
+from coldsnap.engines.reference.weights import (ensure_weights, load_prefetched, load_weights, packed_parts,  # noqa: E402
+                                               prefetch_plan, read_header)
+from coldsnap.gpu.prefetch import (ALIGN, check_pieces, copy_jobs, data_section, packed_layout,  # noqa: E402
+                                   read_bytes, split_jobs)
 
 TINY = ModelConfig(layers=1, hidden=64, heads=2, intermediate=176, max_seq=64, prefill_chunk=16)
 
 
-def start_prefetcher(weights: str, gpu: str, sock: str) -> subprocess.Popen:
+def start_prefetcher(weights: str, gpu: str, sock: str, plan=None) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "coldsnap.gpu.prefetch", "--file", weights, "--gpu", gpu,
-                             "--socket", sock, "--timeout", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                             "--socket", sock, "--timeout", "60", *(["--plan", str(plan)] if plan else [])],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 30
     while not __import__("os").path.exists(sock):  # it listens before it loads
         assert proc.poll() is None, proc.stderr.read().decode()
@@ -69,8 +75,9 @@ def test_the_prefetcher_refuses_a_missing_file_with_a_one_line_error(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the hand-over maps GPU memory")
-@pytest.mark.parametrize("tp_rank", [None, 1], ids=["whole", "tp-shard"])
-def test_prefetched_weights_reach_the_engine_bit_for_bit(tmp_path, tp_rank):
+@pytest.mark.parametrize("tp_rank,planned", [(None, False), (1, False), (1, True)],
+                         ids=["whole", "tp-shard", "tp-shard-planned"])
+def test_prefetched_weights_reach_the_engine_bit_for_bit(tmp_path, tp_rank, planned):
     cfg = ModelConfig(layers=2, hidden=512, heads=8, intermediate=1408, max_seq=64, prefill_chunk=16)
     path, _ = ensure_weights(tmp_path / "w.safetensors", cfg)
     mine = shards(cfg, 2, tp_rank) if tp_rank is not None else None
@@ -78,14 +85,106 @@ def test_prefetched_weights_reach_the_engine_bit_for_bit(tmp_path, tp_rank):
     params = {n: torch.zeros_like(t) for n, t in want.items()}
     uuid = "GPU-" + str(torch.cuda.get_device_properties(0).uuid)
     sock = str(tmp_path / "p.sock")
-    proc = start_prefetcher(path, uuid, sock)
+    plan = None
+    if planned:  # only rank 1's parts go onto the GPU, packed
+        plan = tmp_path / "plan.json"
+        plan.write_text(json.dumps(prefetch_plan(path, list(params), mine)))
+    proc = start_prefetcher(path, uuid, sock, plan)
     stats = load_prefetched(path, params, sock, shards=mine)
     assert stats["prefetched"] is True and stats["bytes"] == sum(t.numel() * 4 for t in want.values())
     for n in want:
         assert torch.equal(params[n], want[n]), n
     report = report_of(proc)
     assert report["served"] is True and "error" not in report and proc.returncode == 0, report
+    if planned:  # it moved this rank's share, not the file
+        assert report["pieces"] == len(params) and report["bytes"] < 0.6 * data_section(path)[1], report
     print(json.dumps({"engine": stats, "prefetcher": report}))
+
+
+# --- a tensor-parallel rank's plan: only its parts, packed ---------------------------------------------------------
+def _run_jobs_on_the_host(path: str, pieces, chunk: int) -> bytearray:
+    """What fill() does on the GPU, done with bytes: each job reads its range, copies `rows` rows of `width`."""
+    base, length = data_section(path)
+    data = open(path, "rb").read()[base:]
+    packed = bytearray(packed_layout(pieces)[1])
+    for offset, pitch, width, rows, dst in copy_jobs(pieces, chunk):
+        assert read_bytes((offset, pitch, width, rows, dst)) <= max(chunk, width)
+        read = data[offset:offset + read_bytes((offset, pitch, width, rows, dst))]
+        for r in range(rows):
+            packed[dst + r * width:dst + (r + 1) * width] = read[r * pitch:r * pitch + width]
+    return packed
+
+
+@pytest.mark.parametrize("chunk", [16 << 20, 3000, 100], ids=["chunks", "rows-per-job", "parts-of-rows"])
+def test_a_ranks_plan_packs_exactly_its_shards(tmp_path, chunk):
+    """Each rank's plan covers its shards (whole tensors, dim-0 ranges, a part of every row for dim 1), and the
+    packed memory, cut into jobs of any size, holds the same tensors the engine loads from the file."""
+    cfg = ModelConfig(layers=2, hidden=64, heads=4, intermediate=176, max_seq=64, prefill_chunk=16)
+    path, _ = ensure_weights(tmp_path / "w.safetensors", cfg)
+    _, header = read_header(path)
+    length = data_section(path)[1]
+    sizes = []
+    for rank in (0, 1):
+        mine = shards(cfg, 2, rank)
+        assert {s.dim for s in mine.values()} == {0, 1}  # both kinds of split are exercised
+        want = load_weights(path, "cpu", mode="copy", shards=mine)
+        names = list(want)
+        pieces = prefetch_plan(path, names, mine)
+        check_pieces(pieces, length)
+        starts, size = packed_layout(pieces)
+        assert all(s % ALIGN == 0 for s in starts) and size < length
+        sizes.append(size)
+        packed = _run_jobs_on_the_host(path, pieces, chunk)
+        parts = packed_parts(torch.frombuffer(packed, dtype=torch.uint8), header, names, mine)
+        for n in names:
+            assert torch.equal(parts[n], want[n]), (rank, n)
+    assert sizes[0] == sizes[1]  # the ranks hold equal shares
+
+
+def test_jobs_are_shared_out_in_file_order_and_a_piece_outside_the_file_is_refused():
+    jobs = copy_jobs([(0, 10 << 20, 1, 10 << 20), (20 << 20, 100, 1000, 200)], chunk=1 << 20)
+    groups = split_jobs(jobs, 4)
+    assert len(groups) <= 4 and [j for g in groups for j in g] == jobs
+    loads = [sum(read_bytes(j) for j in g) for g in groups]
+    assert max(loads) < 1.5 * sum(loads) / len(groups)
+    with pytest.raises(ValueError, match="piece 1"):
+        check_pieces([(0, 10, 1, 10), (90, 20, 1, 20)], 100)
+    with pytest.raises(ValueError, match="piece 0"):
+        check_pieces([(0, 30, 2, 20)], 100)  # wider than its pitch
+
+
+def test_the_prefetcher_refuses_a_bad_plan_with_a_one_line_error(tmp_path):
+    path, _ = ensure_weights(tmp_path / "w.safetensors", TINY)
+    (tmp_path / "plan.json").write_text("{not json")
+    out = subprocess.run([sys.executable, "-m", "coldsnap.gpu.prefetch", "--file", path, "--gpu", "GPU-x",
+                          "--socket", str(tmp_path / "s"), "--plan", str(tmp_path / "plan.json")],
+                         capture_output=True, text=True, timeout=60)
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert out.returncode == 1 and report["served"] is False and "--plan" in report["error"]
+    assert "Traceback" not in out.stderr
+
+
+def test_a_restore_hands_each_gpu_its_ranks_plan_and_cleans_up(monkeypatch, tmp_path):
+    from coldsnap.gpu_support import finish_prefetch, start_prefetch
+
+    path, _ = ensure_weights(tmp_path / "w.safetensors", TINY)
+    pieces = [[0, 256, 1, 256], [1024, 64, 4, 128]]
+    profile = _profile(gpus_used=["GPU-0000aaaa", "GPU-0000bbbb"], distributed=NS(world_size=2),
+                       prefetch_plans={"GPU-0000aaaa": pieces},  # GPU b: no plan, the whole file
+                       model=NS(weights=[NS(path=path, size=1 << 20)]))
+    monkeypatch.setattr("coldsnap.gpu.nvml.free_bytes", lambda gpu: 64 << 30)
+    p = start_prefetch(profile, True, {"GPU-0000bbbb": "GPU-0000cccc"}, tmp_path)
+    assert p.skipped is None and list(p.sockets) == ["GPU-0000aaaa", "GPU-0000cccc"]
+    a, c = (proc.args for proc in p.procs)
+    plan = a[a.index("--plan") + 1]
+    assert json.loads(open(plan).read()) == pieces and os.stat(plan).st_mode & 0o777 == 0o600
+    assert "--plan" not in c
+    deadline = time.monotonic() + 30
+    while not all(os.path.exists(sock) for sock in p.sockets.values()):  # they listen, waiting for an engine
+        assert time.monotonic() < deadline, "the prefetchers did not listen"
+        time.sleep(0.02)
+    finish_prefetch(p)
+    assert list(tmp_path.glob("*.plan.json")) == [] and list(tmp_path.glob("*.sock")) == []
 
 
 # --- when a restore prefetches, and reaping the prefetchers ----------------------------------------------------

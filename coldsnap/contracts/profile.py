@@ -83,6 +83,10 @@ class CapsuleProfile(Strict):
     gpus_used: list[str] = Field(default_factory=list, description="UUIDs of the GPUs the CUDA processes used, "
                                  "by GPU index (what a restore prefetches the weights onto, through --gpu-map).")
     distributed: Distributed | None = None
+    prefetch_plans: dict[str, list[list[int]]] = Field(
+        default_factory=dict, description="GPU UUID (at capture) → the pieces [offset, width, rows, pitch] of the "
+        "weights file's data section the rank on that GPU holds: what a restore prefetches onto it (tensor parallel; "
+        "none: the whole file).")
     criu_options: list[str] = Field(default_factory=list, description="The CRIU options used, replayable by hand.")
     image_digest: str | None = None
 

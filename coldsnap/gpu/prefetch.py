@@ -8,6 +8,10 @@ resume then connects to the prefetcher's UNIX socket, receives the memory as a f
 and copies its parameters out device to device (milliseconds). Anything wrong on either side (no GPU memory to spare,
 another file, a timeout) is an error message on the socket, and the engine reloads from the file as before.
 
+A tensor-parallel rank needs only its part of the file: its capture records that part as a plan (pieces of the data
+section, some of them a part of every row), and the prefetcher on that rank's GPU loads only those, packed. Each GPU
+then holds and moves its share, not the whole model.
+
 Run as `python -m coldsnap.gpu.prefetch --file F --gpu GPU-UUID --socket PATH`: it listens at once, serves one
 engine, prints one JSON line (what it moved, how fast) and exits; a watchdog ends it 30 s after --timeout at the
 latest, whatever it is doing (it must never sit on GPU memory).
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import hashlib
 import json
 import os
 import socket
@@ -49,19 +54,84 @@ def file_identity(path: str) -> dict:
     return {"dev": st.st_dev, "ino": st.st_ino, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
-def fill(driver, device: int, ptr: int, fd: int, base: int, length: int, threads: int) -> None:
-    """GPU memory at ptr := the file's bytes [base, base + length): `threads` threads, each a contiguous part, each
-    reading into two pinned buffers in turn and copying on its own stream (a read overlaps the previous copy)."""
-    from .vmm import EVENT_DISABLE_TIMING, STREAM_NON_BLOCKING
+# A piece of the data section: rows of `width` bytes, `pitch` bytes apart, from `offset` on. A whole tensor or a
+# shard split along dim 0 is one row; a shard split along dim 1 is a part of every row.
+Piece = tuple[int, int, int, int]  # (offset, width, rows, pitch)
+ALIGN = 256  # each piece starts on this boundary of the prefetched memory
 
-    step = -(-length // threads)
-    step += -step % (2 << 20)
+
+def whole_section(length: int) -> list[Piece]:
+    return [(0, length, 1, length)]
+
+
+def check_pieces(pieces: list[Piece], length: int) -> None:
+    """Every piece inside a data section of `length` bytes; ValueError naming the first that is not."""
+    for i, (offset, width, rows, pitch) in enumerate(pieces):
+        if min(offset, width, rows, pitch) < 0 or rows < 1 or width > pitch or \
+                offset + pitch * (rows - 1) + width > length:
+            raise ValueError(f"piece {i} {(offset, width, rows, pitch)} is not inside the {length}-byte data section")
+
+
+def packed_layout(pieces: list[Piece]) -> tuple[list[int], int]:
+    """Where each piece starts in the prefetched memory (its rows back to back, each piece ALIGN-aligned), and the
+    memory's size. The engine finds its tensors with the same function."""
+    starts, at = [], 0
+    for _, width, rows, _ in pieces:
+        at += -at % ALIGN
+        starts.append(at)
+        at += width * rows
+    return starts, at
+
+
+def copy_jobs(pieces: list[Piece], chunk: int = CHUNK) -> list[tuple[int, int, int, int, int]]:
+    """The pieces as copies of at most `chunk` bytes read each: (offset, pitch, width, rows, dst): read
+    pitch * (rows - 1) + width bytes at offset, copy `rows` rows of `width` bytes to dst, back to back."""
+    jobs = []
+    for (offset, width, rows, pitch), dst in zip(pieces, packed_layout(pieces)[0]):
+        if rows == 1 or width == pitch:  # one contiguous range
+            n = width * rows
+            jobs += [(offset + k, min(chunk, n - k), min(chunk, n - k), 1, dst + k) for k in range(0, n, chunk)]
+        elif pitch <= chunk:  # whole rows read, our part of each copied
+            per = chunk // pitch
+            jobs += [(offset + r * pitch, pitch, width, min(per, rows - r), dst + r * width)
+                     for r in range(0, rows, per)]
+        else:  # rows wider than a chunk: our part of each row on its own
+            jobs += [(offset + r * pitch + k, min(chunk, width - k), min(chunk, width - k), 1, dst + r * width + k)
+                     for r in range(rows) for k in range(0, width, chunk)]
+    return jobs
+
+
+def read_bytes(job: tuple[int, int, int, int, int]) -> int:
+    _, pitch, width, rows, _ = job
+    return pitch * (rows - 1) + width
+
+
+def split_jobs(jobs: list, threads: int) -> list[list]:
+    """Consecutive runs of jobs with about the same bytes to read each (a thread reads on through the file)."""
+    total = sum(read_bytes(j) for j in jobs)
+    groups: list[list] = [[]]
+    done = 0
+    for job in jobs:
+        if done >= total * len(groups) / threads and groups[-1]:
+            groups.append([])
+        groups[-1].append(job)
+        done += read_bytes(job)
+    return groups
+
+
+def fill(driver, device: int, ptr: int, fd: int, base: int, pieces: list[Piece], threads: int) -> None:
+    """GPU memory at ptr := the pieces of the file's data section at base, packed (packed_layout): `threads`
+    threads, each a run of copy_jobs, each reading into two pinned buffers in turn and copying on its own stream (a
+    read overlaps the previous copy); a part of each row goes over as a 2D copy."""
+    from .vmm import CUDA_MEMCPY2D, EVENT_DISABLE_TIMING, MEMORYTYPE_DEVICE, MEMORYTYPE_HOST, STREAM_NON_BLOCKING
+
     ctx = driver.use_primary_context(device)
 
-    def part(lo: int, hi: int) -> None:
+    def run(jobs: list) -> None:
         driver.call("cuCtxSetCurrent", ctx)
         stream, events, bufs = ctypes.c_void_p(), [ctypes.c_void_p() for _ in range(2)], []
         driver.call("cuStreamCreate", ctypes.byref(stream), STREAM_NON_BLOCKING)
+        descs = [CUDA_MEMCPY2D(), CUDA_MEMCPY2D()]
         try:
             for e in events:
                 driver.call("cuEventCreate", ctypes.byref(e), EVENT_DISABLE_TIMING)
@@ -70,15 +140,21 @@ def fill(driver, device: int, ptr: int, fd: int, base: int, length: int, threads
                 driver.call("cuMemHostAlloc", ctypes.byref(p), CHUNK, 0)
                 bufs.append(p)
             views = [memoryview((ctypes.c_char * CHUNK).from_address(b.value)).cast("B") for b in bufs]
-            off, i = lo, 0
-            while off < hi:
-                k, n = i % 2, min(CHUNK, hi - off)
+            for i, (offset, pitch, width, rows, dst) in enumerate(jobs):
+                k = i % 2
                 if i >= 2:
                     driver.call("cuEventSynchronize", events[k])  # this buffer's previous copy is done
-                pread_full(fd, views[k][:n], base + off)
-                driver.call("cuMemcpyHtoDAsync_v2", ptr + off, bufs[k], n, stream)
+                pread_full(fd, views[k][:pitch * (rows - 1) + width], base + offset)
+                if rows == 1:
+                    driver.call("cuMemcpyHtoDAsync_v2", ptr + dst, bufs[k], width, stream)
+                else:
+                    d = descs[k]
+                    ctypes.memset(ctypes.byref(d), 0, ctypes.sizeof(d))
+                    d.srcMemoryType, d.srcHost, d.srcPitch = MEMORYTYPE_HOST, bufs[k], pitch
+                    d.dstMemoryType, d.dstDevice, d.dstPitch = MEMORYTYPE_DEVICE, ptr + dst, width
+                    d.WidthInBytes, d.Height = width, rows
+                    driver.call("cuMemcpy2DAsync_v2", ctypes.byref(d), stream)
                 driver.call("cuEventRecord", events[k], stream)
-                off, i = off + n, i + 1
             driver.call("cuStreamSynchronize", stream)
         finally:
             for b in bufs:
@@ -88,13 +164,21 @@ def fill(driver, device: int, ptr: int, fd: int, base: int, length: int, threads
                     driver.lib.cuEventDestroy_v2(e)
             driver.lib.cuStreamDestroy_v2(stream)
 
-    with ThreadPoolExecutor(threads, thread_name_prefix="coldsnap-prefetch") as pool:
-        for job in [pool.submit(part, a, min(a + step, length)) for a in range(0, length, step)]:
+    groups = split_jobs(copy_jobs(pieces), threads)
+    with ThreadPoolExecutor(len(groups), thread_name_prefix="coldsnap-prefetch") as pool:
+        for job in [pool.submit(run, g) for g in groups]:
             job.result()
 
 
-def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float, hold: bool = False) -> dict:
+def plan_digest(pieces: list[Piece]) -> str:
+    """What names a plan on the socket: the engine computes its own plan and checks it is the one loaded."""
+    return hashlib.sha256(json.dumps([list(p) for p in pieces], separators=(",", ":")).encode()).hexdigest()
+
+
+def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float, hold: bool = False,
+          pieces: list[Piece] | None = None) -> dict:
     """Listen at sock_path, load, hand the memory to the first engine that connects; return what happened.
+    pieces: load only these parts of the data section, packed (a tensor-parallel rank's shards); default all of it.
     hold: once served, keep the memory and the context until stdin closes: freeing them (and tearing the context
     down) while the engine captures its CUDA graphs and answers its first request slowed both down."""
     from .vmm import Driver, ExportableBuffer
@@ -116,18 +200,23 @@ def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float
             driver.use_primary_context(device)
             report["cuda_init_s"] = round(time.monotonic() - t0, 4)
             base, length = data_section(path)
-            buf = ExportableBuffer(driver, device, length)
+            if pieces is not None:
+                check_pieces(pieces, length)
+            size = packed_layout(pieces or whole_section(length))[1]
+            buf = ExportableBuffer(driver, device, size)
             fd = os.open(path, os.O_RDONLY)
             try:
                 t1 = time.monotonic()
-                fill(driver, device, buf.ptr, fd, base, length, threads)
+                fill(driver, device, buf.ptr, fd, base, pieces or whole_section(length), threads)
                 load_s = time.monotonic() - t1
             finally:
                 os.close(fd)
             fds = [buf.export_fd()]
-            message = {"bytes": length, "alloc_bytes": buf.size, "offset": base, "identity": file_identity(path)}
-            report.update(bytes=length, load_s=round(load_s, 4), gb_per_s=round(length / load_s / 1e9, 2),
-                          threads=threads, ready_s=round(time.monotonic() - t0, 4))
+            message = {"bytes": size, "alloc_bytes": buf.size, "offset": base, "identity": file_identity(path),
+                       **({"plan": plan_digest(pieces)} if pieces is not None else {})}
+            report.update(bytes=size, load_s=round(load_s, 4), gb_per_s=round(size / load_s / 1e9, 2),
+                          threads=threads, ready_s=round(time.monotonic() - t0, 4),
+                          **({"pieces": len(pieces)} if pieces is not None else {}))
         except Exception as e:  # noqa: BLE001 - whatever it is, the engine hears it and reloads from the file
             message = {"error": f"{type(e).__name__}: {e}"}
             report["error"] = message["error"]
@@ -197,11 +286,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=8, help="parallel readers (default 8)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the engine (default 120)")
     p.add_argument("--hold", action="store_true", help="once served, free nothing until stdin closes")
+    p.add_argument("--plan", help="JSON file: [[offset, width, rows, pitch], ...] of the data section to load, "
+                                  "packed (a tensor-parallel rank's part); default the whole data section")
     a = p.parse_args(argv)
     watchdog = threading.Timer(a.timeout + 30, os._exit, args=(3,))  # never linger holding GPU memory
     watchdog.daemon = True
     watchdog.start()
-    report = serve(a.file, a.gpu, a.socket, max(1, a.threads), a.timeout, a.hold)
+    try:
+        pieces = [tuple(int(x) for x in p) for p in json.loads(open(a.plan).read())] if a.plan else None
+    except (OSError, ValueError, TypeError) as e:
+        print(json.dumps({"served": False, "error": f"--plan {a.plan}: {e}"}), flush=True)
+        return 1
+    report = serve(a.file, a.gpu, a.socket, max(1, a.threads), a.timeout, a.hold, pieces)
     print(json.dumps(report), flush=True)
     return 0 if report.get("served") and "error" not in report else 1
 

@@ -9,6 +9,10 @@ Struct layouts follow cuda.h (zeroed whole before use: reserved fields must be 0
                        void *win32HandleMetaData; {uchar compressionType; uchar gpuDirectRDMACapable;
                        ushort usage; uchar reserved[4]} allocFlags}                                32 bytes
   CUmemAccessDesc     {CUmemLocation location; int flags}                                          12 bytes
+  CUDA_MEMCPY2D       {size_t srcXInBytes, srcY; int srcMemoryType; void *srcHost; CUdeviceptr srcDevice;
+                       CUarray srcArray; size_t srcPitch; size_t dstXInBytes, dstY; int dstMemoryType;
+                       void *dstHost; CUdeviceptr dstDevice; CUarray dstArray; size_t dstPitch;
+                       size_t WidthInBytes, Height}                                                128 bytes
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ ACCESS_READWRITE = 3  # CU_MEM_ACCESS_FLAGS_PROT_READWRITE
 GRANULARITY_MINIMUM = 0
 STREAM_NON_BLOCKING = 1
 EVENT_DISABLE_TIMING = 2
+MEMORYTYPE_HOST = 1  # CU_MEMORYTYPE_HOST
+MEMORYTYPE_DEVICE = 2
 
 u64, usz, vp, c_int, c_uint = ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint
 
@@ -51,6 +57,13 @@ class CUmemAllocationProp(ctypes.Structure):
 
 class CUmemAccessDesc(ctypes.Structure):
     _fields_ = [("location", CUmemLocation), ("flags", c_int)]
+
+
+class CUDA_MEMCPY2D(ctypes.Structure):
+    _fields_ = [("srcXInBytes", usz), ("srcY", usz), ("srcMemoryType", c_int), ("srcHost", vp), ("srcDevice", u64),
+                ("srcArray", vp), ("srcPitch", usz), ("dstXInBytes", usz), ("dstY", usz), ("dstMemoryType", c_int),
+                ("dstHost", vp), ("dstDevice", u64), ("dstArray", vp), ("dstPitch", usz), ("WidthInBytes", usz),
+                ("Height", usz)]
 
 
 _SIGNATURES = {
@@ -80,6 +93,7 @@ _SIGNATURES = {
     "cuEventSynchronize": [vp],
     "cuEventDestroy_v2": [vp],
     "cuMemcpyHtoDAsync_v2": [u64, vp, usz, vp],
+    "cuMemcpy2DAsync_v2": [ctypes.POINTER(CUDA_MEMCPY2D), vp],
 }
 
 

@@ -326,7 +326,7 @@ class Runner:
     """
 
     def __init__(self, model: Transformer, device: torch.device | str, kv_bytes: int = 0, reload=None,
-                 reload_into=None, reload_prefetched=None, peers=None) -> None:
+                 reload_into=None, reload_prefetched=None, prefetch_plan=None, peers=None) -> None:
         self.model = model
         self.cfg = model.cfg
         self.device = torch.device(device)
@@ -339,6 +339,8 @@ class Runner:
         self._reload_into = reload_into  # (params) -> stats: hydrate the parameters in place
         # (params, socket) -> stats: the same from the copy coldsnap.gpu.prefetch put on the GPU during the restore
         self._reload_prefetched = reload_prefetched
+        # (names) -> pieces of the weights file this rank holds (coldsnap.gpu.prefetch), or None: the whole file
+        self._prefetch_plan = prefetch_plan
         self.step = model
         self.compile_mode: str | None = None
         self.use_graphs = False
@@ -470,12 +472,16 @@ class Runner:
         if self.peers is not None:
             self.peers.send({"op": "release", "weights": weights, "stash_code": stash_code})
         out = self._release_local(weights, save_to, stash_code)
+        plans = [out.pop("prefetch_plan", None)]
         if self.peers is not None:
             for reply in self.peers.replies():
                 out["freed_bytes"] += int(reply.get("freed_bytes", 0))
                 theirs = reply.get("code_stash") or {}
                 for key in ("files", "bytes") if "code_stash" in out else ():
                     out["code_stash"][key] += int(theirs.get(key, 0))
+                plans.append(reply.get("prefetch_plan"))
+        if all(plans):  # every rank's part of the weights file, by GPU: what a restore prefetches onto each
+            out["prefetch_plans"] = {p["gpu"]: p["pieces"] for p in plans}
         return out
 
     def _release_local(self, weights: bool, save_to: str | None = None,
@@ -500,12 +506,18 @@ class Runner:
                 self._reload = lambda: load_weights(save_to, device, "copy")
                 self._reload_into = lambda p: load_into(save_to, p)
                 self._reload_prefetched = lambda p, sock: load_prefetched(save_to, p, sock)
+                self._prefetch_plan = None  # the saved file is this engine's whole state
             releasable = self.device.type == "cuda" or save_to  # on CPU, weights are file-backed or saved first
             if weights and releasable and self._reload is not None and not self.weights_released:
                 for p in self.model.parameters():
                     freed += p.untyped_storage().nbytes()
                     p.untyped_storage().resize_(0)
                 self.weights_released = True
+            if self.weights_released and self.device.type == "cuda" and self._prefetch_plan is not None:
+                pieces = self._prefetch_plan(list(dict(self.model.named_parameters())))
+                if pieces is not None:
+                    gpu = "GPU-" + str(torch.cuda.get_device_properties(self.device).uuid)
+                    out["prefetch_plan"] = {"gpu": gpu, "pieces": [list(p) for p in pieces]}
             if self.device.type == "cuda":
                 # cuBLAS keeps a workspace per stream it ran on; the graphs' streams are gone. Fewer bytes for the
                 # driver's checkpoint to save and restore; cuBLAS allocates again when it next runs.

@@ -444,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from .model import Runner, build_model, trim_host_memory
-    from .weights import ensure_weights, load_into, load_prefetched, load_weights
+    from .weights import ensure_weights, load_into, load_prefetched, load_weights, prefetch_plan
 
     from . import tp as tpmod
     from .model import check_tensor_parallel, shards
@@ -510,6 +510,7 @@ def main(argv: list[str] | None = None) -> int:
                     reload=lambda: load_weights(wpath, str(device), "mmap", shards=mine),
                     reload_into=lambda params: load_into(wpath, params, shards=mine),
                     reload_prefetched=lambda params, sock: load_prefetched(wpath, params, sock, shards=mine),
+                    prefetch_plan=lambda names: prefetch_plan(wpath, names, mine) if mine else None,
                     peers=peers)
     phase("build", t, params=sum(p.numel() for p in model.parameters()), kv_bytes=runner.kv_bytes)
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from ...fsutil import atomic_write, pread_full
 # Imported now, not at resume: a restored engine's resume is on the clock (they are light: ctypes and sockets).
-from ...gpu.prefetch import PrefetchError, Session
+from ...gpu.prefetch import PrefetchError, Session, packed_layout, plan_digest
 from ...gpu.vmm import Driver, imported
 from .model import ModelConfig, local_shape, param_specs
 
@@ -365,6 +365,41 @@ def load_into(path: str | os.PathLike, params: dict[str, "torch.Tensor"], shards
 
 
 
+def tensor_piece(info: dict[str, Any], shard) -> tuple[int, int, int, int]:
+    """The piece of the data section (coldsnap.gpu.prefetch: offset, width, rows, pitch) holding a tensor's part:
+    split along dim d, its rows are everything before d and each holds the shard's slice of dims d on."""
+    start, end = info["data_offsets"]
+    if shard is None:
+        return (start, end - start, 1, end - start)
+    shape, itemsize = info["shape"], _DTYPES[info["dtype"]][1]
+    inner = int(np.prod(shape[shard.dim + 1:], dtype=np.int64)) * itemsize  # bytes of one index along dim d
+    rows = int(np.prod(shape[:shard.dim], dtype=np.int64))
+    return (start + shard.start * inner, (shard.stop - shard.start) * inner, rows, shape[shard.dim] * inner)
+
+
+def plan_of(header: dict[str, Any], names: list[str], shards: dict[str, Any] | None) -> list:
+    """The pieces of the data section that hold these tensors' parts, in this order: what a restore's prefetcher
+    loads for this rank (recorded at capture)."""
+    return [tensor_piece(header[n], (shards or {}).get(n)) for n in names]
+
+
+def prefetch_plan(path: str | os.PathLike, names: list[str], shards: dict[str, Any] | None) -> list:
+    return plan_of(read_header(path)[1], names, shards)
+
+
+def packed_parts(whole, header: dict[str, Any], names: list[str], shards: dict[str, Any] | None) -> dict:
+    """{name: tensor part} as views of prefetched memory `whole` (uint8) that holds prefetch_plan's pieces, packed."""
+    import torch
+
+    pieces = plan_of(header, names, shards)
+    out = {}
+    for name, (_, width, rows, _), at in zip(names, pieces, packed_layout(pieces)[0]):
+        info = header[name]
+        shape = local_shape(tuple(info["shape"]), (shards or {}).get(name))
+        out[name] = whole[at:at + width * rows].view(getattr(torch, _DTYPES[info["dtype"]][0])).view(shape)
+    return out
+
+
 class _DeviceRegion:
     """A device byte range as a __cuda_array_interface__ exporter, for torch.as_tensor (no copy)."""
 
@@ -407,19 +442,29 @@ def load_prefetched(path: str | os.PathLike, params: dict[str, "torch.Tensor"], 
             took["map"] = time.perf_counter() - t
             t = time.perf_counter()
             whole = torch.as_tensor(_DeviceRegion(ptr, int(message["bytes"])), device=torch.device("cuda", ordinal))
-            with torch.no_grad():
-                for name, dst in params.items():
+            names = list(params)
+            if "plan" in message:  # only this rank's parts, packed
+                if message["plan"] != plan_digest(plan_of(header, names, shards)):
+                    raise PrefetchError("the prefetcher loaded other parts of the file than this rank's")
+                parts = packed_parts(whole, header, names, shards)
+            else:
+                parts = {}
+                for name in names:
                     info = header[name]
                     start, end = info["data_offsets"]
                     dtype = getattr(torch, _DTYPES[info["dtype"]][0])
-                    part = _slice(whole[start:end].view(dtype).view(tuple(info["shape"])), (shards or {}).get(name))
+                    parts[name] = _slice(whole[start:end].view(dtype).view(tuple(info["shape"])),
+                                         (shards or {}).get(name))
+            with torch.no_grad():
+                for name, dst in params.items():
+                    part = parts[name]
                     if tuple(part.shape) != tuple(dst.shape) or part.dtype != dst.dtype:
                         raise PrefetchError(f"tensor {name} is {tuple(part.shape)} {part.dtype} in the file, the "
                                             f"model expects {tuple(dst.shape)} {dst.dtype}")
                     dst.copy_(part)
                     moved += dst.numel() * dst.element_size()
             torch.cuda.synchronize(ordinal)
-            del whole
+            del whole, parts
             took["copy"] = time.perf_counter() - t
             t = time.perf_counter()
         took["unmap"] = time.perf_counter() - t
