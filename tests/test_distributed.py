@@ -138,6 +138,9 @@ def _capture_and_restore_twice(tmp_path_factory, monkeypatch, devices: list[str]
     assert profile.distributed is not None and profile.distributed.world_size == 2
     assert profile.distributed.settings["NCCL_P2P_DISABLE"] == "1"
     assert profile.launch.env["NCCL_SHM_DISABLE"] == "1"  # every rank started under it
+    # On GPUs each rank's part of the weights file is recorded by GPU, for the restore's prefetchers.
+    assert len(profile.prefetch_plans) == (2 if devices else 0) and set(profile.prefetch_plans) <= set(
+        profile.gpus_used)
     try:
         for attempt in range(2):
             r = restore(RestoreRequest(operation="restore", capsule=cap.capsule, policy={"fallback_to_cold": False}))
@@ -145,6 +148,9 @@ def _capture_and_restore_twice(tmp_path_factory, monkeypatch, devices: list[str]
             res = r["result"]
             assert res["validated_text"] == profile.expected_text
             assert res["ranks"] == {"restored": 2, "expected": 2}
+            prefetch = res["hydrate"]["prefetch"]
+            if devices and "skipped" not in prefetch:  # each GPU got its rank's part only
+                assert all(p.get("pieces") for p in prefetch["per_gpu"].values()), prefetch
             info = engine_info(*res["url"].removeprefix("http://").split(":"))
             assert len(info["tensor_parallel"]["ranks"]) == 2
             tree = [res["pid"], *descendants(res["pid"])]  # one tree: the peer restored as rank 0's child

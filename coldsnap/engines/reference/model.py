@@ -472,14 +472,15 @@ class Runner:
         if self.peers is not None:
             self.peers.send({"op": "release", "weights": weights, "stash_code": stash_code})
         out = self._release_local(weights, save_to, stash_code)
+        if self.peers is None:
+            return out  # alone, or a peer answering rank 0, which gathers every rank's prefetch plan
         plans = [out.pop("prefetch_plan", None)]
-        if self.peers is not None:
-            for reply in self.peers.replies():
-                out["freed_bytes"] += int(reply.get("freed_bytes", 0))
-                theirs = reply.get("code_stash") or {}
-                for key in ("files", "bytes") if "code_stash" in out else ():
-                    out["code_stash"][key] += int(theirs.get(key, 0))
-                plans.append(reply.get("prefetch_plan"))
+        for reply in self.peers.replies():
+            out["freed_bytes"] += int(reply.get("freed_bytes", 0))
+            theirs = reply.get("code_stash") or {}
+            for key in ("files", "bytes") if "code_stash" in out else ():
+                out["code_stash"][key] += int(theirs.get(key, 0))
+            plans.append(reply.get("prefetch_plan"))
         if all(plans):  # every rank's part of the weights file, by GPU: what a restore prefetches onto each
             out["prefetch_plans"] = {p["gpu"]: p["pieces"] for p in plans}
         return out
