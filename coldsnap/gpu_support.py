@@ -140,6 +140,9 @@ def start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir) -
         if free is None or free < 2 * size + (8 << 30):
             return Prefetch(skipped=f"not enough free memory on {gpu} for a second copy of the weights")
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}  # GPUs are named by UUID
+    threads = os.environ.get("COLDSNAP_PREFETCH_THREADS", "8")  # readers per prefetcher (they compete with CRIU)
+    if not threads.isdigit() or int(threads) < 1:
+        return Prefetch(skipped=f"COLDSNAP_PREFETCH_THREADS={threads!r} is not a positive number")
     p = Prefetch()
     for gpu, pieces in targets:
         name = f"{run_dir}/{uuid.uuid4().hex[:12]}"
@@ -154,7 +157,7 @@ def start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir) -
                 plan = ["--plan", name + ".plan.json"]
             p.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "coldsnap.gpu.prefetch", "--file", weights.path, "--gpu", gpu,
-                 "--socket", sock, "--hold", *plan], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                 "--socket", sock, "--hold", "--threads", threads, *plan], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE, start_new_session=True))
         except OSError as e:
             return _abandon(p, f"could not start the prefetcher: {e}")  # its plan file included

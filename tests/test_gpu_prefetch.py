@@ -178,13 +178,15 @@ def test_a_restore_hands_each_gpu_its_ranks_plan_and_cleans_up(monkeypatch, tmp_
     a, c = (proc.args for proc in p.procs)
     plan = a[a.index("--plan") + 1]
     assert json.loads(open(plan).read()) == pieces and os.stat(plan).st_mode & 0o777 == 0o600
-    assert "--plan" not in c
+    assert "--plan" not in c and a[a.index("--threads") + 1] == "8"
     deadline = time.monotonic() + 30
     while not all(os.path.exists(sock) for sock in p.sockets.values()):  # they listen, waiting for an engine
         assert time.monotonic() < deadline, "the prefetchers did not listen"
         time.sleep(0.02)
     finish_prefetch(p)
     assert list(tmp_path.glob("*.plan.json")) == [] and list(tmp_path.glob("*.sock")) == []
+    monkeypatch.setenv("COLDSNAP_PREFETCH_THREADS", "lots")
+    assert "COLDSNAP_PREFETCH_THREADS='lots'" in start_prefetch(profile, True, {}, tmp_path).skipped
 
 
 # --- when a restore prefetches, and reaping the prefetchers ----------------------------------------------------

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Tensor parallel 2 over NCCL on the 2-GPU machine (device tool kind nvidia-h200-x2), and the one-GPU baseline with
 # the same per-rank state. Usage (repo root there, .whl and .carry/criu carried): packaging/device/tp-bench.sh STEPS
-# STEPS: any of test tp2 tp1 gpumap noprefetch account (default: test tp2 tp1). N samples (default 10), NV vanilla samples
+# STEPS: any of test tp2 tp1 gpumap noprefetch threads account (default: test tp2 tp1). N samples (default 10), NV vanilla samples
 # (default 1). TP_OPTS: more options for the TP2 bench, e.g. smaller NCCL buffers (fewer pinned pages per rank):
 # TP_OPTS="--engine-opt nccl_env=NCCL_BUFFSIZE=1048576" TP_NAME=-buf1m. Both benches prefetch the weights onto each GPU
 # during the restore (COLDSNAP_PREFETCH=0 turns that off for both). COLDSNAP_CODE_STASH=1: the engines move their CUDA
@@ -20,7 +20,7 @@ for step in $STEPS; do
   case $step in
   test)
     echo "== tests (GPU + distributed)"
-    timeout 420 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_distributed.py -k "nccl or admission" \
+    timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_distributed.py -k "nccl or admission" \
         -rfs 2>&1 | tail -25 ;;
   tp2)
     echo "== bench tensor parallel 2 ($((2 * LAYERS)) layers)"
@@ -49,6 +49,14 @@ for step in $STEPS; do
     for i in 1 2 3; do
       COLDSNAP_PREFETCH=0 $CS restore --capsule "$D" --no-fallback --json > "$OUT/noprefetch-$i.json"; echo "rc=$?"
       python3 -c "import json;r=json.load(open('$OUT/noprefetch-$i.json'));h=r['result'].get('hydrate',{});print({s['name']:round(s['duration_s'],3) for s in r['spans']}, h.get('cuda_restore_per_pid_s'), r['result'].get('criu_stats',{}).get('restore_s'))"
+      $CS stop bench-reference >/dev/null
+    done ;;
+  threads)
+    # A/B on the TP2 capsule: 5 restores with PREFETCH_THREADS readers per prefetcher (the bench: 8 per GPU).
+    D=$(python3 -c "import json;print(json.load(open('$OUT/reference-cuda-tp2${TP_NAME:-}.json'))['capsule']['digest'])")
+    for i in 1 2 3 4 5; do
+      COLDSNAP_PREFETCH_THREADS=${PREFETCH_THREADS:-4} $CS restore --capsule "$D" --no-fallback --json > "$OUT/threads-$i.json"
+      python3 -c "import json;r=json.load(open('$OUT/threads-$i.json'));h=r['result'].get('hydrate',{});print(r['result'].get('time_to_first_token_s'), {s['name']:round(s['duration_s'],3) for s in r['spans']}, h.get('cuda_restore_per_pid_s'), r['result'].get('criu_stats',{}).get('restore_s'))"
       $CS stop bench-reference >/dev/null
     done ;;
   account)
