@@ -8,6 +8,8 @@ nvidia-h200-x2 machine runs it; elsewhere it skips and says why.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -66,6 +68,8 @@ def test_nccl_settings_are_parsed_strictly_and_recorded(monkeypatch):
     for bad in ("BUFFSIZE=1", "NCCL_BUFFSIZE", "NCCL_P2P_DISABLE=0", "NCCL_X="):
         with pytest.raises(ValueError):
             parse_nccl_env(bad)
+    for k in [k for k in os.environ if k.startswith("NCCL_")]:  # a GPU host's image may set its own
+        monkeypatch.delenv(k)
     for k, v in CAPTURE_SAFE_ENV.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("NCCL_BUFFSIZE", "1048576")
