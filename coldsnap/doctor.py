@@ -380,15 +380,18 @@ def capabilities() -> Capabilities:
             "cuda-checkpoint/gpu-map": "2xH200: a capsule captured on GPU 0 restored onto GPU 1 by UUID pairs, "
                                        "validated (bench/results/reference-cuda-gpu-map.receipts.json)",
             "criu-process/tensor-parallel": "2xH200 NV18, NCCL (P2P/SHM/cuMem/NVLS off): reference engine TP2, one "
-                                            "capsule, 10/10 restores with 2/2 ranks validated "
-                                            "(bench/results/reference-cuda-tp2.json); gloo TP2 on CPU (make test)",
+                                            "capsule, 10/10 restores with 2/2 ranks validated, 1.50-1.51x the one-GPU "
+                                            "restore of the same per-rank state "
+                                            "(bench/results/reference-cuda-tp2-s7-run{1,2}.json); gloo TP2 on CPU "
+                                            "(make test)",
             "criu-runc/cuda": "H200: the reference engine on the GPU in a runc container through coldsnap-runtime, "
                               "captured (CUDA checkpoint by host PID) and restored by an annotated create/start, "
                               "validated (bench/results/reference-cuda-container.receipts.json)",
             "weights-prefetch/cuda": "H200: the weights loaded onto the GPU during the restore and taken by the engine "
                                      "in 10/10 recovery and 10/10 native restores "
                                      "(bench/results/reference-cuda-{recovery,native}.receipts.json); and on "
-                                     "each GPU of 10/10 tensor-parallel-2 restores (reference-cuda-tp2.receipts.json)",
+                                     "each GPU of 10/10 tensor-parallel-2 restores, its rank's part only "
+                                     "(reference-cuda-tp2-s7-run1.receipts.json)",
             "criu-runc/cpu": "Debian 12, runc 1.1.5, CRIU 4.2.1, through coldsnap-runtime: reference engine under "
                              "runc, podman, docker, containerd; vLLM 0.32 CPU and SGLang 0.5.23 CPU under runc and "
                              "podman (its bound /dev/shm carried): 10/10 completions identical after restore, vLLM "

@@ -4,8 +4,8 @@
 # STEPS: any of test tp2 tp1 gpumap noprefetch threads account (default: test tp2 tp1). N samples (default 10), NV vanilla samples
 # (default 1). TP_OPTS: more options for the TP2 bench, e.g. smaller NCCL buffers (fewer pinned pages per rank):
 # TP_OPTS="--engine-opt nccl_env=NCCL_BUFFSIZE=1048576" TP_NAME=-buf1m. Both benches prefetch the weights onto each GPU
-# during the restore (COLDSNAP_PREFETCH=0 turns that off for both). COLDSNAP_CODE_STASH=1: the engines move their CUDA
-# device code into files at capture (coldsnap/codestash.py), both benches.
+# during the restore (COLDSNAP_PREFETCH=0 turns that off for both). The engines move their CUDA device code
+# into files at capture (coldsnap/codestash.py; COLDSNAP_CODE_STASH=0 turns that off for both benches).
 STEPS=${*:-test tp2 tp1}; N=${N:-10}; NV=${NV:-1}
 source packaging/device/env.sh
 CS="python3 -m coldsnap.cli"
