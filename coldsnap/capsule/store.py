@@ -26,7 +26,6 @@ from ..fsutil import atomic_write
 from ..contracts import CapsuleProfile, ColdSnapError, ErrorCode
 from ..contracts import capsule as mt
 
-CHUNK = 4 << 20
 DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 

@@ -363,8 +363,6 @@ def load_into(path: str | os.PathLike, params: dict[str, "torch.Tensor"], shards
             "threads": threads}
 
 
-
-
 def tensor_piece(info: dict[str, Any], shard) -> tuple[int, int, int, int]:
     """The piece of the data section (coldsnap.gpu.prefetch: offset, width, rows, pitch) holding a tensor's part:
     split along dim d, its rows are everything before d and each holds the shard's slice of dims d on."""
