@@ -1,6 +1,7 @@
 """Diagnosis (device runs): run one `coldsnap capture` with the CLI's own arguments, and just before the CUDA
 checkpoint print each process of the workload's tree with its large mappings (size, resident, VmFlags: `dc` is
-MADV_DONTFORK, what the CUDA driver sets on host memory it pins; `lo` is locked). Then the capture goes on.
+MADV_DONTFORK, what the CUDA driver sets on host memory it pins; `lo` is locked), and malloc's heap walked chunk by
+chunk (in-use bytes by chunk size, the largest chunks and what they hold). Then the capture goes on.
 Usage: python3 packaging/device/tree-maps.py capture --device cuda ... (the same arguments as coldsnap)."""
 import os
 import sys
@@ -44,6 +45,8 @@ def show(pid: int) -> None:
                   f"{' '.join(head[1:])}", file=sys.stderr)
             if entry["name"] == "anon" and entry["rss"] >= MIN:
                 print(f"      {sample(pid, entry['start'], entry['size'])}", file=sys.stderr)
+            if entry["name"] == "[heap]":
+                print(heap_summary(pid, entry["start"], entry["size"]), file=sys.stderr)
 
 
 def sample(pid: int, start: int, size: int) -> str:
@@ -62,6 +65,44 @@ def sample(pid: int, start: int, size: int) -> str:
     mid = data[len(data) // 2: len(data) // 2 + 32]
     return (f"sample: {data.count(0) / max(1, len(data)):.0%} zero bytes, markers {marks}, "
             f"middle {mid.hex(' ')}, strings {strings}")
+
+
+def heap_summary(pid: int, start: int, size: int, top: int = 12) -> str:
+    """What malloc's main heap holds: its chunks walked by their size fields (glibc: 8 bytes prev_size, 8 bytes size
+    with flag bits; a chunk is in use when the next one's PREV_INUSE bit is set), in-use bytes by chunk size class,
+    and the largest in-use chunks with what they hold (zero share, CUDA code markers, first strings)."""
+    import re
+    import struct
+
+    try:
+        with open(f"/proc/{pid}/mem", "rb") as f:
+            f.seek(start)
+            data = f.read(min(size, 1 << 30))
+    except OSError as e:
+        return f"      heap unreadable: {e}"
+    classes = {"<4K": [0, 0], "4K-64K": [0, 0], "64K-1M": [0, 0], ">=1M": [0, 0]}
+    chunks, p = [], 0
+    while p + 16 <= len(data):
+        n = struct.unpack_from("<Q", data, p + 8)[0] & ~7
+        if n < 32 or p + n > len(data):
+            break  # the top chunk (or a walk gone wrong: reported below)
+        inuse = p + n + 16 <= len(data) and struct.unpack_from("<Q", data, p + n + 8)[0] & 1
+        if inuse:
+            cls = "<4K" if n < 4096 else "4K-64K" if n < 65536 else "64K-1M" if n < (1 << 20) else ">=1M"
+            classes[cls][0] += 1
+            classes[cls][1] += n
+            chunks.append((n, p))
+        p += n
+    lines = [f"      heap walk: {p >> 20} of {len(data) >> 20} MiB walked, in-use by chunk size: " + ", ".join(
+        f"{k} {c} chunks {b >> 20} MiB" for k, (c, b) in classes.items())]
+    for n, at in sorted(chunks, reverse=True)[:top]:
+        body = data[at + 16:at + n]
+        marks = {name: body.count(m) for name, m in (("ELF", b"\x7fELF"), (".nv.info", b".nv.info"),
+                                                      ("nccl", b"nccl"), ("fatbin", b"\x50\xed\x55\xba"))}
+        strings = [s.decode()[:40] for s in re.findall(rb"[ -~]{12,}", body[:1 << 20])[:3]]
+        lines.append(f"        {n / (1 << 20):7.2f} MiB at +{at:#x}: {body.count(0) / max(1, len(body)):.0%} zero, "
+                     f"{marks}, {strings}")
+    return "\n".join(lines)
 
 
 def gpu_apps() -> None:
