@@ -49,15 +49,19 @@ def show(pid: int) -> None:
                 print(heap_summary(pid, entry["start"], entry["size"]), file=sys.stderr)
 
 
+def read_mem(pid: int, start: int, size: int) -> bytes:
+    with open(f"/proc/{pid}/mem", "rb") as f:
+        f.seek(start)
+        return f.read(size)
+
+
 def sample(pid: int, start: int, size: int) -> str:
     """What a mapping holds, as a hint to whose it is: over the whole mapping (up to 512 MiB), the share of zero
     bytes, how many ELF headers and CUDA code markers it holds, and its first printable strings."""
     import re
 
     try:
-        with open(f"/proc/{pid}/mem", "rb") as f:
-            f.seek(start)
-            data = f.read(min(size, 512 << 20))
+        data = read_mem(pid, start, min(size, 512 << 20))
     except OSError as e:
         return f"unreadable: {e}"
     marks = {m: data.count(m) for m in (b"\x7fELF", b"nccl", b"NCCL", b".nv.info", b"sm_90", b"ncclDevKernel")}
@@ -75,9 +79,7 @@ def heap_summary(pid: int, start: int, size: int, top: int = 12) -> str:
     import struct
 
     try:
-        with open(f"/proc/{pid}/mem", "rb") as f:
-            f.seek(start)
-            data = f.read(min(size, 1 << 30))
+        data = read_mem(pid, start, min(size, 1 << 30))
     except OSError as e:
         return f"      heap unreadable: {e}"
     classes = {"<4K": [0, 0], "4K-64K": [0, 0], "64K-1M": [0, 0], ">=1M": [0, 0]}
