@@ -107,11 +107,6 @@ def _prefetch_refusal(profile, supported: bool) -> str | None:
     return None
 
 
-def _gpu_key(uuid: str) -> str:
-    """NVML writes GPU-8d0a62a0-…, torch 8d0a62a0-…: compare the hex digits."""
-    return str(uuid).removeprefix("GPU-").replace("-", "").lower()
-
-
 def start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir) -> Prefetch:
     """Start a prefetcher on each GPU of the workload when the restore will reload weights from one file, each GPU
     has room for a second copy of what it loads for a moment, and COLDSNAP_PREFETCH is not 0. A tensor-parallel
@@ -125,15 +120,15 @@ def start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir) -
 
     from .fsutil import atomic_write
     from .gpu.nvml import free_bytes
-    from .gpu.prefetch import packed_layout
+    from .gpu.prefetch import gpu_key, packed_layout
 
     why = _prefetch_refusal(profile, supported)
     if why:
         return Prefetch(skipped=why)
     weights = profile.model.weights[0]
-    plans = {_gpu_key(g): pieces for g, pieces in (getattr(profile, "prefetch_plans", None) or {}).items()}
+    plans = {gpu_key(g): pieces for g, pieces in profile.prefetch_plans.items()}
     # (GPU now, the pieces of the file its rank holds, or None: all of it)
-    targets = [(gpu_map.get(u, u), plans.get(_gpu_key(u))) for u in profile.gpus_used]
+    targets = [(gpu_map.get(u, u), plans.get(gpu_key(u))) for u in profile.gpus_used]
     for gpu, pieces in targets:
         size = packed_layout(pieces)[1] if pieces else weights.size
         free = free_bytes(gpu)

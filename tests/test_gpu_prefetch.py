@@ -193,7 +193,7 @@ def test_a_restore_hands_each_gpu_its_ranks_plan_and_cleans_up(monkeypatch, tmp_
 def _profile(**over):
     from types import SimpleNamespace as NS
 
-    base = dict(engine=NS(name="reference"), cuda_pids=1, gpus_used=["GPU-a"], distributed=None,
+    base = dict(engine=NS(name="reference"), cuda_pids=1, gpus_used=["GPU-a"], distributed=None, prefetch_plans={},
                 model=NS(weights=[NS(path="/models/w.safetensors", size=10 << 30)]))
     return NS(**{**base, **over})
 

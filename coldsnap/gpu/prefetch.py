@@ -60,6 +60,11 @@ Piece = tuple[int, int, int, int]  # (offset, width, rows, pitch)
 ALIGN = 256  # each piece starts on this boundary of the prefetched memory
 
 
+def gpu_key(uuid: str) -> str:
+    """A GPU UUID in a form both sides agree on: NVML writes GPU-8d0a62a0-…, torch 8d0a62a0-…; the hex digits."""
+    return str(uuid).removeprefix("GPU-").replace("-", "").lower()
+
+
 def whole_section(length: int) -> list[Piece]:
     return [(0, length, 1, length)]
 

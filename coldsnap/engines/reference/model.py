@@ -555,12 +555,10 @@ class Runner:
             return prefetched
         if self.device.type != "cuda":
             return None
+        from coldsnap.gpu.prefetch import gpu_key
 
-        def key(uuid: str) -> str:  # NVML writes GPU-8d0a62a0-…, torch 8d0a62a0-…: compare the hex digits
-            return str(uuid).removeprefix("GPU-").replace("-", "").lower()
-
-        mine = key(torch.cuda.get_device_properties(self.device).uuid)
-        return next((sock for gpu, sock in prefetched.items() if key(gpu) == mine), None)
+        mine = gpu_key(torch.cuda.get_device_properties(self.device).uuid)
+        return next((sock for gpu, sock in prefetched.items() if gpu_key(gpu) == mine), None)
 
     def _resume_local(self, prefetched: str | None = None) -> dict[str, Any]:
         took: dict[str, float] = {}  # where resume's time goes, in seconds
