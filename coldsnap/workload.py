@@ -114,22 +114,34 @@ def start_in_namespaces(argv: list[str], env: dict[str, str], plan: NetworkPlan,
     finally:
         os.close(log_fd)
     _LAUNCHERS[launcher.pid] = launcher  # reaped in kill_tree (avoids zombies holding PIDs)
-    if not pid_namespace:
-        return launcher.pid
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        try:
-            children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()
-        except FileNotFoundError:
-            children = []
-        if children:
-            return int(children[0])
+        root = launcher.pid if not pid_namespace else _first_child(launcher.pid)
+        # Return only once setsid has run: until then the root is still in our session, and a capture or a
+        # signal to its session could reach us.
+        if root is not None and _session_of(root) == root:
+            return root
         if launcher.poll() is not None:
             raise ColdSnapError(ErrorCode.WORKLOAD_FAILED, f"workload exited at once (status {launcher.returncode}); "
                                 f"see {log_path}")
         time.sleep(0.005)
     launcher.kill()
-    raise ColdSnapError(ErrorCode.WORKLOAD_FAILED, "workload's PID namespace init did not appear within 10 s")
+    raise ColdSnapError(ErrorCode.WORKLOAD_FAILED, "workload did not become a session leader within 10 s")
+
+
+def _first_child(pid: int) -> int | None:
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except FileNotFoundError:
+        return None
+    return int(children[0]) if children else None
+
+
+def _session_of(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except ProcessLookupError:
+        return None
 
 
 _LAUNCHERS: dict[int, subprocess.Popen] = {}
