@@ -8,9 +8,21 @@ import json
 import socket
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 from .contracts import ColdSnapError, ErrorCode, Validation
+
+
+def completion_stream(resp) -> Iterator[str]:
+    """The text of each event of an OpenAI streamed completion (server-sent events), until [DONE]."""
+    for raw in resp:
+        line = raw.decode(errors="replace").strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)["choices"][0].get("text", "")
 
 
 @dataclass
@@ -79,14 +91,7 @@ class ValidationProbe:
             if resp.status != 200:
                 raise ColdSnapError(ErrorCode.VALIDATION_FAILED,
                                     f"completion answered HTTP {resp.status}: {resp.read(200).decode(errors='replace')}")
-            for raw in resp:
-                line = raw.decode(errors="replace").strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                text = json.loads(data)["choices"][0].get("text", "")
+            for text in completion_stream(resp):
                 if text and first is None:
                     first = time.monotonic()
                 pieces.append(text)

@@ -18,6 +18,7 @@ from pathlib import Path
 from .config import private_dir, settings
 from .contracts import ColdSnapError, ErrorCode, NetworkPlan
 from .net import destroy_network, netns_path
+from .procfs import alive, descendants, read_children, session_of  # noqa: F401 - alive, descendants re-exported
 
 # The environment a workload starts with: nothing of the caller's (secrets, and restores must not depend on it)
 # beyond these names.
@@ -78,14 +79,6 @@ def list_states() -> list[WorkloadState]:
     return out
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
-
-
 def workload_env(extra: dict[str, str]) -> dict[str, str]:
     env = {k: os.environ[k] for k in PASS_THROUGH_ENV if k in os.environ}
     env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
@@ -116,10 +109,10 @@ def start_in_namespaces(argv: list[str], env: dict[str, str], plan: NetworkPlan,
     _LAUNCHERS[launcher.pid] = launcher  # reaped in kill_tree (avoids zombies holding PIDs)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        root = launcher.pid if not pid_namespace else _first_child(launcher.pid)
+        root = launcher.pid if not pid_namespace else next(iter(read_children(launcher.pid)), None)
         # Return only once setsid has run: until then the root is still in our session, and a capture or a
         # signal to its session could reach us.
-        if root is not None and _session_of(root) == root:
+        if root is not None and session_of(root) == root:
             return root
         if launcher.poll() is not None:
             raise ColdSnapError(ErrorCode.WORKLOAD_FAILED, f"workload exited at once (status {launcher.returncode}); "
@@ -129,36 +122,7 @@ def start_in_namespaces(argv: list[str], env: dict[str, str], plan: NetworkPlan,
     raise ColdSnapError(ErrorCode.WORKLOAD_FAILED, "workload did not become a session leader within 10 s")
 
 
-def _first_child(pid: int) -> int | None:
-    try:
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    except FileNotFoundError:
-        return None
-    return int(children[0]) if children else None
-
-
-def _session_of(pid: int) -> int | None:
-    try:
-        return os.getsid(pid)
-    except ProcessLookupError:
-        return None
-
-
 _LAUNCHERS: dict[int, subprocess.Popen] = {}
-
-
-def descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        for task in Path(f"/proc/{p}/task").glob("*") if Path(f"/proc/{p}/task").exists() else []:
-            try:
-                kids = [int(c) for c in (task / "children").read_text().split()]
-            except (FileNotFoundError, ProcessLookupError, ValueError):
-                kids = []
-            out += kids
-            todo += kids
-    return out
 
 
 def inner_pid(pid: int) -> int | None:

@@ -68,6 +68,23 @@ def test_workload_runs_as_namespace_init_reachable_from_host(plan, tmp_path):
     assert not alive(pid)
 
 
+@pytest.mark.parametrize("pid_namespace", [True, False])
+def test_a_workload_that_exits_at_once_is_a_workload_failure(plan, tmp_path, pid_namespace):
+    """Whatever moment the workload dies in (before, during or after setsid), starting it either returns a session
+    leader or says the workload failed: never another error (a /proc read of a vanished process is ESRCH)."""
+    create_network(plan)
+    for i in range(20):
+        try:
+            pid = start_in_namespaces(["python3", "-c", f"import sys; sys.exit({i % 3})"], {}, plan,
+                                      tmp_path / "log", pid_namespace=pid_namespace)
+        except ColdSnapError as e:
+            assert e.code == ErrorCode.WORKLOAD_FAILED, e
+            assert "exited at once" in e.message
+        else:
+            kill_tree(pid)
+            assert not alive(pid)
+
+
 def test_kill_tree_removes_the_socket_files_the_tree_bound(plan, tmp_path):
     """A SIGKILLed engine leaves its ZMQ ipc:// socket files behind; kill_tree removes those the tree bound, and
     nothing else."""

@@ -9,13 +9,13 @@ The procfs walking takes its readers as parameters so it can be tested without a
 
 from __future__ import annotations
 
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
 from coldsnap.contracts import ColdSnapError, ErrorCode
+from coldsnap.procfs import process_tree, read_children  # noqa: F401 - re-exported: the tree's procfs readers
 
 from .cuda_checkpoint import CudaCheckpointAPI
 
@@ -27,23 +27,6 @@ NO_CUDA = "no CUDA processes"
 
 
 # ---- procfs -------------------------------------------------------------------------------------------------
-def read_children(pid: int) -> list[int]:
-    """Direct children of pid: the union of /proc/<pid>/task/<tid>/children (a child belongs to the thread that
-    forked it). A process that vanished has none."""
-    out: list[int] = []
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                out.extend(int(c) for c in f.read().split())
-        except OSError:
-            continue
-    return out
-
-
 def read_maps(pid: int) -> list[str]:
     try:
         with open(f"/proc/{pid}/maps") as f:
@@ -66,21 +49,6 @@ def read_cmdline(pid: int) -> str:
         except OSError:
             pass
     return text
-
-
-def process_tree(root_pid: int, children: ChildrenReader = read_children) -> list[int]:
-    """root_pid and all its descendants, parents before children (breadth-first), each once."""
-    seen: set[int] = set()
-    order: list[int] = []
-    todo = [int(root_pid)]
-    while todo:
-        pid = todo.pop(0)
-        if pid in seen:
-            continue
-        seen.add(pid)
-        order.append(pid)
-        todo.extend(c for c in children(pid) if c not in seen)
-    return order
 
 
 def _is_nvidia_mapping(line: str) -> bool:

@@ -9,16 +9,9 @@ import subprocess
 
 from ..bundle.argv import RuncArgv
 from ..bundle.spec import annotations_of, load_spec
+from ..procfs import alive
 from . import runclog, state
 from .ocihooks import run_stage
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
 
 
 def oci_state(record: dict, spec: dict) -> str:
@@ -30,7 +23,7 @@ def start_restored(runc: str, parsed: RuncArgv, record: dict) -> int:
     cid = parsed.container_id
     if record.get("started"):
         return runclog.fail(parsed, "cannot start an already running container")
-    if not _alive(record["pid"]):
+    if not alive(record["pid"]):
         return runclog.fail(parsed, f"coldsnap-runtime: the restored process {record['pid']} of container {cid} "
                             "has exited")
     try:
