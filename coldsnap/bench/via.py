@@ -34,6 +34,7 @@ from ..contracts import ColdSnapError, ErrorCode, Validation
 from ..contracts import capsule as mt
 from ..hooks.target import Target
 from ..probe import ProbeResult, ValidationProbe
+from ..procfs import alive
 from .run import _chart, _stats, side_by_side
 
 Progress = Callable[[str], None]
@@ -240,7 +241,7 @@ ENGINES = {"podman": Podman, "docker": Docker}
 def _first_token(host: str, port: int, validation: Validation, pid: int) -> ProbeResult:
     """Health, then a streamed completion (inside the container's netns); fail fast if the container died."""
     probe = ValidationProbe(host, port, validation)
-    probe.wait_ready(alive=lambda: os.path.exists(f"/proc/{pid}"), timeout=validation.ready_timeout_s)
+    probe.wait_ready(alive=lambda: alive(pid), timeout=validation.ready_timeout_s)
     return probe.complete()
 
 

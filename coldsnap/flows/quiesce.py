@@ -22,7 +22,7 @@ def open_connections(pid: int, port: int | None = None) -> int:
                     cols = line.split()
                     if cols[3] in LIVE_STATES and (port is None or int(cols[1].rsplit(":", 1)[1], 16) == port):
                         count += 1
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # no such table, or the workload is gone
             continue
     return count
 
