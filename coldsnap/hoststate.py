@@ -230,8 +230,9 @@ CONTAINER_SHM = "/dev/shm/"
 
 def bound_shm_source(spec: dict) -> str | None:
     """The host directory a container's /dev/shm is bound from, or None when /dev/shm is the container's own tmpfs
-    (CRIU carries that one's contents itself) or not mounted."""
-    for m in spec.get("mounts") or []:
+    (CRIU carries that one's contents itself) or not mounted. The last mount there is the one the container sees
+    (ctr appends a user's /dev/shm after its own 64 MiB tmpfs)."""
+    for m in reversed(spec.get("mounts") or []):
         if os.path.normpath(str(m.get("destination", ""))) == "/dev/shm":
             options = m.get("options") or []
             if m.get("type") == "bind" or "bind" in options or "rbind" in options:

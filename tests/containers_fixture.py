@@ -199,6 +199,47 @@ def make_engine_bundle(path: Path, rootfs: Path, launch, netns: str, annotations
     return path
 
 
+def engine_launch(engine: str):
+    """An engine adapter's container launch (prepare_container) of the fixture model, its venv built if missing."""
+    from test_engine_sglang import SGLANG_VENV
+    from test_engine_vllm import FIXTURE_MODEL, VLLM_VENV, ensure_engine
+
+    from coldsnap.contracts import CaptureRequest
+    from coldsnap.engines.base import get_adapter
+
+    options = {"vllm": {"venv": VLLM_VENV, "model": FIXTURE_MODEL, "enforce_eager": True, "max_model_len": 2048},
+               "sglang": {"venv": SGLANG_VENV, "model": FIXTURE_MODEL}}[engine]
+    ensure_engine(engine, options["venv"])
+    return get_adapter(engine).prepare_container(CaptureRequest(operation="capture", engine={
+        "name": engine, "options": options}))
+
+
+def launch_run_args(launch) -> list[str]:
+    """`run` options (podman's and docker's) for an engine launch, as a user would write them: the launch's
+    read-only binds, its environment and working directory, private tmpfs for /tmp and $HOME, a 1 GiB /dev/shm
+    (vLLM's queues)."""
+    from coldsnap.bundle.spec import host_bind
+
+    binds = [*host_binds("/usr")] + [m for b in launch.mounts for m in host_bind(b.source, b.target, b.readonly)]
+    volumes = [a for m in binds for a in ("-v", f"{m['source']}:{m['destination']}:{m['options'][-1]}")]
+    env = [a for k, v in launch.env.items() for a in ("-e", f"{k}={v}")]
+    return ["--shm-size", "1g", "--tmpfs", "/tmp:rw,mode=1777", "--tmpfs", "/root:rw,mode=700", "-e", "HOME=/root",
+            *env, *(["-w", launch.cwd] if launch.cwd else []), *volumes]
+
+
+def completions_in(pid: int, model: str, port: int = ENGINE_PORT) -> list[str]:
+    """test_engine_vllm.completions (its 10 greedy prompts) from inside the network namespace of pid: for containers
+    on a network of their own (docker's `--network none`), which the host cannot reach."""
+    code = ("import json, sys; from test_engine_vllm import completions; "
+            "print(json.dumps(completions('127.0.0.1', int(sys.argv[1]), sys.argv[2])))")
+    tests = str(Path(__file__).parent)
+    r = subprocess.run(["nsenter", f"--net=/proc/{pid}/ns/net", sys.executable, "-c", code, str(port), model],
+                       capture_output=True, text=True, timeout=900, cwd=tests,
+                       env={**os.environ, "PYTHONPATH": tests})
+    assert r.returncode == 0, r.stderr[-1500:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 def runc(root: Path, *args: str, check: bool = False, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(["runc", "--root", str(root), *args], capture_output=True, text=True,
                           stdin=subprocess.DEVNULL, check=check, **kw)

@@ -140,3 +140,46 @@ def test_the_host_usr_rootfs_has_the_links_and_mount_points_and_can_be_made_twic
     assert all((root / d).is_dir() for d in (*MOUNT_POINTS, "cache"))
     assert stat.S_IMODE((root / "tmp").stat().st_mode) == 0o1777
     assert (root / "etc" / "passwd").read_text().startswith("root:x:0:0:")
+
+
+
+def test_create_runtime_hook_acts_only_in_a_network_namespace_the_runtime_made(tmp_path):
+    """runc runs createRuntime at CRIU's setup-namespaces during a restore: lo must be up before CRIU reconnects
+    loopback TCP connections. The hook acts only where the runtime made the namespace (no path in the spec)."""
+    from coldsnap.hooks.createruntime import create_runtime, own_network_namespace
+
+    assert own_network_namespace({"linux": {"namespaces": [{"type": "pid"}, {"type": "network"}]}})
+    assert not own_network_namespace({"linux": {"namespaces": [{"type": "network", "path": "/var/run/netns/pod"}]}})
+    assert not own_network_namespace({"linux": {"namespaces": [{"type": "pid"}]}})  # the host's network
+    (tmp_path / "config.json").write_text(json.dumps({"linux": {"namespaces": [
+        {"type": "network", "path": "/var/run/netns/pod"}]}}))
+    assert create_runtime({"id": "c", "pid": 1, "bundle": str(tmp_path)}) == 0  # a pod's namespace: untouched
+    assert create_runtime({"id": "c", "pid": 1, "bundle": str(tmp_path / "missing")}) == 1
+
+
+def test_create_runtime_hook_brings_lo_up_in_a_fresh_network_namespace(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make a network namespace")
+    (tmp_path / "config.json").write_text(json.dumps({"linux": {"namespaces": [{"type": "network"}]}}))
+    ns = subprocess.Popen(["unshare", "--net", "sleep", "60"])
+    try:
+        deadline = time.monotonic() + 10
+        while os.readlink(f"/proc/{ns.pid}/ns/net") == os.readlink("/proc/self/ns/net"):  # until unshare has run
+            assert time.monotonic() < deadline, "unshare made no network namespace"
+            time.sleep(0.02)
+        show = ["nsenter", f"--net=/proc/{ns.pid}/ns/net", "ip", "-o", "link", "show", "lo"]
+        flags = lambda: subprocess.run(show, capture_output=True, text=True).stdout.split("<")[1].split(">")[0]  # noqa: E731
+        assert "UP" not in flags().split(",")  # a fresh namespace: lo down
+        hook = os.path.join(os.path.dirname(sys.executable), "coldsnap-hook")
+        state = json.dumps({"ociVersion": "1.0.2", "id": "c", "status": "creating", "pid": ns.pid,
+                            "bundle": str(tmp_path)})
+        r = subprocess.run([hook, "createRuntime"], input=state, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert "UP" in flags().split(",")
+    finally:
+        ns.kill()
+        ns.wait()

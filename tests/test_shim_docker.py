@@ -1,7 +1,7 @@
 """coldsnap-runtime under dockerd 20.10, for real: a private dockerd (its own data-root, exec-root and socket,
 daemon.json from packaging/containers/) with the runtime registered as "coldsnap". A reference-engine container
 captured with capture_container comes back restored from `docker run --runtime coldsnap`, and falls back cold
-when its capsule is refused. Docker 20.10 has no `run --annotation`: the capsule is named by the container's
+when its capsule is refused; real vLLM and SGLang containers come back with the same completions. Docker 20.10 has no `run --annotation`: the capsule is named by the container's
 COLDSNAP_CAPSULE environment variable (the shim's stand-in for io.coldsnap.capsule)."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import tarfile
 
 import pytest
 
-from containers_fixture import (ENGINE_ARGS, SETUP, completion_in, ensure, healthy_in, make_rootfs, needs_root,
-                                private_coldsnap, receipt, shared_binds, unique, wait_for)
+from containers_fixture import (ENGINE_ARGS, SETUP, completion_in, completions_in, engine_launch, ensure, healthy_in,
+                                launch_run_args, make_rootfs, needs_root, private_coldsnap, receipt, shared_binds,
+                                unique, wait_for)
 from coldsnap.capsule import CapsuleStore
 from coldsnap.config import settings
 
@@ -120,3 +121,48 @@ def test_docker_run_falls_back_cold_when_the_capsule_is_refused(docker, captured
     wait_for(lambda: healthy_in(info["State"]["Pid"]), 120, "the cold engine")
     assert completion_in(info["State"]["Pid"]) == captured["text"]
     docker("rm", "-f", name)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_docker_restores_an_engine_container_with_the_same_completions(docker, engine):
+    """An engine adapter's container launch under `docker run --runtime coldsnap` (docker's own /dev/shm and network
+    namespace): started cold, captured, then `docker run` with COLDSNAP_CAPSULE restores it, validated, and it
+    answers the same 10 greedy completions."""
+    from coldsnap.flows.container import capture_container
+
+    launch = engine_launch(engine)
+    model = launch.model.id
+
+    def run(name: str, *extra: str) -> dict:
+        r = docker("run", "-d", "--name", name, "--runtime", "coldsnap", "--network", "none",
+                   *launch_run_args(launch), *extra, IMAGE, *launch.argv, check=False)
+        assert r.returncode == 0, r.stderr
+        return docker.inspect(name)
+
+    name = unique(f"{engine}-cold")
+    info = run(name)
+    pid = info["State"]["Pid"]
+    wait_for(lambda: healthy_in(pid) or docker.inspect(name)["State"]["Status"] != "running", 600,
+             f"{engine} to answer /health")
+    assert healthy_in(pid), f"the {engine} container stopped: {docker('logs', name, check=False).stderr[-800:]}"
+    before = completions_in(pid, model)
+    assert len(set(before)) > 1, before  # not degenerate
+    res = capture_container(info["Id"], docker.runc_root, engine=engine, tag=f"docker-{engine}")
+    assert res.receipt["state"] == "succeeded" and res.profile.engine.name == engine
+    assert res.profile.launch.command == launch.argv
+    wait_for(lambda: docker.inspect(name)["State"]["Status"] == "exited", 30, "docker to see the capture's stop")
+    docker("rm", name)
+
+    restored = unique(f"{engine}-restored")
+    info = run(restored, "-e", f"COLDSNAP_CAPSULE={res.capsule}")
+    rec = receipt(info["Id"])
+    assert rec["state"] == "succeeded" and "fallback_reason" not in rec["result"], (rec["state"], rec["result"].get(
+        "fallback_reason"), rec.get("error"))  # restored, not fell back
+    assert [s["name"] for s in rec["spans"]] == ["admit", "stage", "criu-restore", "hydrate", "validate"]
+    assert rec["result"]["validated_text"] == res.profile.expected_text
+    assert completions_in(info["State"]["Pid"], model) == before
+    shm = [f.path for f in res.profile.files if f.path.startswith("/dev/shm/")]
+    print(f"\n[measured] {engine} under docker: restore → first token {rec['result'].get('time_to_first_token_s')} s; "
+          f"{len(shm)} /dev/shm file(s) carried")
+    docker("rm", "-f", restored)
+    assert not (settings().run / "shim" / f"{info['Id']}.json").exists()

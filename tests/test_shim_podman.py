@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from containers_fixture import (ENGINE_ARGS, REPO, VethNetNS, coldsnap_env, completion_in, ensure, env_wrapper,
-                                healthy_at, healthy_in, host_binds, make_rootfs, needs_root, private_coldsnap, receipt,
-                                shared_binds, unique, wait_for)
+from containers_fixture import (ENGINE_ARGS, REPO, VethNetNS, coldsnap_env, completion_in, engine_launch, ensure,
+                                env_wrapper, healthy_at, healthy_in, launch_run_args, make_rootfs, needs_root,
+                                private_coldsnap, receipt, shared_binds, unique, wait_for)
 from coldsnap.capsule import CapsuleStore
 from coldsnap.config import settings
 from coldsnap.contracts import capsule as mt
@@ -135,18 +135,10 @@ def test_podman_run_falls_back_cold_when_the_capsule_is_refused(podman, captured
 
 # --- vLLM ---------------------------------------------------------------------------------------------------------
 def run_launch(podman: Podman, name: str, launch, netns: str, *extra: str) -> subprocess.CompletedProcess:
-    """`podman run -d` of an engine adapter's container launch (prepare_container), as a user would write it: the
-    launch's read-only binds, its environment and working directory, private tmpfs for /tmp and $HOME, a 1 GiB
-    /dev/shm (vLLM's queues), in a network namespace made beforehand (a pod's): clients reach it from the host."""
-    from coldsnap.bundle.spec import host_bind
-
-    binds = [*host_binds("/usr")] + [m for b in launch.mounts for m in host_bind(b.source, b.target, b.readonly)]
-    volumes = [a for m in binds for a in ("-v", f"{m['source']}:{m['destination']}:{m['options'][-1]}")]
-    env = [a for k, v in launch.env.items() for a in ("-e", f"{k}={v}")]
+    """`podman run -d` of an engine adapter's container launch in a network namespace made beforehand (a pod's):
+    clients reach it from the host."""
     return podman("run", "-d", "--name", name, "--runtime", str(podman.runtime), "--network", f"ns:/var/run/netns/{netns}",
-                  *LIMITS, "--shm-size", "1g", "--tmpfs", "/tmp:rw,mode=1777", "--tmpfs", "/root:rw,mode=700",
-                  "-e", "HOME=/root", *env, *(["-w", launch.cwd] if launch.cwd else []), *volumes, *extra,
-                  IMAGE, *launch.argv, check=False)
+                  *LIMITS, *launch_run_args(launch), *extra, IMAGE, *launch.argv, check=False)
 
 
 @pytest.fixture(scope="module")
@@ -156,20 +148,6 @@ def pod_network():
         yield ns
     finally:
         ns.delete()
-
-
-def engine_launch(engine: str):
-    from test_engine_sglang import SGLANG_VENV
-    from test_engine_vllm import FIXTURE_MODEL, VLLM_VENV, ensure_engine
-
-    from coldsnap.contracts import CaptureRequest
-    from coldsnap.engines.base import get_adapter
-
-    options = {"vllm": {"venv": VLLM_VENV, "model": FIXTURE_MODEL, "enforce_eager": True, "max_model_len": 2048},
-               "sglang": {"venv": SGLANG_VENV, "model": FIXTURE_MODEL}}[engine]
-    ensure_engine(engine, options["venv"])
-    return get_adapter(engine).prepare_container(CaptureRequest(operation="capture", engine={
-        "name": engine, "options": options}))
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])

@@ -5,7 +5,8 @@
               ready; the receipt goes to <receipts>/<container-id>.json and one line to stderr. A failed
               validation exits 1 with the reason (the runtime then fails the start).
   poststop    forget the shim's record of the container.
-  createRuntime  accepted, nothing to do (the restore itself happens in coldsnap-runtime's create).
+  createRuntime  in a network namespace runc makes itself, bring `lo` up before CRIU restores loopback
+              connections (runc runs it at CRIU's setup-namespaces during a restore).
 Containers the shim did not handle pass through every stage untouched (exit 0)."""
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
         from .poststart import poststart
 
         return poststart(state)
+    if args[0] == "createRuntime":
+        from .createruntime import create_runtime
+
+        return create_runtime(state)
     if args[0] == "poststop":
         from .poststop import poststop
 

@@ -34,11 +34,12 @@ def hook_env() -> list[str]:
 
 
 def add_coldsnap_hooks(spec: dict) -> bool:
-    """poststart (validate, receipt) and poststop (clean up), unless a coldsnap-hook is already configured
-    (podman/CRI-O inject it from oci-hooks.d). True when the spec changed."""
+    """createRuntime (`lo` up before CRIU restores loopback connections), poststart (validate, receipt) and
+    poststop (clean up), each unless a coldsnap-hook is already configured for it (podman/CRI-O inject them from
+    oci-hooks.d). True when the spec changed."""
     path = hook_binary()
     changed = False
-    for stage in ("poststart", "poststop"):
+    for stage in ("createRuntime", "poststart", "poststop"):
         changed |= ensure_hook(spec, stage, {"path": path, "args": [HOOK_NAME, stage], "env": hook_env()})
     return changed
 

@@ -19,7 +19,6 @@ from ..contracts import ColdSnapError, ErrorCode
 from ..criu.driver import first_error_line
 from ..engines.base import get_adapter
 from ..flows.restore import Staged
-from ..hooks.netns import call_in_netns, loopback_up
 from ..hooks.target import Target
 from ..spans import Timeline
 from . import state
@@ -107,7 +106,6 @@ def restore_container(runc: str, parsed: RuncArgv, staged: Staged, spec: dict, t
             pid, argv = runc_restore(runc, parsed, staged, work)
         target = Target(pid=pid, port=target_port or profile.launch.port, host=target_host)
         with tl.span("hydrate"):
-            call_in_netns(pid, loopback_up)  # a netns runc re-created comes back with lo down
             gpu = gpu_support.restore_restored_tree(pid) if profile.cuda_pids else gpu_support.GpuCheckpoint()
             adapter = get_adapter(profile.engine.name)
             target.call(adapter.after_restore, profile.kv_discarded, profile.weights_mode)
