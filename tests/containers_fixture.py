@@ -214,14 +214,19 @@ def engine_launch(engine: str):
         "name": engine, "options": options}))
 
 
+def launch_binds(launch) -> list[dict]:
+    """The spec mounts of an engine launch: the host's /usr (the image) and the launch's own binds, each with its
+    host submounts; options end in "ro" or "rw"."""
+    from coldsnap.bundle.spec import host_bind
+
+    return [*host_binds("/usr")] + [m for b in launch.mounts for m in host_bind(b.source, b.target, b.readonly)]
+
+
 def launch_run_args(launch) -> list[str]:
     """`run` options (podman's and docker's) for an engine launch, as a user would write them: the launch's
     read-only binds, its environment and working directory, private tmpfs for /tmp and $HOME, a 1 GiB /dev/shm
     (vLLM's queues)."""
-    from coldsnap.bundle.spec import host_bind
-
-    binds = [*host_binds("/usr")] + [m for b in launch.mounts for m in host_bind(b.source, b.target, b.readonly)]
-    volumes = [a for m in binds for a in ("-v", f"{m['source']}:{m['destination']}:{m['options'][-1]}")]
+    volumes = [a for m in launch_binds(launch) for a in ("-v", f"{m['source']}:{m['destination']}:{m['options'][-1]}")]
     env = [a for k, v in launch.env.items() for a in ("-e", f"{k}={v}")]
     return ["--shm-size", "1g", "--tmpfs", "/tmp:rw,mode=1777", "--tmpfs", "/root:rw,mode=700", "-e", "HOME=/root",
             *env, *(["-w", launch.cwd] if launch.cwd else []), *volumes]

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from containers_fixture import (ENGINE_ARGS, RUNTIME, SETUP, completion_in, completions_in, engine_launch, ensure,
-                                healthy_in, host_binds, make_rootfs, needs_root, oci_archive, private_coldsnap, receipt,
+                                healthy_in, launch_binds, make_rootfs, needs_root, oci_archive, private_coldsnap, receipt,
                                 shared_binds, unique, wait_for)
 from coldsnap.capsule import CapsuleStore
 from coldsnap.config import settings
@@ -49,13 +49,10 @@ class Ctr:
     def run_launch(self, cid: str, launch, *extra: str) -> subprocess.CompletedProcess:
         """`ctr run` of an engine adapter's container launch: its read-only binds, environment and working directory,
         private tmpfs for /tmp and $HOME, ctr's own 64 MiB /dev/shm and network namespace (loopback only)."""
-        from coldsnap.bundle.spec import host_bind
-
-        binds = [*host_binds("/usr")] + [m for b in launch.mounts for m in host_bind(b.source, b.target, b.readonly)]
         # The tmpfs first: ctr mounts in order, and the interpreter may live under /root (pyenv).
         mounts = [a for dst, mode in (("/tmp", "1777"), ("/root", "700")) for a in
                   ("--mount", f"type=tmpfs,src=tmpfs,dst={dst},options=nosuid:nodev:mode={mode}")]
-        mounts += [a for m in binds for a in
+        mounts += [a for m in launch_binds(launch) for a in
                    ("--mount", f"type=bind,src={m['source']},dst={m['destination']},options=rbind:{m['options'][-1]}")]
         # A /dev/shm bound from a host tmpfs, as the CRI plugin gives a pod's containers (ctr's own is 64 MiB and
         # vLLM wants more).
