@@ -393,10 +393,11 @@ def capabilities() -> Capabilities:
                                      "each GPU of 10/10 tensor-parallel-2 restores, its rank's part only "
                                      "(reference-cuda-tp2-s7-run1.receipts.json)",
             "criu-runc/cpu": "Debian 12, runc 1.1.5, CRIU 4.2.1, through coldsnap-runtime: reference engine under "
-                             "runc, podman, docker, containerd; vLLM 0.32 CPU and SGLang 0.5.23 CPU under runc and "
-                             "podman (its bound /dev/shm carried): 10/10 completions identical after restore, vLLM "
+                             "runc, podman, docker, containerd; vLLM 0.32 CPU and SGLang 0.5.23 CPU under runc, "
+                             "podman, docker and containerd (a bound /dev/shm carried; lo up before CRIU restores "
+                             "loopback connections): 10/10 completions identical after restore, vLLM "
                              "captured with 16 streams in flight (quiesce none), 16/16 finished identical "
-                             "(tests/test_engines_in_containers.py, tests/test_shim_podman.py)",
+                             "(tests/test_engines_in_containers.py, tests/test_shim_{podman,docker,containerd}.py)",
             "registry": "Debian docker-registry 2.8: push/pull/resume/tamper refusal/shared payload (make test)",
         },
     )
