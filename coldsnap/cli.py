@@ -178,7 +178,8 @@ def cmd_restore(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from .workload import alive, list_states
+    from .procfs import alive
+    from .workload import list_states
 
     rows = []
     for ws in list_states():

@@ -24,6 +24,7 @@ from pathlib import Path
 from . import codestash
 from .digests import sha256_file
 from .contracts import CapturedFile, ColdSnapError, ErrorCode
+from .procfs import descendants
 
 SHM_DIRS = ("/dev/shm/",)
 
@@ -130,8 +131,6 @@ def tree_shm_files(pid: int) -> list[str]:
     """/dev/shm files of the live tree rooted at pid: every name in /dev/shm whose inode the tree maps or holds open
     (so also a POSIX semaphore's real name when the tree maps it under glibc's deleted temporary name). Call before
     killing the tree, unlink after: a SIGKILLed engine leaves its queues and semaphores behind."""
-    from .workload import descendants
-
     inodes: set[tuple[int, int]] = set()
     for p in [pid, *descendants(pid)]:
         try:
@@ -180,8 +179,6 @@ def tree_socket_files(pid: int) -> list[str]:
     """Paths of the UNIX sockets the live tree rooted at pid has bound (ZMQ ipc:// endpoints of vLLM and SGLang,
     in $TMPDIR): a killed engine leaves the socket files behind. Call before killing the tree, unlink after (a
     restore binds them anew)."""
-    from .workload import descendants
-
     inodes: set[str] = set()
     tree = [pid, *descendants(pid)]
     for p in tree:

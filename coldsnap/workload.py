@@ -18,7 +18,7 @@ from pathlib import Path
 from .config import private_dir, settings
 from .contracts import ColdSnapError, ErrorCode, NetworkPlan
 from .net import destroy_network, netns_path
-from .procfs import alive, descendants, read_children, session_of  # noqa: F401 - alive, descendants re-exported
+from .procfs import alive, descendants, read_children, session_of
 
 # The environment a workload starts with: nothing of the caller's (secrets, and restores must not depend on it)
 # beyond these names.

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from ..contracts import ColdSnapError, ErrorCode, NetworkPlan, Validation
 from ..net import create_network, destroy_network
 from ..probe import ProbeResult, ValidationProbe
-from ..workload import WorkloadState, alive, kill_tree, run_dir, start_in_namespaces, workload_env
+from ..procfs import alive
+from ..workload import WorkloadState, kill_tree, run_dir, start_in_namespaces, workload_env
 
 
 @dataclass

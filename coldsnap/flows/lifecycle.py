@@ -18,7 +18,8 @@ from ..contracts import ColdSnapError, ErrorCode, Validation, WorkloadRequest
 from ..engines.base import get_adapter
 from ..probe import ValidationProbe
 from ..spans import Timeline
-from ..workload import alive, load_state, save_state
+from ..procfs import alive
+from ..workload import load_state, save_state
 from .receipts import finish_receipt
 
 

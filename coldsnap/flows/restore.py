@@ -26,7 +26,8 @@ from ..net import create_network, destroy_network, netns_path
 from ..probe import ValidationProbe
 from ..spans import Timeline
 from ..weights import verify_weights
-from ..workload import WorkloadState, alive, kill_tree, run_dir, save_state, uses_gpu
+from ..procfs import alive, descendants
+from ..workload import WorkloadState, kill_tree, run_dir, save_state, uses_gpu
 from .admission import admit
 from .coldstart import start_cold
 from .receipts import finish_receipt
@@ -216,7 +217,7 @@ def _ranks_restored(profile, plan, root_pid: int) -> dict | None:
     if profile.distributed is None:
         return None
     from .capture import engine_info
-    from ..workload import descendants, inner_pid
+    from ..workload import inner_pid
 
     # The ranks report their PIDs as they see them (inside the workload's PID namespace on CPU).
     tree = {inner_pid(p) for p in (root_pid, *descendants(root_pid)) if alive(p)}

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
 from coldsnap.contracts import ColdSnapError, ErrorCode
-from coldsnap.procfs import process_tree, read_children  # noqa: F401 - re-exported: the tree's procfs readers
+from coldsnap.procfs import process_tree, read_children
 
 from .cuda_checkpoint import CudaCheckpointAPI
 
