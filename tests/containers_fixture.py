@@ -52,7 +52,7 @@ def ensure(*parts: str) -> None:
 
 
 def make_rootfs(root: Path) -> Path:
-    from coldsnap.bundle.rootfs import host_usr_rootfs
+    from coldsnap.bench.rootfs import host_usr_rootfs
 
     return host_usr_rootfs(root)
 
@@ -65,7 +65,7 @@ def _bind(src: Path | str, dest: Path | str | None = None, ro: bool = True) -> d
 def host_binds(src: Path | str) -> list[dict]:
     """A host directory read-only at the same path, as ColdSnap binds one (its submounts each on their own, or CRIU
     fails on the GPU machine's /usr/local/nvidia)."""
-    from coldsnap.bundle.spec import host_bind
+    from coldsnap.oci.spec import host_bind
 
     return host_bind(str(src), str(src))
 
@@ -138,7 +138,8 @@ class NetNS:
     pyroute2, as ColdSnap makes its own: no iproute2 needed (the GPU machine has none)."""
 
     def __init__(self, prefix: str = "cstest"):
-        from pyroute2 import NetNS as Namespace, netns
+        from pyroute2 import NetNS as Namespace
+        from pyroute2 import netns
 
         self.name = f"{prefix}-{uuid.uuid4().hex[:8]}"
         netns.create(self.name)
@@ -180,7 +181,7 @@ def make_engine_bundle(path: Path, rootfs: Path, launch, netns: str, annotations
     the image, the launch's own read-only binds (engine venv, its interpreter, the model, ColdSnap's prefix),
     private tmpfs for /tmp, $HOME and /dev/shm (CRIU carries their contents in its images, so a restore needs
     nothing the rootfs kept), and a pre-made network namespace."""
-    from coldsnap.bundle.spec import apply_launch
+    from coldsnap.oci.spec import apply_launch
 
     path.mkdir(parents=True, exist_ok=True)
     spec = copy.deepcopy(BASE_SPEC)
@@ -205,7 +206,7 @@ def engine_launch(engine: str):
     from test_engine_vllm import FIXTURE_MODEL, VLLM_VENV, ensure_engine
 
     from coldsnap.contracts import CaptureRequest
-    from coldsnap.engines.base import get_adapter
+    from coldsnap.engines import get_adapter
 
     options = {"vllm": {"venv": VLLM_VENV, "model": FIXTURE_MODEL, "enforce_eager": True, "max_model_len": 2048},
                "sglang": {"venv": SGLANG_VENV, "model": FIXTURE_MODEL}}[engine]
@@ -217,7 +218,7 @@ def engine_launch(engine: str):
 def launch_binds(launch) -> list[dict]:
     """The spec mounts of an engine launch: the host's /usr (the image) and the launch's own binds, each with its
     host submounts; options end in "ro" or "rw"."""
-    from coldsnap.bundle.spec import host_bind
+    from coldsnap.oci.spec import host_bind
 
     return [*host_binds("/usr")] + [m for b in launch.mounts for m in host_bind(b.source, b.target, b.readonly)]
 
@@ -340,7 +341,7 @@ def coldsnap_env(base: Path) -> dict[str, str]:
 
 def receipt(cid: str) -> dict:
     """The receipt the shim or its hook wrote for container cid (under the private home of private_coldsnap)."""
-    from coldsnap.config import settings
+    from coldsnap.base.paths import settings
 
     return json.loads((settings().receipts / f"{cid}.json").read_text())
 

@@ -7,11 +7,10 @@ import stat
 
 import pytest
 
-from coldsnap.bundle import criu_runc
-from coldsnap.bundle.argv import parse_runc_argv
-from coldsnap.bundle.spec import annotations_of, ensure_hook, hooks, load_spec, netns_path, write_spec
 from coldsnap.contracts import ColdSnapError, ErrorCode
-from coldsnap.criu import CriuOptions
+from coldsnap.criu import CriuOptions, runc_options
+from coldsnap.oci.argv import parse_runc_argv
+from coldsnap.oci.spec import annotations_of, ensure_hook, hooks, load_spec, netns_path, write_spec
 from coldsnap.shim.record import request_from_annotations
 
 
@@ -97,10 +96,10 @@ def test_config_round_trip_keeps_unknown_fields_and_mode(tmp_path):
 
 # --- CRIU options under runc -----------------------------------------------------------------------------------
 def test_criu_options_split_into_runc_flags_and_config_lines():
-    flags, lines = criu_runc.split(CriuOptions(leave_running=True, network_lock="skip").cli_flags(), "checkpoint")
+    flags, lines = runc_options.split(CriuOptions(leave_running=True, network_lock="skip").cli_flags(), "checkpoint")
     assert flags == ["--tcp-established", "--ext-unix-sk", "--file-locks", "--leave-running"]
     assert lines == ["link-remap", "ghost-limit 1024M", "network-lock skip"]
-    flags, lines = criu_runc.split(CriuOptions(leave_running=True, external=["net[1]:x"]).cli_flags(), "restore")
+    flags, lines = runc_options.split(CriuOptions(leave_running=True, external=["net[1]:x"]).cli_flags(), "restore")
     assert "--leave-running" not in flags and not any("external" in line for line in lines)
 
 
@@ -132,7 +131,7 @@ def test_malformed_annotations_are_invalid_requests(ann, where):
 def test_the_host_usr_rootfs_has_the_links_and_mount_points_and_can_be_made_twice(tmp_path):
     import stat
 
-    from coldsnap.bundle.rootfs import MOUNT_POINTS, host_usr_rootfs
+    from coldsnap.bench.rootfs import MOUNT_POINTS, host_usr_rootfs
 
     root = host_usr_rootfs(tmp_path / "rootfs", extra_dirs=("/cache",))
     assert host_usr_rootfs(root, extra_dirs=("/cache",)) == root  # again over itself: no error, same result

@@ -77,7 +77,7 @@ def test_corrupt_blob_is_refused(store, tmp_path):
 
 
 def test_a_checked_blob_is_hashed_again_only_when_it_changes(store, tmp_path, monkeypatch):
-    from coldsnap import digests
+    from coldsnap.base import digests
 
     digest = make_capsule(store, tmp_path, payload=os.urandom(1 << 20))
     cap = store.load(digest)
@@ -105,7 +105,7 @@ def test_a_checked_blob_is_hashed_again_only_when_it_changes(store, tmp_path, mo
 
 
 def test_a_blob_changed_just_before_its_check_is_not_remembered(store, tmp_path):
-    from coldsnap import digests
+    from coldsnap.base import digests
 
     digest = make_capsule(store, tmp_path)
     store.verify(store.load(digest))  # written a moment ago: a change in the same clock tick could hide

@@ -8,15 +8,16 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import CRIU_PREFIX, needs_root_criu
+
+from coldsnap.base.paths import settings
 from coldsnap.capsule import CapsuleStore
-from coldsnap.config import settings
 from coldsnap.contracts import CaptureRequest, ColdSnapError, ErrorCode, Policy, RestoreRequest
 from coldsnap.contracts import capsule as mt
 from coldsnap.flows.capture import capture
 from coldsnap.flows.restore import restore
-from coldsnap.workload import alive, list_states, load_state, stop_workload
+from coldsnap.workload.process import alive, stop_workload
+from coldsnap.workload.state import list_states, load_state
 
 pytestmark = pytest.mark.slow
 
@@ -131,7 +132,7 @@ def test_sleep_without_cuda_is_refused_and_the_engine_serves_on(captured):
     bench/results/reference-cuda-sleep-wake.receipts.json.)"""
     from coldsnap.contracts import WorkloadRequest
     from coldsnap.flows.lifecycle import sleep
-    from coldsnap.probe import ValidationProbe
+    from coldsnap.workload.probe import ValidationProbe
 
     r = restore(RestoreRequest(operation="restore", capsule=captured.capsule, policy=Policy(fallback_to_cold=False)))
     try:
@@ -238,7 +239,7 @@ def test_a_workload_that_never_validates_times_out_and_leaves_nothing(env):
 
 
 def test_cli_restore_exit_codes(captured, env):
-    cmd = [sys.executable, "-m", "coldsnap.cli"]
+    cmd = [sys.executable, "-m", "coldsnap.cli.main"]
     r = subprocess.run(cmd + ["restore", "--capsule", "pyt-ref"], capture_output=True, text=True)
     assert r.returncode == 4 and "not pinned" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     r = subprocess.run(cmd + ["restore", "--capsule", "sha256:" + "0" * 64], capture_output=True, text=True)

@@ -1,4 +1,4 @@
-"""CUDA device code moved out of anonymous memory into content-addressed files (coldsnap.codestash): the process
+"""CUDA device code moved out of anonymous memory into content-addressed files (coldsnap.gpu.codestash): the process
 sees the same bytes at the same address, a real CRIU dump no longer carries those pages, and the restore maps the
 file. On the H200 the reference engine stashes NCCL's and torch's decompressed kernels this way at every capture
 (packaging/device/tp-bench.sh); here a process holds an image shaped like theirs."""
@@ -11,13 +11,13 @@ import sys
 import time
 
 import pytest
-
 from conftest import CRIU_PREFIX, kill_and_reap, needs_root_criu
-from coldsnap import codestash
+
 from coldsnap.contracts import CapturedFile, ColdSnapError
 from coldsnap.criu import CriuDriver, CriuOptions
 from coldsnap.criu.account import account
-from coldsnap.hoststate import extra_files, put_back_file
+from coldsnap.gpu import codestash
+from coldsnap.workload.hostfiles import extra_files, put_back_file
 
 MIB = 1 << 20
 
@@ -27,7 +27,7 @@ MIB = 1 << 20
 HOLDER = r"""
 import ctypes, hashlib, mmap, os, signal, sys, time
 sys.path.insert(0, os.environ["COLDSNAP_SRC"])
-from coldsnap.codestash import stash_code
+from coldsnap.gpu.codestash import stash_code
 report, stash_dir = sys.argv[1], sys.argv[2]
 P = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
 other = mmap.mmap(-1, 12 << 20, flags=P); other[:] = os.urandom(12 << 20)

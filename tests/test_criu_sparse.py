@@ -7,6 +7,7 @@ import sys
 import time
 
 from conftest import CRIU_PREFIX, kill_and_reap, needs_root_criu
+
 from coldsnap.criu import CriuDriver, CriuOptions
 from coldsnap.criu.account import account
 from coldsnap.criu.sparse import drop_zero_pages

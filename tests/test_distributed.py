@@ -12,8 +12,8 @@ import os
 
 import numpy as np
 import pytest
-
 from conftest import needs_root_criu
+
 from coldsnap.contracts import CaptureRequest, Distributed, GpuInfo, HostProfile, Launch, RestoreRequest
 from coldsnap.flows.admission import admit
 
@@ -126,9 +126,11 @@ def test_admission_refuses_a_distributed_capsule_on_another_topology():
 # --- the whole path, for real --------------------------------------------------------------------------------------
 def _capture_and_restore_twice(tmp_path_factory, monkeypatch, devices: list[str], opts: dict):
     from conftest import CRIU_PREFIX
+
     from coldsnap.flows.capture import capture, engine_info
     from coldsnap.flows.restore import restore
-    from coldsnap.workload import alive, descendants, inner_pid, list_states, stop_workload
+    from coldsnap.workload.process import alive, descendants, inner_pid, stop_workload
+    from coldsnap.workload.state import list_states
 
     root = tmp_path_factory.mktemp("tp")
     monkeypatch.setenv("COLDSNAP_HOME", str(root / "home"))
@@ -212,7 +214,7 @@ def test_a_tensor_parallel_size_that_does_not_divide_the_model_is_one_line(tmp_p
     needs_root_criu()
     env = {**os.environ, "COLDSNAP_HOME": str(tmp_path / "home"), "COLDSNAP_RUN": str(tmp_path / "run"),
            "COLDSNAP_CRIU_PREFIX": CRIU_PREFIX}
-    r = subprocess.run([sys.executable, "-m", "coldsnap.cli", "capture", "--engine-opt", "tensor_parallel=3",
+    r = subprocess.run([sys.executable, "-m", "coldsnap.cli.main", "capture", "--engine-opt", "tensor_parallel=3",
                         "--name", "pyt-tp3"], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 9, r.stderr
     last = r.stderr.strip().splitlines()[-1]

@@ -7,10 +7,10 @@ from __future__ import annotations
 import sys
 
 import pytest
+from test_engine_vllm import FIXTURE_MODEL, cold_capture_restore, engine_home, ensure_engine, fake_venv_and_model  # noqa: F401
 
 from coldsnap.contracts import CaptureRequest, ColdSnapError, ErrorCode, Policy
-from coldsnap.engines.base import get_adapter
-from test_engine_vllm import FIXTURE_MODEL, cold_capture_restore, engine_home, ensure_engine, fake_venv_and_model  # noqa: F401
+from coldsnap.engines import get_adapter
 
 SGLANG_VENV = "/var/lib/coldsnap/venvs/sglang"
 

@@ -19,11 +19,10 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
-
 from conftest import CRIU_PREFIX, needs_root_criu
+
 from coldsnap.contracts import CaptureRequest, Policy, RestoreRequest
-from coldsnap.engines import seccomp, tinymodel
-from coldsnap.engines.base import get_adapter
+from coldsnap.engines import get_adapter, seccomp, tinymodel
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE_MODEL = "/var/lib/coldsnap/fixtures/tiny-llama"
@@ -89,8 +88,8 @@ def test_seccomp_usage_and_exec_failure():
 # --- the adapter's launch (no engine needed) ------------------------------------------------------------------------
 def fake_venv_and_model(tmp_path: Path) -> tuple[Path, Path]:
     """A stamped venv directory and a model directory: enough for prepare(), which starts nothing."""
-    from safetensors.numpy import save_file
     import numpy as np
+    from safetensors.numpy import save_file
 
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
@@ -134,7 +133,6 @@ def test_vllm_prepare_builds_a_checkpointable_launch(tmp_path, coldsnap_home):
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 def test_prepare_container_is_the_process_launch_plus_what_it_reads(tmp_path, coldsnap_home, engine):
     import coldsnap
-    from coldsnap.contracts import ColdSnapError
 
     venv, model = fake_venv_and_model(tmp_path)
     req = CaptureRequest(operation="capture", engine={"name": engine, "options": {"venv": str(venv),
@@ -211,7 +209,8 @@ def cold_capture_restore(engine: str, options: dict, workdir: Path, name: str, r
     from coldsnap.flows.coldstart import start_cold
     from coldsnap.flows.restore import restore
     from coldsnap.net import allocate_plan, destroy_network
-    from coldsnap.workload import kill_tree, list_states, load_state, stop_workload
+    from coldsnap.workload.process import kill_tree, stop_workload
+    from coldsnap.workload.state import list_states, load_state
 
     adapter = get_adapter(engine)
     req = CaptureRequest(operation="capture", engine={"name": engine, "options": options},

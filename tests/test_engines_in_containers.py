@@ -29,15 +29,28 @@ import uuid
 from pathlib import Path
 
 import pytest
-
-from containers_fixture import (RUNTIME, healthy_at, make_engine_bundle, make_rootfs, module_lab, receipt, run_detached,
-                                runc, state, unique, VethNetNS, wait_for)
+from containers_fixture import (
+    RUNTIME,
+    VethNetNS,
+    healthy_at,
+    make_engine_bundle,
+    make_rootfs,
+    module_lab,
+    receipt,
+    run_detached,
+    runc,
+    state,
+    unique,
+    wait_for,
+)
 from test_engine_sglang import SGLANG_VENV
 from test_engine_vllm import FIXTURE_MODEL, PROMPTS, VLLM_VENV, completions, ensure_engine
-from coldsnap.config import settings
+
+from coldsnap.base.paths import settings
 from coldsnap.contracts import CaptureRequest
 from coldsnap.contracts import capsule as mt
-from coldsnap.engines.base import PreparedLaunch, get_adapter
+from coldsnap.engines import get_adapter
+from coldsnap.engines.base import PreparedLaunch
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -130,7 +143,7 @@ class EngineContainer:
         return {"cold_ready_s": round(ready, 1), "cold_first_completion_s": round(time.monotonic() - t0, 1)}
 
     def capture(self, tag: str, **kw):
-        from coldsnap.flows.container import capture_container
+        from coldsnap.flows.container_capture import capture_container
 
         t0 = time.monotonic()
         res = capture_container(self.cid, self.lab.runc_root, engine=self.engine, tag=tag, **kw)
@@ -372,7 +385,7 @@ def test_in_flight_capture_is_for_containers_and_bad_input_is_one_line(lab):
     assert r.returncode == 2 and "container capture only" in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     from coldsnap.contracts import ColdSnapError, ErrorCode
-    from coldsnap.flows.container import capture_container
+    from coldsnap.flows.container_capture import capture_container
 
     with pytest.raises(ColdSnapError) as e:
         capture_container("whatever", lab.runc_root, quiesce="sometimes")

@@ -20,8 +20,8 @@ import pytest
 from coldsnap.contracts import ColdSnapError, ErrorCode
 from coldsnap.gpu import nvml
 from coldsnap.gpu.cuda_checkpoint import (
-    CudaCheckpointAPI,
     CUcheckpointRestoreArgs,
+    CudaCheckpointAPI,
     error_name,
     format_cuda_error,
     parse_gpu_uuid,

@@ -21,13 +21,27 @@ import time
 from pathlib import Path
 
 import pytest
-
-from containers_fixture import (RUNTIME, ensure, healthy_at, make_engine_bundle, make_rootfs, needs_root,
-                                private_coldsnap, receipt, run_detached, runc, state, unique, VethNetNS, wait_for)
+from containers_fixture import (
+    RUNTIME,
+    VethNetNS,
+    ensure,
+    healthy_at,
+    make_engine_bundle,
+    make_rootfs,
+    needs_root,
+    private_coldsnap,
+    receipt,
+    run_detached,
+    runc,
+    state,
+    unique,
+    wait_for,
+)
 from test_engine_vllm import completions
+
 from coldsnap.contracts import CaptureRequest
 from coldsnap.contracts import capsule as mt
-from coldsnap.engines.base import get_adapter
+from coldsnap.engines import get_adapter
 from coldsnap.engines.reference.adapter import MODEL_ID
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
@@ -92,7 +106,7 @@ def shim(lab, *args: str):
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_container_captured_and_restored_through_the_shim(lab, device):
-    from coldsnap.flows.container import capture_container
+    from coldsnap.flows.container_capture import capture_container
 
     if device == "cuda" and not any(d["path"][len("/dev/nvidia"):].isdigit() for d in gpu_devices()):
         pytest.skip("no NVIDIA GPU here: the cuda case runs on the GPU machine (packaging/device/gpu-container.sh)")

@@ -18,10 +18,15 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from coldsnap.engines.reference.model import ModelConfig, Runner, build_model, decode, encode, shards  # noqa: E402
-from coldsnap.engines.reference.weights import (ensure_weights, load_prefetched, load_weights, packed_parts,  # noqa: E402
-                                               prefetch_plan, read_header)
-from coldsnap.gpu.prefetch import (ALIGN, check_pieces, copy_jobs, data_section, packed_layout,  # noqa: E402
-                                   read_bytes, split_jobs)
+from coldsnap.engines.reference.weights import (  # noqa: E402
+    ensure_weights,
+    load_prefetched,
+    load_weights,
+    packed_parts,
+    prefetch_plan,
+    read_header,
+)
+from coldsnap.gpu.prefetch import ALIGN, check_pieces, copy_jobs, data_section, packed_layout, read_bytes, split_jobs  # noqa: E402
 
 TINY = ModelConfig(layers=1, hidden=64, heads=2, intermediate=176, max_seq=64, prefill_chunk=16)
 
@@ -165,7 +170,7 @@ def test_the_prefetcher_refuses_a_bad_plan_with_a_one_line_error(tmp_path):
 
 
 def test_a_restore_hands_each_gpu_its_ranks_plan_and_cleans_up(monkeypatch, tmp_path):
-    from coldsnap.gpu_support import finish_prefetch, start_prefetch
+    from coldsnap.gpu.steps import finish_prefetch, start_prefetch
 
     path, _ = ensure_weights(tmp_path / "w.safetensors", TINY)
     pieces = [[0, 256, 1, 256], [1024, 64, 4, 128]]
@@ -201,7 +206,7 @@ def _profile(**over):
 def test_a_restore_prefetches_only_where_it_can_help_and_says_why_not(monkeypatch, tmp_path):
     from types import SimpleNamespace as NS
 
-    from coldsnap.gpu_support import _prefetch_refusal, start_prefetch, start_prefetch_soon
+    from coldsnap.gpu.steps import _prefetch_refusal, start_prefetch, start_prefetch_soon
 
     assert _prefetch_refusal(_profile(), True) is None
     assert "does not reload weights" in _prefetch_refusal(_profile(), False)
@@ -224,7 +229,7 @@ def test_a_restore_prefetches_only_where_it_can_help_and_says_why_not(monkeypatc
 
 
 def test_the_engine_gets_a_socket_for_one_gpu_and_a_map_for_ranks():
-    from coldsnap.gpu_support import Prefetch
+    from coldsnap.gpu.steps import Prefetch
 
     assert Prefetch().for_engine() is None
     assert Prefetch(sockets={"GPU-a": "/s/a"}).for_engine() == "/s/a"
@@ -232,7 +237,7 @@ def test_the_engine_gets_a_socket_for_one_gpu_and_a_map_for_ranks():
 
 
 def test_a_prefetcher_no_engine_took_is_killed_and_its_socket_removed(tmp_path):
-    from coldsnap.gpu_support import Prefetch, finish_prefetch
+    from coldsnap.gpu.steps import Prefetch, finish_prefetch
 
     path, _ = ensure_weights(tmp_path / "w.safetensors", TINY)
     sock = str(tmp_path / "p.sock")

@@ -1,4 +1,4 @@
-"""coldsnap.host and coldsnap.doctor on this machine, plus their parsers on fixed inputs."""
+"""coldsnap.host.profile and coldsnap.host.doctor on this machine, plus their parsers on fixed inputs."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from coldsnap.config import settings
+from coldsnap.base.paths import settings
 from coldsnap.contracts import Capabilities, ColdSnapError, HostProfile
-from coldsnap.doctor import (
+from coldsnap.host.doctor import (
     CAP_CHECKPOINT_RESTORE,
     CAP_SYS_ADMIN,
     CAP_SYS_RESOURCE,
@@ -24,7 +24,7 @@ from coldsnap.doctor import (
     render_table,
     run_doctor,
 )
-from coldsnap.host import (
+from coldsnap.host.profile import (
     criu_check,
     criu_version,
     host_profile,

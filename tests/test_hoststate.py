@@ -1,4 +1,4 @@
-"""State a workload keeps outside CRIU's images (coldsnap.hoststate): here, a container's /dev/shm bound from the
+"""State a workload keeps outside CRIU's images (coldsnap.workload.hostfiles): here, a container's /dev/shm bound from the
 host (podman, docker, containerd), which a capture carries and a restore writes into the new container's. The
 whole path runs for real with vLLM under podman (tests/test_shim_podman.py); these check its parts."""
 
@@ -8,7 +8,7 @@ import os
 import stat
 
 from coldsnap.contracts import CapturedFile
-from coldsnap.hoststate import HeldShm, bound_shm_source, put_back_container_shm
+from coldsnap.workload.hostfiles import HeldShm, bound_shm_source, put_back_container_shm
 
 
 def test_a_bound_dev_shm_is_found_and_a_tmpfs_one_is_not():

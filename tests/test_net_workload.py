@@ -6,10 +6,11 @@ import urllib.request
 
 import pytest
 
+from coldsnap.base.procfs import alive
 from coldsnap.contracts import ColdSnapError, ErrorCode
 from coldsnap.net import allocate_plan, create_network, destroy_network
 from coldsnap.net.netns import _host_links
-from coldsnap.workload import alive, kill_tree, start_in_namespaces
+from coldsnap.workload.process import kill_tree, start_in_namespaces
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network and PID namespaces")
 

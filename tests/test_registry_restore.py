@@ -5,17 +5,18 @@ import os
 import shutil
 
 import pytest
-
 from conftest import CRIU_PREFIX, needs_root_criu
+from registry_fixture import registry  # noqa: F401  (fixture)
+
+from coldsnap.base.paths import settings
 from coldsnap.capsule import CapsuleStore
 from coldsnap.capsule.registry import pull, push
-from coldsnap.config import settings
 from coldsnap.contracts import CaptureRequest, Policy, RestoreRequest
 from coldsnap.contracts import capsule as mt
 from coldsnap.flows.capture import capture
 from coldsnap.flows.restore import restore
-from coldsnap.workload import load_state, stop_workload
-from registry_fixture import registry  # noqa: F401  (fixture)
+from coldsnap.workload.process import stop_workload
+from coldsnap.workload.state import load_state
 
 pytestmark = pytest.mark.slow
 

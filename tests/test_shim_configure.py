@@ -10,7 +10,7 @@ import tomllib
 import pytest
 
 from coldsnap.contracts import ColdSnapError, ErrorCode
-from coldsnap.shim.configure import RUNTIME_CLASS, configure
+from coldsnap.host.runtimes import RUNTIME_CLASS, configure
 
 RT = "/opt/coldsnap/bin/coldsnap-runtime"
 

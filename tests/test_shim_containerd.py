@@ -9,12 +9,28 @@ import subprocess
 import time
 
 import pytest
+from containers_fixture import (
+    ENGINE_ARGS,
+    RUNTIME,
+    SETUP,
+    completion_in,
+    completions_in,
+    engine_launch,
+    ensure,
+    healthy_in,
+    launch_binds,
+    make_rootfs,
+    needs_root,
+    oci_archive,
+    private_coldsnap,
+    receipt,
+    shared_binds,
+    unique,
+    wait_for,
+)
 
-from containers_fixture import (ENGINE_ARGS, RUNTIME, SETUP, completion_in, completions_in, engine_launch, ensure,
-                                healthy_in, launch_binds, make_rootfs, needs_root, oci_archive, private_coldsnap, receipt,
-                                shared_binds, unique, wait_for)
+from coldsnap.base.paths import settings
 from coldsnap.capsule import CapsuleStore
-from coldsnap.config import settings
 from coldsnap.contracts import capsule as mt
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
@@ -110,7 +126,7 @@ def ctr(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def captured(ctr):
-    from coldsnap.flows.container import capture_container
+    from coldsnap.flows.container_capture import capture_container
 
     cid = unique("cold")
     r = ctr.run_engine(cid)
@@ -160,7 +176,7 @@ def test_ctr_run_falls_back_cold_when_the_capsule_is_corrupt(ctr, captured):
 def test_ctr_restores_an_engine_container_with_the_same_completions(ctr, engine):
     """An engine adapter's container launch under `ctr run --runc-binary coldsnap-runtime`: started cold, captured,
     then restored from the annotated capsule, validated, answering the same 10 greedy completions."""
-    from coldsnap.flows.container import capture_container
+    from coldsnap.flows.container_capture import capture_container
 
     launch = engine_launch(engine)
     model = launch.model.id

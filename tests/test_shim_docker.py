@@ -11,12 +11,26 @@ import subprocess
 import tarfile
 
 import pytest
+from containers_fixture import (
+    ENGINE_ARGS,
+    SETUP,
+    completion_in,
+    completions_in,
+    engine_launch,
+    ensure,
+    healthy_in,
+    launch_run_args,
+    make_rootfs,
+    needs_root,
+    private_coldsnap,
+    receipt,
+    shared_binds,
+    unique,
+    wait_for,
+)
 
-from containers_fixture import (ENGINE_ARGS, SETUP, completion_in, completions_in, engine_launch, ensure, healthy_in,
-                                launch_run_args, make_rootfs, needs_root, private_coldsnap, receipt, shared_binds,
-                                unique, wait_for)
+from coldsnap.base.paths import settings
 from coldsnap.capsule import CapsuleStore
-from coldsnap.config import settings
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 IMAGE = "coldsnap-shim-test:1"
@@ -74,7 +88,7 @@ def docker(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def captured(docker):
-    from coldsnap.flows.container import capture_container
+    from coldsnap.flows.container_capture import capture_container
 
     name = unique("cold")
     r = docker.run_engine(name)
@@ -128,7 +142,7 @@ def test_docker_restores_an_engine_container_with_the_same_completions(docker, e
     """An engine adapter's container launch under `docker run --runtime coldsnap` (docker's own /dev/shm and network
     namespace): started cold, captured, then `docker run` with COLDSNAP_CAPSULE restores it, validated, and it
     answers the same 10 greedy completions."""
-    from coldsnap.flows.container import capture_container
+    from coldsnap.flows.container_capture import capture_container
 
     launch = engine_launch(engine)
     model = launch.model.id

@@ -16,12 +16,29 @@ import tarfile
 from pathlib import Path
 
 import pytest
+from containers_fixture import (
+    ENGINE_ARGS,
+    REPO,
+    VethNetNS,
+    coldsnap_env,
+    completion_in,
+    engine_launch,
+    ensure,
+    env_wrapper,
+    healthy_at,
+    healthy_in,
+    launch_run_args,
+    make_rootfs,
+    needs_root,
+    private_coldsnap,
+    receipt,
+    shared_binds,
+    unique,
+    wait_for,
+)
 
-from containers_fixture import (ENGINE_ARGS, REPO, VethNetNS, coldsnap_env, completion_in, engine_launch, ensure,
-                                env_wrapper, healthy_at, healthy_in, launch_run_args, make_rootfs, needs_root,
-                                private_coldsnap, receipt, shared_binds, unique, wait_for)
+from coldsnap.base.paths import settings
 from coldsnap.capsule import CapsuleStore
-from coldsnap.config import settings
 from coldsnap.contracts import capsule as mt
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
@@ -83,7 +100,7 @@ def podman(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def captured(podman):
-    from coldsnap.flows.container import capture_container
+    from coldsnap.flows.container_capture import capture_container
 
     name = unique("cold")
     r = podman.run_engine(name)
@@ -154,7 +171,7 @@ def pod_network():
 def test_podman_restores_an_engine_container_with_the_same_completions(podman, pod_network, engine):
     from test_engine_vllm import completions
 
-    from coldsnap.flows.container import capture_container
+    from coldsnap.flows.container_capture import capture_container
 
     launch, ns = engine_launch(engine), pod_network
     model = launch.model.id

@@ -16,11 +16,25 @@ import uuid
 from pathlib import Path
 
 import pytest
+from containers_fixture import (
+    ENGINE_ARGS,
+    RUNTIME,
+    SETUP,
+    NetNS,
+    make_bundle,
+    make_rootfs,
+    module_lab,
+    netns_http,
+    receipt,
+    run_detached,
+    runc,
+    state,
+    unique,
+    wait_for,
+)
 
-from containers_fixture import (ENGINE_ARGS, RUNTIME, SETUP, make_bundle, make_rootfs, module_lab, NetNS, netns_http,
-                                receipt, run_detached, runc, state, unique, wait_for)
+from coldsnap.base.paths import settings
 from coldsnap.capsule import CapsuleStore, Descriptor
-from coldsnap.config import settings
 from coldsnap.contracts import capsule as mt
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
@@ -130,7 +144,7 @@ def test_unannotated_bundle_behaves_exactly_as_runc(lab):
 # --- (b) capture + restore ----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def captured(lab):
-    from coldsnap.flows.container import capture_container
+    from coldsnap.flows.container_capture import capture_container
 
     bundle, netns = lab.bundle("engine-cold")
     cid = unique("engine-cold")
@@ -316,7 +330,7 @@ def test_fast_launcher_restores_too(lab, captured, tmp_path):
 def test_a_failed_capture_leaves_the_container_serving_and_no_capsule(lab, tmp_path):
     """CRIU cannot dump a container whose stderr is a host file: the capture fails, nothing is half-written."""
     from coldsnap.contracts import ColdSnapError, ErrorCode
-    from coldsnap.flows.container import capture_container
+    from coldsnap.flows.container_capture import capture_container
 
     bundle, netns = lab.bundle("engine-unfit")
     cid = unique("unfit")

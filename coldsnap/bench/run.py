@@ -15,14 +15,15 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ..config import settings
-from ..contracts import CaptureRequest, ColdSnapError, ErrorCode, Launch, Policy, RestoreRequest
-from ..engines.base import get_adapter
-from ..flows.capture import capture
-from ..flows.coldstart import start_cold
-from ..flows.restore import restore
-from ..net import allocate_plan, destroy_network
-from ..workload import kill_tree, load_state, stop_workload, uses_gpu
+from coldsnap.base.paths import settings
+from coldsnap.contracts import CaptureRequest, ColdSnapError, ErrorCode, Launch, Policy, RestoreRequest
+from coldsnap.engines import get_adapter
+from coldsnap.flows.capture import capture
+from coldsnap.flows.coldstart import start_cold
+from coldsnap.flows.restore import restore
+from coldsnap.net import allocate_plan, destroy_network
+from coldsnap.workload.process import kill_tree, stop_workload, uses_gpu
+from coldsnap.workload.state import load_state
 
 
 def _stats(xs: list[float]) -> dict:
@@ -36,7 +37,7 @@ def run_bench(args, progress=lambda m: None) -> dict:
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, "--samples must be at least 1")
     device = args.device
     name = f"bench-{args.engine}"
-    from ..cli import engine_options
+    from coldsnap.cli.main import engine_options
 
     req = CaptureRequest(operation="capture",
                          engine={"name": args.engine, "options": engine_options(getattr(args, "engine_opt", None))},
@@ -84,7 +85,7 @@ def run_bench(args, progress=lambda m: None) -> dict:
         progress(f"restore {i + 1}/{n}: first token {res['time_to_first_token_s']:.3f} s")
 
     v, rr = _stats(vanilla), _stats(restored)
-    from . import bandwidth
+    from coldsnap.bench import bandwidth
 
     staged = settings().run / "staged" / cap.capsule.split(":")[1] / "images"
     pages = max(staged.glob("pages-*.img"), key=lambda p: p.stat().st_size, default=None) if staged.exists() else None

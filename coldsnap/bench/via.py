@@ -2,7 +2,7 @@
 coldsnap-runtime, N samples each, in one run; plus the runtime's pass-through overhead against plain runc.
 
 Clock: from issuing `podman run -d` / `docker run -d` to the first non-empty streamed token of a completion
-(coldsnap.probe.ValidationProbe, from inside the container's network namespace, as coldsnap-hook does). For the
+(coldsnap.workload.probe.ValidationProbe, from inside the container's network namespace, as coldsnap-hook does). For the
 restored runs that includes everything the shim does inside `run` (admit, digest verification, `runc restore`,
 hydrate, the poststart hook's own validation); the capsule is staged (unpacked) before the samples.
 
@@ -28,14 +28,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from ..bundle.rootfs import host_usr_rootfs
-from ..config import settings
-from ..contracts import ColdSnapError, ErrorCode, Validation
-from ..contracts import capsule as mt
-from ..hooks.target import Target
-from ..probe import ProbeResult, ValidationProbe
-from ..procfs import alive
-from .run import _chart, _stats, side_by_side
+from coldsnap.base.paths import settings
+from coldsnap.base.procfs import alive
+from coldsnap.bench.rootfs import host_usr_rootfs
+from coldsnap.bench.run import _chart, _stats, side_by_side
+from coldsnap.contracts import ColdSnapError, ErrorCode, Validation
+from coldsnap.contracts import capsule as mt
+from coldsnap.workload.probe import ProbeResult, ValidationProbe
+from coldsnap.workload.target import Target
 
 Progress = Callable[[str], None]
 REPO = Path(__file__).resolve().parents[2]
@@ -307,7 +307,7 @@ def passthrough_overhead(runc: str, runtime: str, runc_root: Path, cid: str, rep
 
 # --- the bench ---------------------------------------------------------------------------------------------------
 def _engine_flags(pairs: list[str] | None) -> list[str]:
-    from ..cli import engine_options
+    from coldsnap.cli.main import engine_options
 
     flags: list[str] = []
     for key, value in engine_options(pairs).items():
@@ -326,7 +326,7 @@ def _command(args) -> str:
 
 
 def _coldsnap_settings(s: Sample) -> dict:
-    from ..bundle.spec import coldsnap_annotations, load_spec
+    from coldsnap.oci.spec import coldsnap_annotations, load_spec
 
     r = _sh(["runc", "--root", str(s.runc_root), "state", s.cid])
     try:
@@ -385,8 +385,8 @@ def run_via_bench(args, progress: Progress = lambda m: None) -> dict:
 
 
 def _bench(args, engine: Engine, progress: Progress) -> dict:
-    from ..flows.container import capture_container
-    from ..flows.restore import load_capsule, stage
+    from coldsnap.flows.container_capture import capture_container
+    from coldsnap.flows.restore import load_capsule, stage
 
     via, n, base = engine.via, args.samples, engine.base
     validation = Validation()

@@ -5,7 +5,7 @@ index.json manifest (the manifest, its config, its layers, and whatever its `io.
 names, followed transitively when that is itself a manifest). gc runs under the store's lock and leaves alone:
 blobs whose per-blob lock is held (a pull in flight), blobs younger than `grace_s` (a capture writes its blobs
 before its manifest is indexed), `.partial` downloads whose lock is live, and tmp files younger than 1 h.
-With code_dir, gc also deletes the CUDA code files there (coldsnap.codestash) that no indexed capsule's profile
+With code_dir, gc also deletes the CUDA code files there (coldsnap.gpu.codestash) that no indexed capsule's profile
 lists and no live process maps, once older than `grace_s`.
 """
 
@@ -16,11 +16,11 @@ import re
 import time
 from pathlib import Path
 
-from .. import codestash
-from ..contracts import ColdSnapError, ErrorCode
-from ..contracts import capsule as mt
-from .registry import acquire_blob_lock, lock_path, release_blob_lock
-from .store import DIGEST_RE, CapsuleStore, parse_reference
+from coldsnap.capsule.registry import acquire_blob_lock, lock_path, release_blob_lock
+from coldsnap.capsule.store import DIGEST_RE, CapsuleStore, parse_reference
+from coldsnap.contracts import ColdSnapError, ErrorCode
+from coldsnap.contracts import capsule as mt
+from coldsnap.gpu import codestash
 
 ANNOTATION_PAYLOAD = "io.coldsnap.payload"
 TMP_MAX_AGE_S = 3600.0

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import zstandard
 
-from ..contracts import ColdSnapError, ErrorCode
+from coldsnap.contracts import ColdSnapError, ErrorCode
 
 
 def pack_dir(src: Path, dest: Path, level: int = 1, skip: tuple[str, ...] = ()) -> None:

@@ -9,10 +9,10 @@ import os
 import shutil
 from pathlib import Path
 
-from ..contracts import ColdSnapError, ErrorCode, WeightFile
-from ..contracts import capsule as mt
-from ..digests import sha256_file
-from .store import CapsuleStore, Descriptor
+from coldsnap.base.digests import sha256_file
+from coldsnap.capsule.store import CapsuleStore, Descriptor
+from coldsnap.contracts import ColdSnapError, ErrorCode, WeightFile
+from coldsnap.contracts import capsule as mt
 
 EMPTY_CONFIG = b"{}"
 

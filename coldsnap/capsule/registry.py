@@ -33,10 +33,10 @@ import oras.container
 import oras.provider
 import requests
 
-from ..contracts import ColdSnapError, ErrorCode
-from ..contracts import capsule as mt
-from ..fsutil import fsync_dir as _fsync_dir
-from .store import DIGEST_RE, CapsuleStore, Descriptor
+from coldsnap.base.files import fsync_dir as _fsync_dir
+from coldsnap.capsule.store import DIGEST_RE, CapsuleStore, Descriptor
+from coldsnap.contracts import ColdSnapError, ErrorCode
+from coldsnap.contracts import capsule as mt
 
 UPLOAD_CHUNK = 16 << 20  # PATCH size of a chunked upload
 READ_CHUNK = 1 << 20  # download read/hash/write granularity

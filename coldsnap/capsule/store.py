@@ -19,12 +19,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterator
 
-from ..config import private_dir
-from ..digests import checked_sha256, sha256_file
-from ..fsutil import atomic_write
-
-from ..contracts import CapsuleProfile, ColdSnapError, ErrorCode
-from ..contracts import capsule as mt
+from coldsnap.base.digests import checked_sha256, sha256_file
+from coldsnap.base.files import atomic_write, private_dir
+from coldsnap.contracts import CapsuleProfile, ColdSnapError, ErrorCode
+from coldsnap.contracts import capsule as mt
 
 DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 
@@ -149,7 +147,7 @@ class CapsuleStore:
         path = self.blob_path(desc.digest)
         if not path.exists():
             raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"blob {desc.digest} ({desc.media_type}) is missing")
-        digest, size = checked_sha256(path)  # hashed unless unchanged since its last check (coldsnap.digests)
+        digest, size = checked_sha256(path)  # hashed unless unchanged since its last check (coldsnap.base.digests)
         if digest != desc.digest or size != desc.size:
             raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT,
                                 f"blob {desc.digest} ({desc.media_type}) fails verification: content hashes to {digest}, "

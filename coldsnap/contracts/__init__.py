@@ -1,10 +1,20 @@
 """Contracts: pydantic models and constants only. No I/O; imports nothing else of ColdSnap."""
 
-from .base import FORMAT_VERSION, Strict, canonical_json, sha256_hex
-from .errors import EXIT_CODES, ColdSnapError, ErrorCode
-from .profile import Capabilities, CapsuleProfile, CapturedFile, Distributed, GpuInfo, HostProfile, NetworkPlan
-from .receipt import ErrorInfo, Origin, Receipt, Span
-from .request import (
+from coldsnap.contracts.base import FORMAT_VERSION, Strict, canonical_json, sha256_hex
+from coldsnap.contracts.errors import EXIT_CODES, ColdSnapError, ErrorCode
+from coldsnap.contracts.parse import parse_request
+from coldsnap.contracts.profile import (
+    Capabilities,
+    CapsuleProfile,
+    CapturedFile,
+    Distributed,
+    GpuInfo,
+    HostProfile,
+    NetworkPlan,
+)
+from coldsnap.contracts.receipt import ErrorInfo, Origin, Receipt, Span
+from coldsnap.contracts.request import (
+    ENGINE_NAMES,
     OPERATIONS,
     REQUEST_ADAPTER,
     CaptureRequest,
@@ -19,7 +29,6 @@ from .request import (
     WeightFile,
     WorkloadRequest,
 )
-from .parse import parse_request
 
 SCHEMAS = {
     "capture-request": CaptureRequest,
@@ -30,4 +39,39 @@ SCHEMAS = {
     "capabilities": Capabilities,
 }
 
-__all__ = [name for name in dir() if not name.startswith("_")]
+__all__ = [
+    "ENGINE_NAMES",
+    "Capabilities",
+    "CapsuleProfile",
+    "CaptureRequest",
+    "CapturedFile",
+    "ColdSnapError",
+    "Distributed",
+    "EXIT_CODES",
+    "Engine",
+    "ErrorCode",
+    "ErrorInfo",
+    "FORMAT_VERSION",
+    "GpuInfo",
+    "HostProfile",
+    "Launch",
+    "Lifecycle",
+    "Model",
+    "Mount",
+    "NetworkPlan",
+    "OPERATIONS",
+    "Origin",
+    "Policy",
+    "REQUEST_ADAPTER",
+    "Receipt",
+    "RestoreRequest",
+    "SCHEMAS",
+    "Span",
+    "Strict",
+    "Validation",
+    "WeightFile",
+    "WorkloadRequest",
+    "canonical_json",
+    "parse_request",
+    "sha256_hex",
+]

@@ -7,8 +7,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from .errors import ColdSnapError, ErrorCode
-from .request import OPERATIONS, REQUEST_ADAPTER, CaptureRequest, RestoreRequest, WorkloadRequest
+from coldsnap.contracts.errors import ColdSnapError, ErrorCode
+from coldsnap.contracts.request import OPERATIONS, REQUEST_ADAPTER, CaptureRequest, RestoreRequest, WorkloadRequest
 
 _ALL_TOP_LEVEL = set(CaptureRequest.model_fields) | set(RestoreRequest.model_fields) | set(WorkloadRequest.model_fields)
 

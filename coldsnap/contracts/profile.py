@@ -6,8 +6,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from .base import FORMAT_VERSION, Strict
-from .request import Engine, Launch, Model, Validation
+from coldsnap.contracts.base import FORMAT_VERSION, Strict
+from coldsnap.contracts.request import Engine, Launch, Model, Validation
 
 
 class GpuInfo(Strict):

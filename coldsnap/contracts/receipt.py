@@ -6,8 +6,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from .base import FORMAT_VERSION, Strict
-from .errors import ErrorCode
+from coldsnap.contracts.base import FORMAT_VERSION, Strict
+from coldsnap.contracts.errors import ErrorCode
 
 State = Literal["succeeded", "failed", "refused", "fell-back"]
 

@@ -7,10 +7,11 @@ from typing import Annotated, Literal, Union
 
 from pydantic import Field, TypeAdapter, field_validator, model_validator
 
-from .base import FORMAT_VERSION, Strict
+from coldsnap.contracts.base import FORMAT_VERSION, Strict
 
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+ENGINE_NAMES = ("reference", "vllm", "sglang")  # the engines with an adapter (coldsnap.engines.ADAPTERS)
 
 
 class WeightFile(Strict):
@@ -40,7 +41,7 @@ class Model(Strict):
 
 
 class Engine(Strict):
-    name: Literal["reference", "vllm", "sglang"] = "reference"
+    name: Literal[ENGINE_NAMES] = "reference"
     version: str | None = None
     options: dict[str, str | int | float | bool] = Field(
         default_factory=dict, description="Engine-specific launch options (the adapter documents them)."

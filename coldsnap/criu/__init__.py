@@ -1,6 +1,6 @@
 """CRIU: find the provisioned binary, derive options from a request in one place, dump and restore via pycriu."""
 
-from .driver import CriuDriver, CriuOptions, criu_images_open_files, criu_stats
-from .sparse import drop_zero_pages
+from coldsnap.criu.driver import CriuDriver, CriuOptions, criu_images_open_files, criu_stats
+from coldsnap.criu.sparse import drop_zero_pages
 
 __all__ = ["CriuDriver", "CriuOptions", "criu_images_open_files", "criu_stats", "drop_zero_pages"]

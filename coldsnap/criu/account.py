@@ -18,7 +18,7 @@ PE_PRESENT = 4  # pagemap entry flag: the pages are in pages-N.img (not zero, no
 
 
 def _load(path: Path) -> dict:
-    from .driver import _pycriu
+    from coldsnap.criu.driver import _pycriu
 
     with open(path, "rb") as f:
         return _pycriu().images.load(f)

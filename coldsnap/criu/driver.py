@@ -9,8 +9,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import settings
-from ..contracts import ColdSnapError, ErrorCode
+from coldsnap.base.paths import settings
+from coldsnap.contracts import ColdSnapError, ErrorCode
 
 NETNS_KEY = "coldsnap-netns"
 

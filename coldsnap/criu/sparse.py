@@ -169,7 +169,7 @@ def _thin_process(images: Path, pid: int, pycriu) -> tuple[int, int]:
 
 def drop_zero_pages(images: Path) -> Thinned:
     """Thin every process of a dump in `images`; a dump with a parent (pre-dump chain) is left as it is."""
-    from .driver import _pycriu
+    from coldsnap.criu.driver import _pycriu
 
     started = time.monotonic()
     result = Thinned()

@@ -7,10 +7,10 @@ import http.client
 import json
 from dataclasses import dataclass, field
 
-from ..contracts import CaptureRequest, ColdSnapError, Distributed, ErrorCode, Model, Mount
+from coldsnap.contracts import CaptureRequest, ColdSnapError, Distributed, ErrorCode, Model, Mount
 
 # What a container's process starts with besides the launch's own variables (process mode adds the same two in
-# coldsnap.workload.workload_env; a container gets nothing from its engine unless the spec names it).
+# coldsnap.workload.process.workload_env; a container gets nothing from its engine unless the spec names it).
 CONTAINER_BASE_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root"}
 
 
@@ -67,7 +67,7 @@ class EngineAdapter:
         can writes its in-memory weights to a file of its own, drops them, and names the file in the answer's
         saved_weights; one that cannot ignores it (its weights stay in the dump). code_dir (process capture): an
         engine that can moves the CUDA device code it holds in anonymous memory into files there
-        (coldsnap.codestash); one that cannot ignores it."""
+        (coldsnap.gpu.codestash); one that cannot ignores it."""
         return {}
 
     def after_restore(self, host: str, port: int, kv_discarded: bool, weights_mode: str,
@@ -108,19 +108,3 @@ def post_json(host: str, port: int, path: str, body: dict | None = None, timeout
         raise ColdSnapError(ErrorCode.WORKLOAD_FAILED, f"POST {path} failed: {e}") from None
     finally:
         conn.close()
-
-
-def get_adapter(name: str) -> EngineAdapter:
-    if name == "reference":
-        from .reference.adapter import ReferenceAdapter
-
-        return ReferenceAdapter()
-    if name == "vllm":
-        from .vllm import VllmAdapter
-
-        return VllmAdapter()
-    if name == "sglang":
-        from .sglang import SglangAdapter
-
-        return SglangAdapter()
-    raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"engine {name!r} has no adapter in this ColdSnap yet")

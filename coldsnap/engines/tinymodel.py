@@ -122,7 +122,7 @@ def ensure(directory: str | os.PathLike, python: str, seed: int = 0, timeout: fl
     is complete already. ColdSnap's own package is put on that interpreter's path for this one command only."""
     import subprocess
 
-    from ..contracts import ColdSnapError, ErrorCode
+    from coldsnap.contracts import ColdSnapError, ErrorCode
 
     dest = Path(directory)
     if is_complete(dest, seed):
@@ -143,8 +143,8 @@ def describe_model_dir(directory: str | os.PathLike, model_id: str):
     revision that is the digest of every file the engine reads (weights, config, tokenizer)."""
     import hashlib
 
-    from ..contracts import Model, WeightFile
-    from ..weights import file_sha256
+    from coldsnap.base.digests import file_sha256
+    from coldsnap.contracts import Model, WeightFile
 
     d = Path(directory).resolve()
     files = sorted(p for p in d.iterdir() if p.is_file() and not p.name.startswith("."))

@@ -7,8 +7,8 @@ import os
 import sys
 from pathlib import Path
 
-from ..contracts import ColdSnapError, ErrorCode, Mount
-from . import tinymodel
+from coldsnap.contracts import ColdSnapError, ErrorCode, Mount
+from coldsnap.engines import tinymodel
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -30,11 +30,10 @@ Engine options (request.engine.options):
 
 from __future__ import annotations
 
-
-from ..contracts import CaptureRequest, ColdSnapError, ErrorCode
-from . import tinymodel
-from .base import EngineAdapter, PreparedLaunch, option_flags
-from .venv_engine import as_bool, base_env, cpu_engine_setup, dist_version, host_mounts, seccomp_prefix
+from coldsnap.contracts import CaptureRequest, ColdSnapError, ErrorCode
+from coldsnap.engines import tinymodel
+from coldsnap.engines.base import EngineAdapter, PreparedLaunch, option_flags
+from coldsnap.engines.venv_engine import as_bool, base_env, cpu_engine_setup, dist_version, host_mounts, seccomp_prefix
 
 DEFAULT_VENV = "/var/lib/coldsnap/venvs/vllm"
 KEEP_ALIVE_S = 7 * 24 * 3600

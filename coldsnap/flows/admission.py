@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..contracts import Distributed, HostProfile
+from coldsnap.contracts import Distributed, HostProfile
 
 
 @dataclass

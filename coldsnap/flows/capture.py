@@ -12,28 +12,32 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from .. import codestash, gpu_support, hoststate
-from ..capsule import CapsuleStore, pack_dir
-from ..capsule.payload import write_payload
-from ..config import private_dir, settings
-from ..contracts import (
+from coldsnap.base.files import private_dir
+from coldsnap.base.paths import settings
+from coldsnap.capsule import CapsuleStore, pack_dir
+from coldsnap.capsule.payload import write_payload
+from coldsnap.contracts import (
     CapsuleProfile,
-    CaptureRequest,
     CapturedFile,
+    CaptureRequest,
     ColdSnapError,
     ErrorCode,
     Model,
 )
-from ..contracts import capsule as mt
-from ..criu import CriuDriver, CriuOptions, criu_images_open_files, criu_stats, drop_zero_pages
-from ..engines.base import get_adapter
-from ..host import host_profile
-from ..net import allocate_plan, destroy_network, netns_inode
-from ..spans import Timeline
-from ..workload import WorkloadState, kill_tree, run_dir, save_state, uses_gpu
-from .coldstart import start_cold
-from .quiesce import wait_no_connections
-from .receipts import finish_receipt
+from coldsnap.contracts import capsule as mt
+from coldsnap.criu import CriuDriver, CriuOptions, criu_images_open_files, criu_stats, drop_zero_pages
+from coldsnap.engines import get_adapter
+from coldsnap.flows.coldstart import start_cold
+from coldsnap.flows.quiesce import wait_no_connections
+from coldsnap.flows.receipts import finish_receipt
+from coldsnap.flows.spans import Timeline
+from coldsnap.gpu import codestash
+from coldsnap.gpu import steps as gpu_steps
+from coldsnap.host.profile import host_profile
+from coldsnap.net import allocate_plan, destroy_network, netns_inode
+from coldsnap.workload import hostfiles
+from coldsnap.workload.process import kill_tree, uses_gpu
+from coldsnap.workload.state import WorkloadState, run_dir, save_state
 
 Progress = Callable[[str], None]
 
@@ -104,10 +108,10 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> dict:
         with tl.span("quiesce"):
             wait_no_connections(pid, plan.port)
         # Host /dev/shm names the tree uses (a semaphore's real name among them): removed with the dumped tree.
-        shm_names = hoststate.tree_shm_files(pid)
+        shm_names = hostfiles.tree_shm_files(pid)
 
         with tl.span("gpu-checkpoint"):
-            gpu = gpu_support.checkpoint_tree(pid)
+            gpu = gpu_steps.checkpoint_tree(pid)
         progress(gpu.summary)
         ranks = (info.get("tensor_parallel") or {}).get("size", 1)
         if ranks > 1:
@@ -119,13 +123,13 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> dict:
             criu.dump(pid, images, options, netns_inode(plan.netns))
         dump_stats = criu_stats(images, "dump")
         # State outside the images (host /dev/shm files): snapshot their dump-time bytes before anything resumes.
-        extra = hoststate.extra_files(images)
-        extra_src = {f.path: hoststate.snapshot_file(f.path, f, private_dir(images.parent / "extra") / str(i))
+        extra = hostfiles.extra_files(images)
+        extra_src = {f.path: hostfiles.snapshot_file(f.path, f, private_dir(images.parent / "extra") / str(i))
                      for i, f in enumerate(extra)}
 
         if request.lifecycle.leave_running:
             with tl.span("resume"):
-                gpu_support.restore_tree(gpu)
+                gpu_steps.restore_tree(gpu)
                 adapter.after_capture_left_running(plan.workload_address, plan.port, bool(released),
                                                    launch.weights_mode)
                 probe.complete(expected=first.text)
@@ -187,7 +191,7 @@ def engine_info(host: str, port: int) -> dict:
 
 
 def _code_dir() -> str | None:
-    """Where engines put the CUDA device code they hold in anonymous memory (coldsnap.codestash); None with
+    """Where engines put the CUDA device code they hold in anonymous memory (coldsnap.gpu.codestash); None with
     COLDSNAP_CODE_STASH=0. On by default since restores of stashed capsules validated on the GPU machines (tensor
     parallel 2: 420 MB less to dump; one GPU: 92 MB)."""
     if os.environ.get("COLDSNAP_CODE_STASH", "1") == "0":
@@ -264,7 +268,7 @@ def write_capsule(images: Path, wdir: Path, files: list[CapturedFile], profile: 
             for i, f in enumerate(files):
                 # Only the bytes that existed at the dump: restore truncates to this size anyway.
                 # sparse: shm queues are hundreds of MB of holes
-                hoststate.copy_sparse((sources or {}).get(f.path, f.path), staging / str(i), f.size)
+                hostfiles.copy_sparse((sources or {}).get(f.path, f.path), staging / str(i), f.size)
             files_tar = tmp / f"files-{uuid.uuid4().hex}.tar.zst"
             pack_dir(staging, files_tar)
             layers.append(store.put_file(files_tar, mt.LAYER_FILES, {mt.ANNOTATION_TITLE: "captured-files"},

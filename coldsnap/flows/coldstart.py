@@ -6,11 +6,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ..contracts import ColdSnapError, ErrorCode, NetworkPlan, Validation
-from ..net import create_network, destroy_network
-from ..probe import ProbeResult, ValidationProbe
-from ..procfs import alive
-from ..workload import WorkloadState, kill_tree, run_dir, start_in_namespaces, workload_env
+from coldsnap.base.procfs import alive
+from coldsnap.contracts import ColdSnapError, ErrorCode, NetworkPlan, Validation
+from coldsnap.net import create_network, destroy_network
+from coldsnap.workload.probe import ProbeResult, ValidationProbe
+from coldsnap.workload.process import kill_tree, start_in_namespaces, workload_env
+from coldsnap.workload.state import WorkloadState, run_dir
 
 
 @dataclass

@@ -13,14 +13,14 @@ from __future__ import annotations
 import time
 import uuid
 
-from .. import gpu_support
-from ..contracts import ColdSnapError, ErrorCode, Validation, WorkloadRequest
-from ..engines.base import get_adapter
-from ..probe import ValidationProbe
-from ..spans import Timeline
-from ..procfs import alive
-from ..workload import load_state, save_state
-from .receipts import finish_receipt
+from coldsnap.base.procfs import alive
+from coldsnap.contracts import ColdSnapError, ErrorCode, Validation, WorkloadRequest
+from coldsnap.engines import get_adapter
+from coldsnap.flows.receipts import finish_receipt
+from coldsnap.flows.spans import Timeline
+from coldsnap.gpu import steps as gpu_steps
+from coldsnap.workload.probe import ValidationProbe
+from coldsnap.workload.state import load_state, save_state
 
 
 def _checked(name: str):
@@ -61,7 +61,7 @@ def sleep(request: WorkloadRequest, progress=lambda m: None) -> dict:
                 released = get_adapter(ws.engine).before_capture(host, port, True, "recovery")
         try:
             with tl.span("gpu-checkpoint"):
-                ckpt = gpu_support.checkpoint_tree(ws.pid)
+                ckpt = gpu_steps.checkpoint_tree(ws.pid)
             if not ckpt.pids:
                 raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"workload {ws.name!r} has no CUDA processes: sleep "
                                     "releases GPU memory, there is none to release")
@@ -91,7 +91,7 @@ def wake(request: WorkloadRequest, progress=lambda m: None, validation: Validati
         t0 = time.monotonic()
         host, port = _address(ws)
         with tl.span("gpu-restore"):
-            gpu_support.restore_tree(gpu_support.GpuCheckpoint(pids=ws.cuda_pids))
+            gpu_steps.restore_tree(gpu_steps.GpuCheckpoint(pids=ws.cuda_pids))
         resumed = {}
         if ws.sleep_mode == "engine":
             with tl.span("engine-resume"):

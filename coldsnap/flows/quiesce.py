@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from ..contracts import ColdSnapError, ErrorCode
+from coldsnap.contracts import ColdSnapError, ErrorCode
 
 # /proc/net/tcp states that mean a live connection (not LISTEN 0A, not TIME_WAIT 06 / CLOSE 07, which no fd holds).
 LIVE_STATES = {"01", "02", "03", "04", "05", "08", "09", "0B"}

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
-from .. import __version__
-from ..config import private_dir, settings
-from ..contracts import ColdSnapError, ErrorInfo, Receipt, sha256_hex
-from ..spans import Timeline
+from coldsnap import __version__
+from coldsnap.base.files import atomic_write, private_dir
+from coldsnap.base.paths import settings
+from coldsnap.contracts import ColdSnapError, ErrorInfo, Receipt, sha256_hex
+from coldsnap.flows.spans import Timeline
 
 
 def _public(result: dict | None) -> dict:
@@ -34,11 +34,7 @@ def build_receipt(request, op_id: str, operation: str, tl: Timeline, state: str,
 def write_receipt(receipt: Receipt, path: Path | None = None) -> Path:
     path = path or private_dir(settings().receipts) / f"{receipt.operation_id}.json"
     private_dir(path.parent)
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(receipt.model_dump_json(indent=1))
-    os.replace(tmp, path)
+    atomic_write(path, receipt.model_dump_json(indent=1).encode())
     return path
 
 

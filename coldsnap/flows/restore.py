@@ -13,24 +13,28 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .. import codestash, gpu_support, hoststate
-from ..capsule import CapsuleStore, LoadedCapsule, unpack_layer
-from ..capsule.payload import materialize
-from ..config import private_dir, settings
-from ..contracts import ColdSnapError, ErrorCode, RestoreRequest, Validation
-from ..contracts import capsule as mt
-from ..criu import CriuDriver, CriuOptions, criu_stats
-from ..engines.base import get_adapter
-from ..host import host_profile
-from ..net import create_network, destroy_network, netns_path
-from ..probe import ValidationProbe
-from ..spans import Timeline
-from ..weights import verify_weights
-from ..procfs import alive, descendants
-from ..workload import WorkloadState, kill_tree, run_dir, save_state, uses_gpu
-from .admission import admit
-from .coldstart import start_cold
-from .receipts import finish_receipt
+from coldsnap.base.files import private_dir
+from coldsnap.base.paths import settings
+from coldsnap.base.procfs import alive, descendants
+from coldsnap.capsule import CapsuleStore, LoadedCapsule, unpack_layer
+from coldsnap.capsule.payload import materialize
+from coldsnap.capsule.pinned import verify_weights
+from coldsnap.contracts import ColdSnapError, ErrorCode, RestoreRequest, Validation
+from coldsnap.contracts import capsule as mt
+from coldsnap.criu import CriuDriver, CriuOptions, criu_stats
+from coldsnap.engines import get_adapter
+from coldsnap.flows.admission import admit
+from coldsnap.flows.coldstart import start_cold
+from coldsnap.flows.receipts import finish_receipt
+from coldsnap.flows.spans import Timeline
+from coldsnap.gpu import codestash
+from coldsnap.gpu import steps as gpu_steps
+from coldsnap.host.profile import host_profile
+from coldsnap.net import create_network, destroy_network, netns_path
+from coldsnap.workload import hostfiles
+from coldsnap.workload.probe import ValidationProbe
+from coldsnap.workload.process import kill_tree, uses_gpu
+from coldsnap.workload.state import WorkloadState, run_dir, save_state
 
 Progress = Callable[[str], None]
 
@@ -107,7 +111,7 @@ def _put_back_files(staged: Staged, only_code: bool = False) -> None:
     host /dev/shm state, CUDA code files (only those with only_code). Sparse, atomic, with their recorded mode."""
     for i, f in enumerate(staged.capsule.profile.files):
         if not only_code or codestash.is_code_file(f.path):
-            hoststate.put_back_file(staged.files / str(i) if staged.files else None, f)
+            hostfiles.put_back_file(staged.files / str(i) if staged.files else None, f)
 
 
 # --- the whole restore -------------------------------------------------------------------------------------------
@@ -157,7 +161,7 @@ def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progr
     ok = False
     t0 = time.monotonic()  # the restore clock: staging is excluded, as for a vanilla start
     # The weights go onto the GPU meanwhile, when they can (a process of its own; the engine takes them at resume).
-    prefetch_started = gpu_support.start_prefetch_soon(
+    prefetch_started = gpu_steps.start_prefetch_soon(
         profile, adapter.supports_prefetch and reloads_weights(staged.capsule), request.gpu_map,
         private_dir(settings().run / "prefetch"))
     prefetched = None
@@ -172,7 +176,7 @@ def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progr
             pid = criu.restore(staged.images, work, options, netns_path(plan.netns))
         criu_account = criu_stats(work, "restore")
         with tl.span("hydrate"):
-            gpu = gpu_support.restore_restored_tree(pid, gpu_pairs=list(request.gpu_map.items()) or None)
+            gpu = gpu_steps.restore_restored_tree(pid, gpu_pairs=list(request.gpu_map.items()) or None)
             prefetch = prefetch_started()
             engine = adapter.after_restore(plan.workload_address, plan.port, profile.kv_discarded,
                                            profile.weights_mode, prefetched=prefetch.for_engine())
@@ -181,7 +185,7 @@ def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progr
             probe.wait_ready(alive=lambda: alive(pid), timeout=validation.ready_timeout_s)
             res = probe.complete(expected=profile.expected_text)
         ttft = res.first_token_s - t0
-        prefetched = gpu_support.finish_prefetch(prefetch_started())
+        prefetched = gpu_steps.finish_prefetch(prefetch_started())
         ranks = _ranks_restored(profile, plan, pid)
         progress(f"restored and validated: first token {ttft:.3f} s after restore began"
                  + (f"; {ranks['restored']}/{ranks['expected']} ranks" if ranks else ""))
@@ -204,7 +208,7 @@ def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progr
                 "weights_mode": profile.weights_mode, **({"ranks": ranks} if ranks else {})}
     finally:
         if prefetched is None:  # failed before the first token: reap the prefetchers whatever they did
-            gpu_support.finish_prefetch(prefetch_started())
+            gpu_steps.finish_prefetch(prefetch_started())
         if not ok:
             if pid is not None:
                 kill_tree(pid)
@@ -216,8 +220,8 @@ def _ranks_restored(profile, plan, root_pid: int) -> dict | None:
     needed every rank's collectives; this names a missing one instead of a hang.)"""
     if profile.distributed is None:
         return None
-    from .capture import engine_info
-    from ..workload import inner_pid
+    from coldsnap.flows.capture import engine_info
+    from coldsnap.workload.process import inner_pid
 
     # The ranks report their PIDs as they see them (inside the workload's PID namespace on CPU).
     tree = {inner_pid(p) for p in (root_pid, *descendants(root_pid)) if alive(p)}

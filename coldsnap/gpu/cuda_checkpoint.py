@@ -19,8 +19,7 @@ import threading
 from typing import Any, Iterable, Sequence
 
 from coldsnap.contracts import ColdSnapError, ErrorCode
-
-from .libcuda import error_name, library_candidates  # noqa: F401 - re-exported
+from coldsnap.gpu.libcuda import error_name, library_candidates  # noqa: F401 - re-exported
 
 # CUprocessState
 STATES = {0: "running", 1: "locked", 2: "checkpointed", 3: "failed"}

@@ -36,7 +36,7 @@ for line in sys.stdin:
 
 def measure(gib: float, repeat: int, device: int = 0) -> dict:
     """Checkpoint and restore a child holding `gib` GiB `repeat` times; seconds of each driver call."""
-    from .cuda_checkpoint import CudaCheckpointAPI
+    from coldsnap.gpu.cuda_checkpoint import CudaCheckpointAPI
 
     api = CudaCheckpointAPI()
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(device)}

@@ -31,7 +31,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from ..fsutil import pread_full
+from coldsnap.base.files import pread_full
 
 CHUNK = 16 << 20  # bytes per read and per copy; two per thread
 
@@ -128,7 +128,13 @@ def fill(driver, device: int, ptr: int, fd: int, base: int, pieces: list[Piece],
     """GPU memory at ptr := the pieces of the file's data section at base, packed (packed_layout): `threads`
     threads, each a run of copy_jobs, each reading into two pinned buffers in turn and copying on its own stream (a
     read overlaps the previous copy); a part of each row goes over as a 2D copy."""
-    from .vmm import CUDA_MEMCPY2D, EVENT_DISABLE_TIMING, MEMORYTYPE_DEVICE, MEMORYTYPE_HOST, STREAM_NON_BLOCKING
+    from coldsnap.gpu.vmm import (
+        CUDA_MEMCPY2D,
+        EVENT_DISABLE_TIMING,
+        MEMORYTYPE_DEVICE,
+        MEMORYTYPE_HOST,
+        STREAM_NON_BLOCKING,
+    )
 
     ctx = driver.use_primary_context(device)
 
@@ -186,7 +192,7 @@ def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float
     pieces: load only these parts of the data section, packed (a tensor-parallel rank's shards); default all of it.
     hold: once served, keep the memory and the context until stdin closes: freeing them (and tearing the context
     down) while the engine captures its CUDA graphs and answers its first request slowed both down."""
-    from .vmm import Driver, ExportableBuffer
+    from coldsnap.gpu.vmm import Driver, ExportableBuffer
 
     t0 = time.monotonic()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

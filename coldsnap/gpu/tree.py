@@ -14,10 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
+from coldsnap.base.procfs import process_tree, read_children
 from coldsnap.contracts import ColdSnapError, ErrorCode
-from coldsnap.procfs import process_tree, read_children
-
-from .cuda_checkpoint import CudaCheckpointAPI
+from coldsnap.gpu.cuda_checkpoint import CudaCheckpointAPI
 
 ChildrenReader = Callable[[int], list[int]]
 MapsReader = Callable[[int], Iterable[str]]

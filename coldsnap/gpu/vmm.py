@@ -22,7 +22,7 @@ import os
 from contextlib import contextmanager
 from typing import Iterator
 
-from .libcuda import error_name, library_candidates
+from coldsnap.gpu.libcuda import error_name, library_candidates
 
 ALLOCATION_PINNED = 1  # CU_MEM_ALLOCATION_TYPE_PINNED
 HANDLE_POSIX_FD = 1  # CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR

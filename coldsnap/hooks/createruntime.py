@@ -11,9 +11,9 @@ import json
 import os
 import sys
 
-from ..bundle.spec import netns_path
-from ..contracts import ColdSnapError
-from .netns import call_in_netns, loopback_up
+from coldsnap.contracts import ColdSnapError
+from coldsnap.net.enter import call_in_netns, loopback_up
+from coldsnap.oci.spec import netns_path
 
 
 def own_network_namespace(spec: dict) -> bool:

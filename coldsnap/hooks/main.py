@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1 or args[0] not in STAGES:
         print(f"usage: coldsnap-hook {{{'|'.join(STAGES)}}} < container-state.json", file=sys.stderr)
         return 2
-    from ..shim.runc import apply_config_env
+    from coldsnap.oci.runtime import apply_config_env
 
     apply_config_env()  # hooks from oci-hooks.d run with an empty environment, like the runtime
     try:
@@ -38,15 +38,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"coldsnap-hook: {args[0]}: cannot read the container state on stdin: {e}", file=sys.stderr)
         return 2
     if args[0] == "poststart":
-        from .poststart import poststart
+        from coldsnap.hooks.poststart import poststart
 
         return poststart(state)
     if args[0] == "createRuntime":
-        from .createruntime import create_runtime
+        from coldsnap.hooks.createruntime import create_runtime
 
         return create_runtime(state)
     if args[0] == "poststop":
-        from .poststop import poststop
+        from coldsnap.hooks.poststop import poststop
 
         return poststop(state)
     return 0

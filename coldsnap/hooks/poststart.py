@@ -7,10 +7,10 @@ from __future__ import annotations
 import sys
 import time
 
-from ..contracts import ColdSnapError, RestoreRequest, Validation
-from ..shim import state as shim_state
-from ..shim.record import timeline_from_dict, write_receipt
-from .target import Target, validate
+from coldsnap.contracts import ColdSnapError, RestoreRequest, Validation
+from coldsnap.oci import records as shim_state
+from coldsnap.shim.record import timeline_from_dict, write_receipt
+from coldsnap.workload.target import Target, validate
 
 
 def _say(msg: str) -> None:

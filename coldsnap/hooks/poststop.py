@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..shim.delete import forget
+from coldsnap.shim.delete import forget
 
 
 def poststop(state: dict) -> int:

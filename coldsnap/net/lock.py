@@ -14,7 +14,7 @@ import os
 import shutil
 import subprocess
 
-from ..contracts import ColdSnapError, ErrorCode
+from coldsnap.contracts import ColdSnapError, ErrorCode
 
 LOCK_TABLE_PREFIX = "CRIU-"
 

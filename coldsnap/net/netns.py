@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pyroute2 import IPRoute, NetNS, netns
 
-from ..contracts import ColdSnapError, ErrorCode, NetworkPlan
+from coldsnap.contracts import ColdSnapError, ErrorCode, NetworkPlan
 
 BASE = "169.254.237."
 MAX_SLOTS = 63

@@ -9,18 +9,18 @@ import os
 import shutil
 import subprocess
 
-from ..bundle.argv import RuncArgv
-from ..bundle.spec import coldsnap_annotations, netns_path, write_spec
-from ..capsule import LoadedCapsule
-from ..contracts import ColdSnapError, ErrorCode
-from ..flows.restore import admission_for, load_capsule, stage
-from ..spans import Timeline
-from . import runclog, state
-from .delete import forget
-from .ocihooks import add_coldsnap_hooks
-from .record import ContainerRequest, request_from_annotations, timeline_to_dict, write_receipt
-from .restore import restore_container, work_dir_path
-from .runc import exec_runc
+from coldsnap.capsule import LoadedCapsule
+from coldsnap.contracts import ColdSnapError, ErrorCode
+from coldsnap.flows.restore import admission_for, load_capsule, stage
+from coldsnap.flows.spans import Timeline
+from coldsnap.oci import records, runclog
+from coldsnap.oci.argv import RuncArgv
+from coldsnap.oci.hooks import add_coldsnap_hooks
+from coldsnap.oci.runtime import exec_runc
+from coldsnap.oci.spec import coldsnap_annotations, netns_path, write_spec
+from coldsnap.shim.delete import forget
+from coldsnap.shim.record import ContainerRequest, request_from_annotations, timeline_to_dict, write_receipt
+from coldsnap.shim.restore import restore_container, work_dir_path
 
 NO_FALLBACK = (ErrorCode.INVALID_REQUEST,)  # a malformed annotation is the caller's to fix, not to paper over
 
@@ -51,7 +51,7 @@ def _stage(capsule: LoadedCapsule):
 
 
 def create_from_capsule(runc: str, parsed: RuncArgv, spec: dict) -> int:
-    from .start import start_restored
+    from coldsnap.shim.start import start_restored
 
     cid = parsed.container_id
     if os.path.exists(os.path.join(parsed.root, cid)):  # runc's own refusal; and never touch that container
@@ -89,7 +89,7 @@ def create_from_capsule(runc: str, parsed: RuncArgv, spec: dict) -> int:
         "expected_text": profile.expected_text, "weights_mode": profile.weights_mode,
         "criu_options": profile.criu_options, "timeline": timeline_to_dict(tl), "started": False, **restored,
     }
-    state.save(cid, record)
+    records.save(cid, record)
     if parsed.command == "run":  # run --detach = create + start
         return start_restored(runc, parsed, record)
     return 0
@@ -106,7 +106,7 @@ def _unlock_network(netns: str | None) -> dict:
     if not netns or not os.path.exists(netns):
         return {}
     try:
-        from ..net.lock import remove_criu_locks
+        from coldsnap.net.lock import remove_criu_locks
 
         removed = remove_criu_locks(netns)
         return {"network_lock_removed": removed} if removed else {}
@@ -131,7 +131,7 @@ def fall_back(runc: str, parsed: RuncArgv, creq: ContainerRequest, tl: Timeline,
         receipt = write_receipt(creq.request, cid, tl, "fell-back", result={
             "container": cid, "capsule": capsule.digest if capsule else creq.request.capsule,
             "fallback_reason": reason, "started": "cold", **unlocked})
-        state.save(cid, {"outcome": "fell-back", "id": cid, "root": parsed.root, "bundle": parsed.bundle,
+        records.save(cid, {"outcome": "fell-back", "id": cid, "root": parsed.root, "bundle": parsed.bundle,
                          "reason": reason, "receipt": receipt["_path"]})
     except Exception as e:  # noqa: BLE001
         reason += f" (and no receipt: {e})"

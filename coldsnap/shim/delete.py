@@ -7,16 +7,16 @@ import os
 import shutil
 import subprocess
 
-from ..bundle.argv import RuncArgv
-from . import state
+from coldsnap.oci import records
+from coldsnap.oci.argv import RuncArgv
 
 
 def forget(container_id: str) -> None:
-    record = state.load(container_id) or {}
+    record = records.load(container_id) or {}
     work = record.get("work_dir")
     if work:
         shutil.rmtree(work, ignore_errors=True)
-    state.remove(container_id)
+    records.remove(container_id)
 
 
 def delete(runc: str, parsed: RuncArgv) -> int:

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import sys
 
-from ..bundle.argv import RuncArgv, parse_runc_argv
-from .runc import RuncNotFound, apply_config_env, exec_runc, find_runc
+from coldsnap.oci.argv import RuncArgv, parse_runc_argv
+from coldsnap.oci.runtime import RuncNotFound, apply_config_env, exec_runc, find_runc
 
 ANNOTATION_CAPSULE = "io.coldsnap.capsule"  # == coldsnap.contracts.capsule.ANNOTATION_CAPSULE (not imported: pydantic)
 
 
 def annotated_spec(parsed: RuncArgv) -> dict | None:
     """The bundle's spec when it asks for a capsule; None (pass through) when it does not or cannot be read."""
-    from ..bundle.spec import coldsnap_annotations, load_spec
+    from coldsnap.oci.spec import coldsnap_annotations, load_spec
 
     try:
         spec = load_spec(parsed.bundle)
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runc = find_runc()
     except RuncNotFound as e:
-        from .runclog import fail
+        from coldsnap.oci.runclog import fail
 
         return fail(parsed, f"coldsnap-runtime: {e}")
 
@@ -52,22 +52,22 @@ def main(argv: list[str] | None = None) -> int:
         spec = annotated_spec(parsed)
         if spec is not None:
             _full_python()
-            from .create import create_from_capsule
+            from coldsnap.shim.create import create_from_capsule
 
             return create_from_capsule(runc, parsed, spec)
     elif command in ("start", "delete") and cid:
-        from . import state
+        from coldsnap.oci import records
 
         apply_config_env()  # where the records are
-        record = state.load(cid)
-        if state.belongs(record, parsed.root):
+        record = records.load(cid)
+        if records.belongs(record, parsed.root):
             _full_python()
             if command == "delete":
-                from .delete import delete
+                from coldsnap.shim.delete import delete
 
                 return delete(runc, parsed)
             if record.get("outcome") == "restored":
-                from .start import start_restored
+                from coldsnap.shim.start import start_restored
 
                 return start_restored(runc, parsed, record)
     exec_runc(runc, args)

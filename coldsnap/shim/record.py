@@ -16,13 +16,12 @@ from dataclasses import dataclass, field
 
 from pydantic import ValidationError
 
-from ..contracts import ColdSnapError, ErrorCode, Origin, Policy, RestoreRequest, Span, Validation
-from ..contracts import capsule as mt
-from ..contracts.parse import first_error
-from ..flows.receipts import finish_receipt
-from ..spans import Timeline
-
-from ..contracts.capsule import ANNOTATION_IMAGE_DIGEST  # noqa: F401  (re-exported)
+from coldsnap.contracts import ColdSnapError, ErrorCode, Origin, Policy, RestoreRequest, Span, Validation
+from coldsnap.contracts import capsule as mt
+from coldsnap.contracts.capsule import ANNOTATION_IMAGE_DIGEST  # noqa: F401  (re-exported)
+from coldsnap.contracts.parse import first_error
+from coldsnap.flows.receipts import finish_receipt
+from coldsnap.flows.spans import Timeline
 
 
 @dataclass

@@ -11,21 +11,23 @@ import subprocess
 import time
 from pathlib import Path
 
-from .. import gpu_support, hoststate
-from ..bundle import criu_runc
-from ..bundle.argv import RuncArgv
-from ..config import private_dir, settings
-from ..contracts import ColdSnapError, ErrorCode
-from ..criu.driver import first_error_line
-from ..engines.base import get_adapter
-from ..flows.restore import Staged
-from ..hooks.target import Target
-from ..spans import Timeline
-from . import state
+from coldsnap.base.files import private_dir
+from coldsnap.base.paths import settings
+from coldsnap.contracts import ColdSnapError, ErrorCode
+from coldsnap.criu import runc_options
+from coldsnap.criu.driver import first_error_line
+from coldsnap.engines import get_adapter
+from coldsnap.flows.restore import Staged
+from coldsnap.flows.spans import Timeline
+from coldsnap.gpu import steps as gpu_steps
+from coldsnap.oci import records
+from coldsnap.oci.argv import RuncArgv
+from coldsnap.workload import hostfiles
+from coldsnap.workload.target import Target
 
 
 def work_dir_path(container_id: str) -> Path:
-    return Path(state.state_dir()) / "work" / container_id
+    return Path(records.state_dir()) / "work" / container_id
 
 
 def work_dir(container_id: str) -> Path:
@@ -76,8 +78,8 @@ def _keep_log(log: Path, container_id: str) -> Path | None:
 
 def runc_restore(runc: str, parsed: RuncArgv, staged: Staged, work: Path) -> tuple[int, list[str]]:
     """Returns (host pid of the restored init, the argv used). The container is running when this returns."""
-    flags, lines = criu_runc.split(staged.capsule.profile.criu_options, "restore")
-    conf = criu_runc.write_config(work / "criu.conf", lines)
+    flags, lines = runc_options.split(staged.capsule.profile.criu_options, "restore")
+    conf = runc_options.write_config(work / "criu.conf", lines)
     pid_file = parsed.pid_file or str(work / "restore.pid")
     argv = restore_argv(runc, parsed, staged.images, work, pid_file, flags)
     # stdio is inherited: runc hands the caller's pipes (conmon's, containerd's) to the restored process.
@@ -100,17 +102,17 @@ def restore_container(runc: str, parsed: RuncArgv, staged: Staged, spec: dict, t
     work = work_dir(parsed.container_id)
     t0 = time.monotonic()  # the restore clock: staging excluded, as for process mode
     # files of a bound /dev/shm the dump refers to: into the new container's before CRIU looks for them
-    put_back = hoststate.put_back_container_shm(staged.files, profile.files, spec)
+    put_back = hostfiles.put_back_container_shm(staged.files, profile.files, spec)
     try:
         with tl.span("criu-restore"):
             pid, argv = runc_restore(runc, parsed, staged, work)
         target = Target(pid=pid, port=target_port or profile.launch.port, host=target_host)
         with tl.span("hydrate"):
-            gpu = gpu_support.restore_restored_tree(pid) if profile.cuda_pids else gpu_support.GpuCheckpoint()
+            gpu = gpu_steps.restore_restored_tree(pid) if profile.cuda_pids else gpu_steps.GpuCheckpoint()
             adapter = get_adapter(profile.engine.name)
             target.call(adapter.after_restore, profile.kv_discarded, profile.weights_mode)
     except BaseException:
-        hoststate.remove_files(put_back)  # the cold start the caller falls back to gets its /dev/shm as it was
+        hostfiles.remove_files(put_back)  # the cold start the caller falls back to gets its /dev/shm as it was
         raise
     return {"pid": pid, "t0": t0, "work_dir": str(work), "runc_restore": argv, "port": target.port,
             "host": target.host, "cuda_processes": len(gpu.pids)}

@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 import subprocess
 
-from ..bundle.argv import RuncArgv
-from ..bundle.spec import annotations_of, load_spec
-from ..procfs import alive
-from . import runclog, state
-from .ocihooks import run_stage
+from coldsnap.base.procfs import alive
+from coldsnap.oci import records, runclog
+from coldsnap.oci.argv import RuncArgv
+from coldsnap.oci.hooks import run_stage
+from coldsnap.oci.spec import annotations_of, load_spec
 
 
 def oci_state(record: dict, spec: dict) -> str:
@@ -35,9 +35,9 @@ def start_restored(runc: str, parsed: RuncArgv, record: dict) -> int:
         subprocess.run([runc, *parsed.global_argv(drop=("log", "log-format")), "kill", cid, "KILL"],
                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         return runclog.fail(parsed, f"coldsnap-runtime: {error}")
-    record = state.load(cid) or record  # the hook may have added to it
+    record = records.load(cid) or record  # the hook may have added to it
     record["started"] = True
-    state.save(cid, record)
+    records.save(cid, record)
     return 0
 
 

@@ -5,5 +5,5 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 export COLDSNAP_CRIU_PREFIX=$PWD/.carry/criu COLDSNAP_HOME=/tmp/coldsnap COLDSNAP_RUN=/tmp/coldsnap-run
 export TORCHINDUCTOR_COMPILE_THREADS=1
-alias coldsnap="python3 -m coldsnap.cli"
+alias coldsnap="python3 -m coldsnap.cli.main"
 set +e

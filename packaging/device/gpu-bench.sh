@@ -6,7 +6,7 @@
 # TESTS: pytest files to run first; SUFFIX: appended to the result name (e.g. -noprefetch with COLDSNAP_PREFETCH=0)
 MODE=${1:-recovery}; N=${2:-5}; NV=${NV:-2}
 source packaging/device/env.sh
-CS="python3 -m coldsnap.cli"
+CS="python3 -m coldsnap.cli.main"
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SIZE=${SIZE:-"--engine-opt layers=6 --engine-opt hidden=6144 --engine-opt heads=48 --engine-opt kv_mib=4096"}
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader

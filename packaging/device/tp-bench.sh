@@ -8,7 +8,7 @@
 # into files at capture (coldsnap/codestash.py; COLDSNAP_CODE_STASH=0 turns that off for both benches).
 STEPS=${*:-test tp2 tp1}; N=${N:-10}; NV=${NV:-1}
 source packaging/device/env.sh
-CS="python3 -m coldsnap.cli"
+CS="python3 -m coldsnap.cli.main"
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # Per rank: 2 layers' worth of weights (hidden 6144: 1.8 GB a layer) + KV_MIB of KV cache. TP2 runs 2×LAYERS layers
 # split over two ranks, so each rank holds what the TP1 baseline holds.

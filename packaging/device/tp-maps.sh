@@ -21,6 +21,6 @@ for l in sys.stdin:
     if n and max(n) >= 1<<20: c[re.sub(r'0x[0-9a-f]+|\b\d+\b','#',l.split('NCCL INFO',1)[1].strip())[:110]+' size '+str(max(n)>>20)+' MiB']+=1
 for k,v in c.most_common(25): print(v,'x',k)"
 echo "== NCCL transports and channels"; cat /tmp/nccl.*.log | grep -E "via |nChannels|Channel 00|Init COMPLETE|NCCL version|cudaDriverVersion|[Mm]em" | cut -c1-200 | sort | uniq -c | sort -rn | head -30
-python3 -m coldsnap.cli restore --capsule sha256:$D --no-fallback --json > /dev/null; echo "restore rc=$?"
-python3 -m coldsnap.cli stop tpmaps > /dev/null
+python3 -m coldsnap.cli.main restore --capsule sha256:$D --no-fallback --json > /dev/null; echo "restore rc=$?"
+python3 -m coldsnap.cli.main stop tpmaps > /dev/null
 python3 -m coldsnap.criu.account /tmp/coldsnap-run/staged/$D/images --top 6 --zeros

@@ -6,8 +6,8 @@ Usage: python3 packaging/device/tree-maps.py capture --device cuda ... (the same
 import os
 import sys
 
-from coldsnap import gpu_support
-from coldsnap.cli import main
+from coldsnap.cli.main import main
+from coldsnap.gpu import steps as gpu_steps
 
 MIN = int(os.environ.get("MAPS_MIN_MIB", "16")) << 20
 
@@ -115,7 +115,7 @@ def gpu_apps() -> None:
     print("GPU memory by process:\n" + out, file=sys.stderr)
 
 
-_checkpoint = gpu_support.checkpoint_tree
+_checkpoint = gpu_steps.checkpoint_tree
 
 
 def checkpoint_tree(root_pid: int):
@@ -129,5 +129,5 @@ def checkpoint_tree(root_pid: int):
     return _checkpoint(root_pid)
 
 
-gpu_support.checkpoint_tree = checkpoint_tree
+gpu_steps.checkpoint_tree = checkpoint_tree
 sys.exit(main(sys.argv[1:]))

@@ -6,10 +6,10 @@ import os
 import sys
 from pathlib import Path
 
-from ...config import settings
-from ...contracts import CaptureRequest, Distributed, Model, Mount, WeightFile
-from ...weights import file_sha256
-from ..base import EngineAdapter, PreparedLaunch, option_flags, post_json
+from coldsnap.base.digests import file_sha256
+from coldsnap.base.paths import settings
+from coldsnap.contracts import CaptureRequest, Distributed, Model, Mount, WeightFile
+from coldsnap.engines.base import EngineAdapter, PreparedLaunch, option_flags, post_json
 
 MODEL_ID = "coldsnap/reference-tiny"
 
@@ -29,8 +29,7 @@ def container_mounts(weights: str) -> list[Mount]:
     PYTHONPATH entries, read-only; the weights' directory read-write (the engine writes its seeded file there on
     first use, as a model cache volume)."""
     import coldsnap
-
-    from ..venv_engine import interpreter_paths, outermost
+    from coldsnap.engines.venv_engine import interpreter_paths, outermost
 
     python_path = [Path(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).is_dir()]
     readonly = outermost([Path(sys.prefix), *interpreter_paths(sys.executable),
@@ -65,7 +64,7 @@ class ReferenceAdapter(EngineAdapter):
         argv += option_flags(opts)
         env = {"TORCHINDUCTOR_COMPILE_THREADS": "1", **request.launch.env}
         if int(opts.get("tensor_parallel", 1)) > 1:
-            from .tp import CAPTURE_SAFE_ENV
+            from coldsnap.engines.reference.tp import CAPTURE_SAFE_ENV
 
             env = {**CAPTURE_SAFE_ENV, **env}  # in the launch (and so in the profile), not only inside the engine
         if os.environ.get("PYTHONPATH"):  # where this interpreter finds ColdSnap's dependencies (a container

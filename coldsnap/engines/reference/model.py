@@ -465,7 +465,7 @@ class Runner:
         save_to: first write the weights as they are in memory to that safetensors file, then drop them on any
         device; resume() reloads them from it (native weights that travel as their own file, not in the dump).
         stash_code: then move the CUDA device code this process holds in anonymous memory into files there
-        (coldsnap.codestash), so a dump carries file mappings instead of those pages.
+        (coldsnap.gpu.codestash), so a dump carries file mappings instead of those pages.
         Tensor-parallel peers release at the same time; the answer counts every rank's bytes."""
         if save_to and self.peers is not None:
             raise ValueError("saving the weights of a tensor-parallel engine is not supported: use recovery mode")
@@ -487,7 +487,7 @@ class Runner:
 
     def _release_local(self, weights: bool, save_to: str | None = None,
                        stash_code: str | None = None) -> dict[str, Any]:
-        from .weights import load_into, load_prefetched, load_weights, save_tensors
+        from coldsnap.engines.reference.weights import load_into, load_prefetched, load_weights, save_tensors
 
         freed = 0
         out: dict[str, Any] = {}
@@ -532,7 +532,7 @@ class Runner:
                 out["torch_reserved_bytes"] = torch.cuda.memory_reserved(self.device)
         trim_host_memory()  # every rank, not only the one that serves HTTP
         if stash_code:
-            from coldsnap.codestash import stash_code as stash
+            from coldsnap.gpu.codestash import stash_code as stash
 
             out["code_stash"] = stash(stash_code)
         return {"freed_bytes": freed, **out}

@@ -44,7 +44,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer  # noqa: E40
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
-from . import DEFAULT_MODEL_ID, ENGINE_NAME, ENGINE_VERSION  # noqa: E402
+from coldsnap.engines.reference import DEFAULT_MODEL_ID, ENGINE_NAME, ENGINE_VERSION  # noqa: E402
 
 MAX_BODY = 1 << 20
 _T0 = time.monotonic()
@@ -81,7 +81,7 @@ class Engine:
     # --- requests ---
 
     def parse_completion(self, body: dict[str, Any]) -> dict[str, Any]:
-        from .model import encode
+        from coldsnap.engines.reference.model import encode
 
         model = body.get("model", self.model_id)
         if model is not None and model != self.model_id:
@@ -122,7 +122,7 @@ class Engine:
 
     def tokens(self, ids: list[int], max_tokens: int):
         """Generated token texts, one per token; holds the lock until exhausted or closed."""
-        from .model import decode
+        from coldsnap.engines.reference.model import decode
 
         with self.lock:
             if self.runner.released:
@@ -133,7 +133,7 @@ class Engine:
     def release(self, weights: bool = True, save: bool = False, stash_code: str | None = None) -> dict[str, Any]:
         """save: write the weights as they are in memory next to the weights file first (a new file each time,
         named in the answer's saved_weights), then drop them; resume() reloads from that file.
-        stash_code: a directory for the CUDA device code held in anonymous memory (coldsnap.codestash)."""
+        stash_code: a directory for the CUDA device code held in anonymous memory (coldsnap.gpu.codestash)."""
         save_to = None
         if save:
             src = Path(self.info["weights"]["path"])
@@ -394,8 +394,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def resolve_config(args: argparse.Namespace):
     """Defaults, overlaid by the config beside an existing weights file, overlaid by explicit flags."""
-    from .model import ModelConfig
-    from .weights import read_config
+    from coldsnap.engines.reference.model import ModelConfig
+    from coldsnap.engines.reference.weights import read_config
 
     d = ModelConfig().to_dict()
     d.update(read_config(args.weights) or {})
@@ -423,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         emit("fatal", error=f"--tensor-parallel {world} with rank {rank} makes no sense")
         return 2
     if world > 1:
-        from . import tp as tpmod
+        from coldsnap.engines.reference import tp as tpmod
 
         if args.tp_rank is None:  # the command as started: become the launcher of the ranks
             try:
@@ -443,12 +443,16 @@ def main(argv: list[str] | None = None) -> int:
     t = time.monotonic()
     import torch
 
-    from .model import Runner, build_model, trim_host_memory
-    from .weights import ensure_weights, load_into, load_prefetched, load_weights, prefetch_plan
-
-    from . import tp as tpmod
-    from .model import check_tensor_parallel, shards
-    from .weights import check_shapes
+    from coldsnap.engines.reference import tp as tpmod
+    from coldsnap.engines.reference.model import Runner, build_model, check_tensor_parallel, shards, trim_host_memory
+    from coldsnap.engines.reference.weights import (
+        check_shapes,
+        ensure_weights,
+        load_into,
+        load_prefetched,
+        load_weights,
+        prefetch_plan,
+    )
 
     threads = args.threads or max(1, min(2, (os.cpu_count() or 1) // world))
     torch.set_num_threads(threads)

@@ -19,15 +19,19 @@ import mmap
 import os
 import struct
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...fsutil import atomic_write, pread_full
+if TYPE_CHECKING:
+    import torch
+
+from coldsnap.base.files import atomic_file, atomic_write, pread_full
+from coldsnap.engines.reference.model import ModelConfig, local_shape, param_specs
+
 # Imported now, not at resume: a restored engine's resume is on the clock (they are light: ctypes and sockets).
-from ...gpu.prefetch import PrefetchError, Session, packed_layout, plan_digest
-from ...gpu.vmm import Driver, imported
-from .model import ModelConfig, local_shape, param_specs
+from coldsnap.gpu.prefetch import PrefetchError, Session, packed_layout, plan_digest
+from coldsnap.gpu.vmm import Driver, imported
 
 _DTYPES = {
     "F64": ("float64", 8),
@@ -185,24 +189,17 @@ def save_tensors(path: str | os.PathLike, tensors: dict[str, "torch.Tensor"], me
         offset += nbytes + (-nbytes % ALIGN)
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(8 + len(raw)) % ALIGN)
-    target = Path(path)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            os.fchmod(f.fileno(), mode)  # private by default: a model's tuned weights can be what it protects
-            f.write(struct.pack("<Q", len(raw)) + raw)
-            base = f.tell()
-            for name in sorted(tensors):
-                f.seek(base + header[name]["data_offsets"][0])
-                flat = tensors[name].detach().contiguous().reshape(-1).view(torch.uint8).cpu()
-                # Through the raw pointer, not .numpy(): numpy sharing a storage makes it unresizable for good, and
-                # release() then shrinks it to nothing.
-                f.write(memoryview((ctypes.c_char * flat.numel()).from_address(flat.data_ptr())))
-            f.truncate(base + offset)
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    # private by default: a model's tuned weights can be what it protects
+    with atomic_file(path, mode, sync=False) as f:  # its digest is checked before any restore uses it
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        base = f.tell()
+        for name in sorted(tensors):
+            f.seek(base + header[name]["data_offsets"][0])
+            flat = tensors[name].detach().contiguous().reshape(-1).view(torch.uint8).cpu()
+            # Through the raw pointer, not .numpy(): numpy sharing a storage makes it unresizable for good, and
+            # release() then shrinks it to nothing.
+            f.write(memoryview((ctypes.c_char * flat.numel()).from_address(flat.data_ptr())))
+        f.truncate(base + offset)
     return base + offset
 
 

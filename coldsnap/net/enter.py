@@ -17,7 +17,7 @@ import signal
 import time
 from typing import Any, Callable
 
-from ..contracts import ColdSnapError, ErrorCode
+from coldsnap.contracts import ColdSnapError, ErrorCode
 
 CLONE_NEWNET = 0x40000000
 

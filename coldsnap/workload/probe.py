@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from .contracts import ColdSnapError, ErrorCode, Validation
+from coldsnap.contracts import ColdSnapError, ErrorCode, Validation
 
 
 def completion_stream(resp) -> Iterator[str]:

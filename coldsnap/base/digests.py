@@ -17,8 +17,8 @@ import os
 import time
 from pathlib import Path
 
-from .config import settings
-from .fsutil import atomic_write
+from coldsnap.base.files import atomic_write
+from coldsnap.base.paths import settings
 
 CHUNK = 8 << 20
 SETTLED_NS = 1_000_000_000  # a file changed less than this before its check is hashed again next time
@@ -69,3 +69,9 @@ def checked_sha256(path: str | os.PathLike) -> tuple[str, int]:
     except OSError:
         pass  # no memo: the next check hashes again
     return digest, size
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The file's sha256 as 64 hex digits (how weight files are pinned), hashed only when it changed since its last
+    check."""
+    return checked_sha256(path)[0].removeprefix("sha256:")

@@ -18,7 +18,7 @@ class Settings:
 
     @property
     def code(self) -> Path:
-        """CUDA device code moved out of engines' memory at capture (coldsnap.codestash), one file per content."""
+        """CUDA device code moved out of engines' memory at capture (coldsnap.gpu.codestash), one file per content."""
         return self.home / "code"
 
     @property
@@ -42,10 +42,3 @@ def settings() -> Settings:
         criu_prefix=Path(os.environ.get("COLDSNAP_CRIU_PREFIX", home / "criu")),
         criu_binary=os.environ.get("COLDSNAP_CRIU") or None,
     )
-
-
-def private_dir(path: Path) -> Path:
-    """Create a 0700 directory: capsules and run state hold process memory, i.e. secrets."""
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(path, 0o700)
-    return path

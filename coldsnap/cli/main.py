@@ -9,8 +9,8 @@ import os
 import sys
 from typing import Any
 
-from . import __version__
-from .contracts import EXIT_CODES, SCHEMAS, ColdSnapError, ErrorCode, parse_request
+from coldsnap import __version__
+from coldsnap.contracts import ENGINE_NAMES, EXIT_CODES, SCHEMAS, ColdSnapError, ErrorCode, parse_request
 
 EPILOG = """exit codes: 0 ok, 2 invalid request, 3 capsule not found, 4 capsule corrupt/unpinned, 5 incompatible,
 6 resource busy, 7 CRIU failed, 8 GPU failed, 9 workload failed, 10 validation failed, 11 validation timeout,
@@ -57,7 +57,7 @@ def cmd_validate_request(args) -> int:
 
 
 def cmd_doctor(args) -> int:
-    from .doctor import doctor_json, render_table, run_doctor
+    from coldsnap.host.doctor import doctor_json, render_table, run_doctor
 
     checks = run_doctor()
     data = doctor_json(checks)
@@ -66,14 +66,14 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_capabilities(args) -> int:
-    from .doctor import capabilities
+    from coldsnap.host.doctor import capabilities
 
     print(capabilities().model_dump_json(indent=1))
     return 0
 
 
 def _capture_request(args):
-    from .contracts import CaptureRequest
+    from coldsnap.contracts import CaptureRequest
 
     if args.request:
         req = _read_request(args.request)
@@ -127,14 +127,14 @@ def engine_options(pairs: list[str] | None) -> dict:
 
 def cmd_capture(args) -> int:
     if args.container:
-        from .flows.container import capture_container
+        from coldsnap.flows.container_capture import capture_container
 
         res = capture_container(args.container, args.runc_root, args.bundle, engine=args.engine or "reference",
                                 image_digest=args.image_digest, weights_mode=args.weights_mode or "native",
                                 leave_running=args.leave_running, tag=args.tag, quiesce=args.quiesce or "drain",
                                 progress=_progress(args))
     else:
-        from .flows.capture import capture
+        from coldsnap.flows.capture import capture
 
         req = _capture_request(args)
         if args.quiesce == "none" or req.policy.quiesce != "drain":
@@ -148,8 +148,8 @@ def cmd_capture(args) -> int:
 
 
 def cmd_restore(args) -> int:
-    from .contracts import Policy, RestoreRequest
-    from .flows.restore import restore
+    from coldsnap.contracts import Policy, RestoreRequest
+    from coldsnap.flows.restore import restore
 
     if args.request:
         req = _read_request(args.request)
@@ -178,8 +178,8 @@ def cmd_restore(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from .procfs import alive
-    from .workload import list_states
+    from coldsnap.base.procfs import alive
+    from coldsnap.workload.state import list_states
 
     rows = []
     for ws in list_states():
@@ -201,7 +201,8 @@ def cmd_status(args) -> int:
 
 
 def cmd_stop(args) -> int:
-    from .workload import load_state, stop_workload
+    from coldsnap.workload.process import stop_workload
+    from coldsnap.workload.state import load_state
 
     ws = load_state(args.name)
     stop_workload(ws)
@@ -210,8 +211,8 @@ def cmd_stop(args) -> int:
 
 
 def cmd_sleep(args) -> int:
-    from .contracts import WorkloadRequest
-    from .flows.lifecycle import sleep
+    from coldsnap.contracts import WorkloadRequest
+    from coldsnap.flows.lifecycle import sleep
 
     r = sleep(WorkloadRequest(operation="sleep", workload=args.name, sleep_mode=args.mode), progress=_progress(args))
     _emit(args, r, f"{args.name} is sleeping ({r['result']['mode']}: GPU memory released); receipt {r['_path']}")
@@ -219,8 +220,8 @@ def cmd_sleep(args) -> int:
 
 
 def cmd_wake(args) -> int:
-    from .contracts import WorkloadRequest
-    from .flows.lifecycle import wake
+    from coldsnap.contracts import WorkloadRequest
+    from coldsnap.flows.lifecycle import wake
 
     r = wake(WorkloadRequest(operation="wake", workload=args.name), progress=_progress(args))
     _emit(args, r, f"{args.name} is awake: first token {r['result']['time_to_first_token_s']:.3f} s; "
@@ -229,14 +230,14 @@ def cmd_wake(args) -> int:
 
 
 def _store():
-    from .capsule import CapsuleStore
-    from .config import settings
+    from coldsnap.base.paths import settings
+    from coldsnap.capsule import CapsuleStore
 
     return CapsuleStore(settings().store).init()
 
 
 def cmd_runtime(args) -> int:
-    from .shim.configure import configure
+    from coldsnap.host.runtimes import configure
 
     if args.action != "configure":
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"unknown runtime action {args.action!r}")
@@ -249,7 +250,7 @@ def cmd_runtime(args) -> int:
 
 
 def cmd_ls(args) -> int:
-    from .capsule.gc import list_capsules
+    from coldsnap.capsule.gc import list_capsules
 
     rows = list_capsules(_store())
     human = "\n".join(f"{r['digest']}  {r.get('tag') or '-':<28} {r.get('engine') or '-':<10} "
@@ -259,7 +260,7 @@ def cmd_ls(args) -> int:
 
 
 def cmd_rm(args) -> int:
-    from .capsule.gc import remove
+    from coldsnap.capsule.gc import remove
 
     removed = remove(_store(), args.ref)
     _emit(args, {"removed": removed}, f"removed {', '.join(removed)} from the index (blobs go at the next gc)")
@@ -267,8 +268,8 @@ def cmd_rm(args) -> int:
 
 
 def cmd_gc(args) -> int:
-    from .capsule.gc import gc
-    from .config import settings
+    from coldsnap.base.paths import settings
+    from coldsnap.capsule.gc import gc
 
     r = gc(_store(), grace_s=args.grace, code_dir=settings().code)
     _emit(args, r, f"freed {r['freed_bytes'] / 2**20:.1f} MiB ({len(r['removed_blobs'])} blobs, "
@@ -277,7 +278,7 @@ def cmd_gc(args) -> int:
 
 
 def cmd_push(args) -> int:
-    from .capsule.registry import push
+    from coldsnap.capsule.registry import push
 
     store = _store()
     digest = store.resolve(args.capsule, allow_unpinned=args.allow_unpinned)
@@ -290,7 +291,7 @@ def cmd_push(args) -> int:
 
 
 def cmd_pull(args) -> int:
-    from .capsule.registry import pull
+    from coldsnap.capsule.registry import pull
 
     r = pull(_store(), args.ref, insecure=args.insecure, allow_unpinned=args.allow_unpinned)
     data = {"digest": str(r), "bytes_transferred": r.bytes_transferred, "payload_bytes": r.payload_bytes,
@@ -301,8 +302,8 @@ def cmd_pull(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from .capsule import CapsuleStore
-    from .config import settings
+    from coldsnap.base.paths import settings
+    from coldsnap.capsule import CapsuleStore
 
     store = CapsuleStore(settings().store)
     cap = store.load(store.resolve(args.ref, allow_unpinned=args.allow_unpinned))
@@ -313,7 +314,7 @@ def cmd_inspect(args) -> int:
 
 def cmd_bench(args) -> int:
     if args.registry:
-        from .capsule.registry_bench import run
+        from coldsnap.bench.registry import run
 
         progress = _progress(args)
         progress(f"registry benchmark: a {args.size_mib} MiB capsule through a local registry vs curl")
@@ -325,12 +326,12 @@ def cmd_bench(args) -> int:
                           f"wrote {args.out}/registry_bench.json and .png")
         return 0
     if getattr(args, "via", None):
-        from .bench.via import run_via_bench
+        from coldsnap.bench.via import run_via_bench
 
         data = run_via_bench(args, progress=_progress(args))
         _emit(args, data, data.get("_summary"))
         return 0
-    from .bench.run import run_bench
+    from coldsnap.bench.run import run_bench
 
     data = run_bench(args, progress=_progress(args))
     _emit(args, data, data.get("_summary"))
@@ -338,8 +339,8 @@ def cmd_bench(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from .bench.run import run_bench
-    from .config import settings
+    from coldsnap.base.paths import settings
+    from coldsnap.bench.run import run_bench
 
     args.engine, args.device, args.weights_mode = "reference", "cpu", "auto"
     args.out = args.out or str(settings().home / "demo")
@@ -377,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = add("capture", cmd_capture, "start a workload, validate it, capture it into a capsule")
     sp.add_argument("--request", help="capture request file (JSON), or - for stdin")
-    sp.add_argument("--engine", choices=["reference", "vllm", "sglang"], help="engine (default: reference)")
+    sp.add_argument("--engine", choices=ENGINE_NAMES, help="engine (default: reference)")
     sp.add_argument("--tag", help="name the capsule in the local store")
     sp.add_argument("--name", help="workload name (default: ENGINE-xxxxxx)")
     sp.add_argument("--weights-mode", choices=["native", "recovery", "auto"],
@@ -443,7 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("rm", cmd_rm, "remove a capsule from the local index (blobs stay until gc)")
     sp.add_argument("ref")
     sp.add_argument("--json", action="store_true")
-    sp = add("gc", cmd_gc, "delete blobs no capsule references, and CUDA code files (coldsnap.codestash) no "
+    sp = add("gc", cmd_gc, "delete blobs no capsule references, and CUDA code files (coldsnap.gpu.codestash) no "
                            "capsule lists and no process maps")
     sp.add_argument("--grace", type=float, default=600,
                     help="keep unreferenced blobs and code files younger than this (s)")
@@ -469,7 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true")
 
     sp = add("bench", cmd_bench, "vanilla start vs restore, N samples each; JSON + PNG under bench/results/")
-    sp.add_argument("--engine", default="reference", choices=["reference", "vllm", "sglang"])
+    sp.add_argument("--engine", default="reference", choices=ENGINE_NAMES)
     sp.add_argument("--samples", "-n", type=int, default=5, help="restore samples (and vanilla, unless given)")
     sp.add_argument("--vanilla-samples", type=int, help="vanilla samples when they cost too much to match --samples")
     sp.add_argument("--device", default="cpu")

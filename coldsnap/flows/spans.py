@@ -7,7 +7,7 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from typing import Iterator
 
-from .contracts import Origin, Span
+from coldsnap.contracts import Origin, Span
 
 
 class Timeline:

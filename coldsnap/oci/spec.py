@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 
-from ..fsutil import submounts
+from coldsnap.base.files import submounts
 
 CONFIG = "config.json"
 
@@ -23,7 +23,7 @@ def load_spec(bundle: str | os.PathLike) -> dict:
 
 
 def write_spec(bundle: str | os.PathLike, spec: dict) -> None:
-    from ..fsutil import KEEP_MODE, atomic_write  # not on the pass-through path
+    from coldsnap.base.files import KEEP_MODE, atomic_write  # not on the pass-through path
 
     data = json.dumps(spec, indent=1, ensure_ascii=False).encode("utf-8")
     atomic_write(os.path.join(bundle, CONFIG), data, KEEP_MODE)

@@ -1,5 +1,5 @@
-"""Workloads on this host: start a command as the init of its own PID namespace inside a network namespace,
-track it in a small state file, stop it.
+"""Workload processes: start a command as the init of its own PID namespace inside a network namespace, kill
+its whole tree, stop it (tree, network, state file).
 
 Own PID namespace because the VM's PID 1 reaps zombies slowly (restores into the host namespace collide on PIDs),
 and because CRIU then restores the whole namespace with the PIDs the process tree had.
@@ -7,76 +7,21 @@ and because CRIU then restores the whole namespace with the PIDs the process tre
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .config import private_dir, settings
-from .contracts import ColdSnapError, ErrorCode, NetworkPlan
-from .net import destroy_network, netns_path
-from .procfs import alive, descendants, read_children, session_of
+from coldsnap.base.procfs import alive, descendants, read_children, session_of
+from coldsnap.contracts import ColdSnapError, ErrorCode, NetworkPlan
+from coldsnap.net import destroy_network, netns_path
+from coldsnap.workload.state import WorkloadState
 
 # The environment a workload starts with: nothing of the caller's (secrets, and restores must not depend on it)
 # beyond these names.
 PASS_THROUGH_ENV = ("PATH", "LANG", "LC_ALL", "PYTHONPATH", "HOME", "TMPDIR", "CUDA_VISIBLE_DEVICES",
                     "NVIDIA_VISIBLE_DEVICES", "LD_LIBRARY_PATH")
-
-
-@dataclass
-class WorkloadState:
-    name: str
-    pid: int  # host PID of the PID-namespace init
-    network: dict
-    state: str = "active"  # active | sleeping
-    origin: str = "cold"  # cold | restored
-    capsule: str | None = None
-    run_dir: str = ""
-    log: str = ""
-    url: str = ""
-    cuda_pids: list[int] = field(default_factory=list)
-    engine: str = ""  # adapter name: sleep/wake ask the engine to release and resume
-    weights_mode: str = ""  # native | recovery
-    sleep_mode: str = ""  # how it sleeps now: engine | cuda
-    started_wall: float = field(default_factory=time.time)
-
-    @property
-    def plan(self) -> NetworkPlan:
-        return NetworkPlan.model_validate(self.network)
-
-
-def run_dir(name: str) -> Path:
-    return private_dir(settings().run / "workloads" / name)
-
-
-def save_state(ws: WorkloadState) -> None:
-    path = run_dir(ws.name) / "state.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(ws), indent=1))
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
-
-
-def load_state(name: str) -> WorkloadState:
-    path = settings().run / "workloads" / name / "state.json"
-    try:
-        return WorkloadState(**json.loads(path.read_text()))
-    except FileNotFoundError:
-        raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"no workload named {name!r} on this host") from None
-
-
-def list_states() -> list[WorkloadState]:
-    root = settings().run / "workloads"
-    out = []
-    for p in sorted(root.glob("*/state.json")) if root.exists() else []:
-        try:
-            out.append(WorkloadState(**json.loads(p.read_text())))
-        except (ValueError, TypeError):
-            continue
-    return out
 
 
 def workload_env(extra: dict[str, str]) -> dict[str, str]:
@@ -141,7 +86,7 @@ def kill_tree(pid: int, timeout: float = 10.0) -> None:
     """SIGKILL the workload's root and every descendant (for a PID-namespace init the kernel does the rest), then
     remove the host /dev/shm files it used and the UNIX socket files it bound (a SIGKILLed engine leaves its queues,
     semaphores and ZMQ ipc sockets behind)."""
-    from .hoststate import remove_socket_files, tree_shm_files, tree_socket_files
+    from coldsnap.workload.hostfiles import remove_socket_files, tree_shm_files, tree_socket_files
 
     shm = tree_shm_files(pid)
     sockets = tree_socket_files(pid)

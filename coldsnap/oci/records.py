@@ -31,13 +31,11 @@ def load(container_id: str | None) -> dict | None:
 
 
 def save(container_id: str, data: dict) -> str:
+    from coldsnap.base.files import atomic_write  # not on the pass-through path
+
     path = state_path(container_id)
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-    tmp = os.path.join(os.path.dirname(path), f".{container_id}.json.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(data, indent=1).encode("utf-8"))
     return path
 
 

@@ -1,17 +1,12 @@
 """Weight files referenced by digest, checked before a restore relies on them (a multi-GiB file is hashed once, and
-again only when it changes: coldsnap.digests)."""
+again only when it changes: coldsnap.base.digests)."""
 
 from __future__ import annotations
 
 import os
 
-from .contracts import ColdSnapError, ErrorCode, WeightFile
-from .digests import checked_sha256
-
-
-def file_sha256(path: str) -> str:
-    """The file's sha256 (hex), hashed only when it changed since its last check (coldsnap.digests)."""
-    return checked_sha256(path)[0].removeprefix("sha256:")
+from coldsnap.base.digests import file_sha256
+from coldsnap.contracts import ColdSnapError, ErrorCode, WeightFile
 
 
 def verify_weights(files: list[WeightFile]) -> None:

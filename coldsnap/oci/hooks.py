@@ -9,7 +9,7 @@ import shutil
 import subprocess
 import sys
 
-from ..bundle.spec import ensure_hook, hooks
+from coldsnap.oci.spec import ensure_hook, hooks
 
 HOOK_NAME = "coldsnap-hook"
 DEFAULT_HOOK = "/usr/local/bin/coldsnap-hook"

@@ -18,11 +18,9 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
-from .. import gpu_support, hoststate
-from ..bundle import criu_runc
-from ..bundle.spec import coldsnap_annotations, load_spec
-from ..config import private_dir, settings
-from ..contracts import (
+from coldsnap.base.files import private_dir
+from coldsnap.base.paths import settings
+from coldsnap.contracts import (
     CaptureRequest,
     ColdSnapError,
     Engine,
@@ -33,16 +31,19 @@ from ..contracts import (
     Policy,
     Validation,
 )
-from ..contracts import capsule as mt
-from ..criu import CriuDriver, CriuOptions
-from ..criu.driver import first_error_line
-from ..engines.base import get_adapter
-from ..hooks.target import Target, validate
-from ..contracts.capsule import ANNOTATION_IMAGE_DIGEST
-from ..spans import Timeline
-from .capture import CaptureResult, capsule_profile, engine_info, saved_weights_model, thin_and_pack
-from .quiesce import open_connections, wait_no_connections
-from .receipts import finish_receipt
+from coldsnap.contracts import capsule as mt
+from coldsnap.contracts.capsule import ANNOTATION_IMAGE_DIGEST
+from coldsnap.criu import CriuDriver, CriuOptions, runc_options
+from coldsnap.criu.driver import first_error_line
+from coldsnap.engines import get_adapter
+from coldsnap.flows.capture import CaptureResult, capsule_profile, engine_info, saved_weights_model, thin_and_pack
+from coldsnap.flows.quiesce import open_connections, wait_no_connections
+from coldsnap.flows.receipts import finish_receipt
+from coldsnap.flows.spans import Timeline
+from coldsnap.gpu import steps as gpu_steps
+from coldsnap.oci.spec import coldsnap_annotations, load_spec
+from coldsnap.workload import hostfiles
+from coldsnap.workload.target import Target, validate
 
 Progress = Callable[[str], None]
 DEFAULT_PORT = 8000
@@ -82,8 +83,8 @@ def container_options(leave_running: bool, quiesce: str = "drain") -> CriuOption
 
 def runc_checkpoint(runc: str, runc_root: str | Path, container_id: str, images: Path, work: Path,
                     options: CriuOptions) -> list[str]:
-    flags, lines = criu_runc.split(options.cli_flags(), "checkpoint")
-    conf = criu_runc.write_config(work.parent / "criu.conf", lines)
+    flags, lines = runc_options.split(options.cli_flags(), "checkpoint")
+    conf = runc_options.write_config(work.parent / "criu.conf", lines)
     argv = [runc, "--root", str(runc_root), "--criu", settings().criu, "checkpoint", "--image-path", str(images),
             "--work-path", str(work), *flags, container_id]
     r = subprocess.run(argv, env={**os.environ, "CRIU_CONFIG_FILE": str(conf)}, capture_output=True, text=True,
@@ -126,7 +127,7 @@ def capture_container(container_id: str, runc_root: str | Path = "/run/runc", bu
     op_id = f"capture-{container_id[:24]}-{uuid.uuid4().hex[:8]}"
     try:
         result = _capture(request, container_id, runc_root, int(state["pid"]), val_ann.get("host"), runc, tl, progress,
-                          shm_source=hoststate.bound_shm_source(spec))
+                          shm_source=hostfiles.bound_shm_source(spec))
     except ColdSnapError as e:
         finish_receipt(request, op_id, "capture", tl, "failed", error=e)
         raise
@@ -151,7 +152,7 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
             validate(target, request.validation, first.text)  # determinism: restores are held to this text
         info = target.call(engine_info)
         options = container_options(request.lifecycle.leave_running, request.policy.quiesce)
-        gpu = gpu_support.GpuCheckpoint()
+        gpu = gpu_steps.GpuCheckpoint()
         connections = 0
         released: dict = {}
         if not in_flight:  # in flight, requests still need their KV cache (and weights): nothing is released
@@ -166,9 +167,9 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
                 with tl.span("quiesce"):
                     wait_no_connections(pid, request.launch.port)
             with tl.span("gpu-checkpoint"):
-                gpu = gpu_support.checkpoint_tree(pid)
+                gpu = gpu_steps.checkpoint_tree(pid)
             progress(gpu.summary)
-            held_shm = hoststate.HeldShm(shm_source)  # a bound /dev/shm: its files outlive the container for us
+            held_shm = hostfiles.HeldShm(shm_source)  # a bound /dev/shm: its files outlive the container for us
             progress("checkpointing with runc + CRIU")
             with tl.span("criu-dump"):
                 argv = runc_checkpoint(runc, runc_root, cid, images, work, options)
@@ -178,7 +179,7 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
         # The bound /dev/shm files the dump refers to, copied at their dump-time bytes before anything resumes.
         files, sources = held_shm.captured(images)
         for i, f in enumerate(files):
-            sources[f.path] = hoststate.snapshot_file(sources[f.path], f, private_dir(tmp / "shm") / str(i))
+            sources[f.path] = hostfiles.snapshot_file(sources[f.path], f, private_dir(tmp / "shm") / str(i))
         held_shm.close()
         if request.lifecycle.leave_running:
             with tl.span("resume"):
@@ -203,5 +204,5 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
 
 
 def _resume(target: Target, adapter, gpu, kv_discard: bool, weights_mode: str) -> None:
-    gpu_support.restore_tree(gpu)
+    gpu_steps.restore_tree(gpu)
     target.call(adapter.after_capture_left_running, kv_discard, weights_mode)

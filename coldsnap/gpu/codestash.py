@@ -22,6 +22,8 @@ import os
 import re
 from pathlib import Path
 
+from coldsnap.base.files import atomic_write
+
 EM_CUDA = 190  # ELF e_machine of NVIDIA device code
 FATBIN_MAGIC = (0xBA55ED50).to_bytes(4, "little")
 CUDA_ELF = re.compile(rb"\x7fELF\x02.{13}" + EM_CUDA.to_bytes(2, "little"), re.S)  # e_machine at 18
@@ -118,11 +120,7 @@ def _back_with_file(directory: Path, lo: int, hi: int, prot: int) -> int:
     data = _memory(lo, hi - lo)  # read in place: no second copy of hundreds of MiB
     path = directory / f"sha256-{hashlib.sha256(data).hexdigest()}.cubin"
     if not path.exists():
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
-            os.fchmod(f.fileno(), 0o600)
-            f.write(data)
-        os.replace(tmp, path)
+        atomic_write(path, data)
     fd = os.open(path, os.O_RDONLY)
     try:
         # Same address, same protection, private: the process cannot tell, and its writes (if any) stay its own.

@@ -6,7 +6,7 @@ import os
 import re
 import subprocess
 
-from coldsnap.config import settings
+from coldsnap.base.paths import settings
 from coldsnap.contracts import ColdSnapError, ErrorCode, HostProfile
 from coldsnap.gpu import nvml
 

@@ -10,7 +10,7 @@ host, while those files happen to still be there; the second restore fails with
 and a restore after the shared memory changed (another run of the capsule) would see foreign queue contents.
 These helpers let the flows carry those files in the capsule like the run dir's log file.
 
-The same goes for the CUDA device code an engine moved into files at release (coldsnap.codestash): content-
+The same goes for the CUDA device code an engine moved into files at release (coldsnap.gpu.codestash): content-
 addressed files that the restored processes map. A restore puts a missing one back after checking its bytes
 against the digest in its name, and leaves one already there alone (same name, same bytes).
 """
@@ -21,10 +21,10 @@ import os
 import stat
 from pathlib import Path
 
-from . import codestash
-from .digests import sha256_file
-from .contracts import CapturedFile, ColdSnapError, ErrorCode
-from .procfs import descendants
+from coldsnap.base.digests import sha256_file
+from coldsnap.base.procfs import descendants
+from coldsnap.contracts import CapturedFile, ColdSnapError, ErrorCode
+from coldsnap.gpu import codestash
 
 SHM_DIRS = ("/dev/shm/",)
 
@@ -32,10 +32,10 @@ SHM_DIRS = ("/dev/shm/",)
 def extra_files(images: Path) -> list[CapturedFile]:
     """Files outside the run dir that a restore of `images` needs back with their dump-time bytes: every regular
     file under /dev/shm the dumped tree held open or mapped, CRIU's link_remap.N links to such files, and the CUDA
-    code files it maps (coldsnap.codestash). Call it right after the dump (the dumped tree is dead, so the files
+    code files it maps (coldsnap.gpu.codestash). Call it right after the dump (the dumped tree is dead, so the files
     hold their dump-time bytes). Sizes are the files' real ones (CRIU records none for link_remap entries); files
     already gone are skipped (CRIU ghosted them)."""
-    from .criu import criu_images_open_files
+    from coldsnap.criu import criu_images_open_files
 
     out: dict[str, CapturedFile] = {}
     for f in criu_images_open_files(images):
@@ -264,7 +264,7 @@ class HeldShm:
     def captured(self, images: Path) -> tuple[list[CapturedFile], dict[str, str]]:
         """The files the dump refers to under /dev/shm (as container paths) and where to read each one's bytes;
         a file created during the dump (CRIU's link_remap.N) is opened now, at the host path."""
-        from .criu import criu_images_open_files
+        from coldsnap.criu import criu_images_open_files
 
         if not self.source:
             return [], {}

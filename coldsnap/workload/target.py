@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..contracts import Validation
-from ..probe import ProbeResult, ValidationProbe
-from .netns import call_in_netns
+from coldsnap.contracts import Validation
+from coldsnap.net.enter import call_in_netns
+from coldsnap.workload.probe import ProbeResult, ValidationProbe
 
 LOOPBACK = "127.0.0.1"
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
 import coldsnap
-from coldsnap.config import settings
-from coldsnap.contracts import FORMAT_VERSION, OPERATIONS, Capabilities, ColdSnapError
+from coldsnap.base.paths import settings
+from coldsnap.contracts import ENGINE_NAMES, FORMAT_VERSION, OPERATIONS, Capabilities, ColdSnapError
 
 Status = Literal["ok", "warn", "fail"]
 
@@ -51,7 +51,7 @@ class Check:
 
 # ---- CRIU ---------------------------------------------------------------------------------------------------
 def check_criu(criu_binary: str | None = None) -> list[Check]:
-    from coldsnap.host import criu_check, criu_version, version_tuple
+    from coldsnap.host.profile import criu_check, criu_version, version_tuple
 
     binary = criu_binary or settings().criu
     fix = "make setup (packaging/criu/provision.sh), or set COLDSNAP_CRIU to a CRIU >= 4.2"
@@ -365,7 +365,7 @@ def capabilities() -> Capabilities:
         receipt_formats=[FORMAT_VERSION],
         capsule_formats=[FORMAT_VERSION],
         operations=list(OPERATIONS),
-        engines=["reference", "vllm", "sglang"],
+        engines=list(ENGINE_NAMES),
         snapshot_drivers=["criu-process", "criu-runc", "cuda-checkpoint"],
         weights_modes=["native", "recovery", "auto"],
         qualified={

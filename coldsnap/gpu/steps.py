@@ -18,19 +18,19 @@ class GpuCheckpoint:
 
 
 def checkpoint_tree(root_pid: int) -> GpuCheckpoint:
-    from .gpu.cuda_checkpoint import CudaCheckpointAPI
+    from coldsnap.gpu.cuda_checkpoint import CudaCheckpointAPI
 
     api = CudaCheckpointAPI()
     if not api.available():
         return GpuCheckpoint(summary="no CUDA processes (no CUDA driver with the checkpoint API on this host)")
-    from .contracts import ColdSnapError, ErrorCode
-    from .gpu import tree
+    from coldsnap.contracts import ColdSnapError, ErrorCode
+    from coldsnap.gpu import tree
 
     found = tree.cuda_pids(root_pid, api)
     foreign = tree.foreign_nvidia_mappings(root_pid, found)
     if foreign:  # CRIU would fail on them ("Can't handle non-regular mapping"): refuse by name, workload untouched
         raise ColdSnapError(ErrorCode.GPU_FAILED, tree.describe_foreign(foreign))
-    from .gpu.nvml import gpus_used_by
+    from coldsnap.gpu.nvml import gpus_used_by
 
     used = gpus_used_by(found)  # while their contexts are still on the GPUs
     report = tree.checkpoint_tree(root_pid, pids=found, api=api)
@@ -44,7 +44,7 @@ def checkpoint_tree(root_pid: int) -> GpuCheckpoint:
 def restore_tree(ckpt: GpuCheckpoint, gpu_pairs=None) -> GpuCheckpoint:
     if not ckpt.pids:
         return ckpt
-    from .gpu import tree
+    from coldsnap.gpu import tree
 
     report = tree.restore_tree(ckpt.pids, gpu_pairs=gpu_pairs)
     return GpuCheckpoint(pids=list(report.pids), seconds=dict(report.seconds),
@@ -54,12 +54,12 @@ def restore_tree(ckpt: GpuCheckpoint, gpu_pairs=None) -> GpuCheckpoint:
 def restore_restored_tree(root_pid: int, gpu_pairs=None) -> GpuCheckpoint:
     """After `criu restore`: restore + unlock every process of the tree whose CUDA state is checkpointed.
     Their host PIDs are new (the PID namespace kept the inner ones), so find them again."""
-    from .gpu.cuda_checkpoint import CudaCheckpointAPI
+    from coldsnap.gpu.cuda_checkpoint import CudaCheckpointAPI
 
     api = CudaCheckpointAPI()
     if not api.available():
         return GpuCheckpoint(summary="no CUDA processes (no CUDA driver on this host)")
-    from .gpu import tree
+    from coldsnap.gpu import tree
 
     pids = tree.checkpointed_pids(root_pid)
     if not pids:
@@ -118,9 +118,9 @@ def start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir) -
     import sys
     import uuid
 
-    from .fsutil import atomic_write
-    from .gpu.nvml import free_bytes
-    from .gpu.prefetch import gpu_key, packed_layout
+    from coldsnap.base.files import atomic_write
+    from coldsnap.gpu.nvml import free_bytes
+    from coldsnap.gpu.prefetch import gpu_key, packed_layout
 
     why = _prefetch_refusal(profile, supported)
     if why:

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..contracts import ColdSnapError, ErrorCode
-from ..fsutil import KEEP_MODE, atomic_write
+from coldsnap.base.files import KEEP_MODE, atomic_write
+from coldsnap.contracts import ColdSnapError, ErrorCode
 
 NAME = "coldsnap"
 DEFAULTS = {"docker": "/etc/docker/daemon.json", "containerd": "/etc/containerd/config.toml",

@@ -1,6 +1,6 @@
 """Push/pull throughput of a large capsule against a private local registry, compared with curl.
 
-Not a test: `python -m coldsnap.capsule.registry_bench OUT_DIR [SIZE_MIB]` (or `run(out_dir)`) writes
+Not a test: `python -m coldsnap.bench.registry OUT_DIR [SIZE_MIB]` (or `run(out_dir)`) writes
 OUT_DIR/registry_bench.json. Every push/pull runs in a fresh subprocess that reports its own peak RSS
 (ru_maxrss), so the numbers are those of one ColdSnap process doing one transfer.
 
@@ -116,8 +116,8 @@ class LocalRegistry(str):
 # --- the benchmark --------------------------------------------------------------------------------------------
 def _child(argv: list[str]) -> None:
     """One transfer in this (fresh) process; prints a JSON line with seconds and peak RSS."""
-    from .store import CapsuleStore
-    from . import registry
+    from coldsnap.capsule import registry
+    from coldsnap.capsule.store import CapsuleStore
 
     baseline_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     op, store_dir, arg, ref = argv
@@ -144,7 +144,7 @@ def _settle() -> None:
 
 def _run_child(*args: str) -> dict:
     _settle()
-    cmd = [sys.executable, "-m", "coldsnap.capsule.registry_bench", "--child", *args]
+    cmd = [sys.executable, "-m", "coldsnap.bench.registry", "--child", *args]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     res = json.loads(out.strip().splitlines()[-1])
     res["command"] = " ".join(cmd)
@@ -165,9 +165,9 @@ def _drop(path: Path) -> None:
 
 def run(out_dir, size_mib: int = 2048, repeats: int = 3) -> dict:
     """Create a capsule with one random size_mib layer, push/pull it `repeats` times, compare with curl."""
-    from ..contracts import CapsuleProfile, HostProfile, NetworkPlan
-    from ..contracts import capsule as mt
-    from .store import CapsuleStore
+    from coldsnap.capsule.store import CapsuleStore
+    from coldsnap.contracts import CapsuleProfile, HostProfile, NetworkPlan
+    from coldsnap.contracts import capsule as mt
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -254,7 +254,7 @@ def run(out_dir, size_mib: int = 2048, repeats: int = 3) -> dict:
         "peak_rss_mib_push": max(r["peak_rss_mib"] for r in result["push"]),
         "peak_rss_mib_pull": max(r["peak_rss_mib"] for r in result["pull"] + result["pull_tmpfs"]),
     }
-    result["command"] = f"{sys.executable} -m coldsnap.capsule.registry_bench {out} {size_mib}"
+    result["command"] = f"{sys.executable} -m coldsnap.bench.registry {out} {size_mib}"
     _drop(work)
     _drop(shm)
     (out / "registry_bench.json").write_text(json.dumps(result, indent=1))

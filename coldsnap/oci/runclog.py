@@ -8,7 +8,7 @@ import json
 import sys
 import time
 
-from ..bundle.argv import RuncArgv
+from coldsnap.oci.argv import RuncArgv
 
 
 def _now() -> str:

@@ -1,0 +1,1 @@
+"""`coldsnap`: the command-line entry point."""

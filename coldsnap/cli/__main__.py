@@ -1,0 +1,5 @@
+import sys
+
+from coldsnap.cli.main import main
+
+sys.exit(main())

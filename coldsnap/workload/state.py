@@ -1,0 +1,60 @@
+"""A workload's state file: <run>/workloads/<name>/state.json (0600), what `status`, `stop`, `sleep` and `wake`
+read."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from coldsnap.base.files import atomic_write, private_dir
+from coldsnap.base.paths import settings
+from coldsnap.contracts import ColdSnapError, ErrorCode, NetworkPlan
+
+
+@dataclass
+class WorkloadState:
+    name: str
+    pid: int  # host PID of the PID-namespace init
+    network: dict
+    state: str = "active"  # active | sleeping
+    origin: str = "cold"  # cold | restored
+    capsule: str | None = None
+    run_dir: str = ""
+    log: str = ""
+    url: str = ""
+    cuda_pids: list[int] = field(default_factory=list)
+    engine: str = ""  # adapter name: sleep/wake ask the engine to release and resume
+    weights_mode: str = ""  # native | recovery
+    sleep_mode: str = ""  # how it sleeps now: engine | cuda
+
+    @property
+    def plan(self) -> NetworkPlan:
+        return NetworkPlan.model_validate(self.network)
+
+
+def run_dir(name: str) -> Path:
+    return private_dir(settings().run / "workloads" / name)
+
+
+def save_state(ws: WorkloadState) -> None:
+    atomic_write(run_dir(ws.name) / "state.json", json.dumps(asdict(ws), indent=1).encode())
+
+
+def load_state(name: str) -> WorkloadState:
+    path = settings().run / "workloads" / name / "state.json"
+    try:
+        return WorkloadState(**json.loads(path.read_text()))
+    except FileNotFoundError:
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"no workload named {name!r} on this host") from None
+
+
+def list_states() -> list[WorkloadState]:
+    root = settings().run / "workloads"
+    out = []
+    for p in sorted(root.glob("*/state.json")) if root.exists() else []:
+        try:
+            out.append(WorkloadState(**json.loads(p.read_text())))
+        except (ValueError, TypeError):
+            continue
+    return out
