@@ -8,10 +8,11 @@ import stat
 import pytest
 
 from coldsnap.contracts import ColdSnapError, ErrorCode
-from coldsnap.criu import CriuOptions, runc_options
+from coldsnap.criu import CriuOptions
+from coldsnap.criu.runc import split_options
+from coldsnap.flows.container_restore import request_from_annotations
 from coldsnap.oci.argv import parse_runc_argv
 from coldsnap.oci.spec import annotations_of, ensure_hook, hooks, load_spec, netns_path, write_spec
-from coldsnap.shim.record import request_from_annotations
 
 
 # --- argv ------------------------------------------------------------------------------------------------------
@@ -96,10 +97,10 @@ def test_config_round_trip_keeps_unknown_fields_and_mode(tmp_path):
 
 # --- CRIU options under runc -----------------------------------------------------------------------------------
 def test_criu_options_split_into_runc_flags_and_config_lines():
-    flags, lines = runc_options.split(CriuOptions(leave_running=True, network_lock="skip").cli_flags(), "checkpoint")
+    flags, lines = split_options(CriuOptions(leave_running=True, network_lock="skip").cli_flags(), "checkpoint")
     assert flags == ["--tcp-established", "--ext-unix-sk", "--file-locks", "--leave-running"]
     assert lines == ["link-remap", "ghost-limit 1024M", "network-lock skip"]
-    flags, lines = runc_options.split(CriuOptions(leave_running=True, external=["net[1]:x"]).cli_flags(), "restore")
+    flags, lines = split_options(CriuOptions(leave_running=True, external=["net[1]:x"]).cli_flags(), "restore")
     assert "--leave-running" not in flags and not any("external" in line for line in lines)
 
 

@@ -11,12 +11,14 @@ import pytest
 from conftest import CRIU_PREFIX, needs_root_criu
 
 from coldsnap.base.paths import settings
+from coldsnap.base.procfs import alive
 from coldsnap.capsule import CapsuleStore
 from coldsnap.contracts import CaptureRequest, ColdSnapError, ErrorCode, Policy, RestoreRequest
 from coldsnap.contracts import capsule as mt
 from coldsnap.flows.capture import capture
+from coldsnap.flows.receipts import receipt_path
 from coldsnap.flows.restore import restore
-from coldsnap.workload.process import alive, stop_workload
+from coldsnap.workload.process import stop_workload
 from coldsnap.workload.state import list_states, load_state
 
 pytestmark = pytest.mark.slow
@@ -53,11 +55,11 @@ def stop(name):
 
 def test_capture_writes_a_private_verified_capsule_and_stops_the_workload(captured):
     r = captured.receipt
-    assert r["state"] == "succeeded" and r["operation"] == "capture"
-    assert {"cold-start", "criu-dump", "pack"} <= {s["name"] for s in r["spans"]}
+    assert r.state == "succeeded" and r.operation == "capture"
+    assert {"cold-start", "criu-dump", "pack"} <= {s.name for s in r.spans}
     # What the engine released before the dump (here the KV cache: CPU weights are file-backed) is on record.
-    assert r["result"]["release"]["released"] is True and r["result"]["release"]["freed_bytes"] > 0
-    assert stat.S_IMODE(os.stat(r["_path"]).st_mode) == 0o600
+    assert r.result["release"]["released"] is True and r.result["release"]["freed_bytes"] > 0
+    assert stat.S_IMODE(os.stat(receipt_path(r.operation_id)).st_mode) == 0o600
     store = CapsuleStore(settings().store)
     cap = store.load(captured.capsule)
     store.verify(cap)
@@ -84,11 +86,11 @@ def test_restore_twice_from_one_capsule(captured):
     texts = []
     for _ in range(2):
         r = restore(RestoreRequest(operation="restore", capsule=captured.capsule, policy=Policy(fallback_to_cold=False)))
-        assert r["state"] == "succeeded"
-        res = r["result"]
+        assert r.state == "succeeded"
+        res = r.result
         assert res["validated_text"] == captured.profile.expected_text
         assert 0 < res["time_to_first_token_s"] < 30
-        names = [s["name"] for s in r["spans"]]
+        names = [s.name for s in r.spans]
         assert names[:5] == ["admit", "stage", "network", "criu-restore", "hydrate"]
         ws = load_state(res["workload"])
         assert ws.origin == "restored" and alive(ws.pid)
@@ -103,7 +105,7 @@ def test_native_weights_travel_as_a_payload_beside_the_images(env):
     as a content-addressed payload; a host without the file gets it back from the payload at restore."""
     res = capture(CaptureRequest(operation="capture", lifecycle={"name": "pyt-native"}, tag="pyt-native",
                                  policy={"weights_mode": "native"}))
-    assert res.receipt["state"] == "succeeded"
+    assert res.receipt.state == "succeeded"
     p = res.profile
     assert p.weights_mode == "native" and p.kv_discarded
     saved = p.model.weights[0]
@@ -117,10 +119,10 @@ def test_native_weights_travel_as_a_payload_beside_the_images(env):
     os.unlink(saved.path)  # as on a host that never had it
     r = restore(RestoreRequest(operation="restore", capsule=res.capsule, policy=Policy(fallback_to_cold=False)))
     try:
-        assert r["state"] == "succeeded"
-        assert r["result"]["validated_text"] == p.expected_text
+        assert r.state == "succeeded"
+        assert r.result["validated_text"] == p.expected_text
         assert os.path.exists(saved.path)  # put back from the payload, digest verified
-        reload = r["result"]["hydrate"]["engine_resume"]["weights_reload"]
+        reload = r.result["hydrate"]["engine_resume"]["weights_reload"]
         assert reload["bytes"] > 0.9 * saved.size  # the weights came back from that file (header and padding aside)
     finally:
         stop("pyt-native")
@@ -136,7 +138,7 @@ def test_sleep_without_cuda_is_refused_and_the_engine_serves_on(captured):
 
     r = restore(RestoreRequest(operation="restore", capsule=captured.capsule, policy=Policy(fallback_to_cold=False)))
     try:
-        ws = load_state(r["result"]["workload"])
+        ws = load_state(r.result["workload"])
         assert (ws.engine, ws.weights_mode) == ("reference", "recovery")
         with pytest.raises(ColdSnapError) as e:
             sleep(WorkloadRequest(operation="sleep", workload=ws.name, sleep_mode="engine"))
@@ -151,7 +153,7 @@ def test_sleep_without_cuda_is_refused_and_the_engine_serves_on(captured):
 
 def test_prepare_only_touches_no_workload(captured):
     r = restore(RestoreRequest(operation="prepare", capsule=captured.capsule))
-    assert r["state"] == "succeeded" and r["operation"] == "prepare"
+    assert r.state == "succeeded" and r.operation == "prepare"
     assert not netns_exists("pyt-ref") and list_states() == []
 
 
@@ -161,7 +163,7 @@ def test_restore_refuses_while_the_address_is_in_use(captured):
         with pytest.raises(ColdSnapError) as e:
             restore(RestoreRequest(operation="restore", capsule=captured.capsule))
         assert e.value.code == ErrorCode.RESOURCE_BUSY
-        assert alive(load_state(r["result"]["workload"]).pid)  # the running one is untouched
+        assert alive(load_state(r.result["workload"]).pid)  # the running one is untouched
     finally:
         stop("pyt-ref")
 
@@ -192,7 +194,7 @@ def test_corrupt_blob_is_refused_and_nothing_starts(captured, env, monkeypatch):
     with pytest.raises(ColdSnapError) as e:
         restore(RestoreRequest(operation="restore", capsule=captured.capsule))
     assert e.value.code == ErrorCode.CAPSULE_CORRUPT
-    assert e.value.receipt["state"] == "failed"
+    assert e.value.receipt.state == "failed"
     assert not netns_exists("pyt-ref") and list_states() == []
 
 
@@ -207,20 +209,20 @@ def test_incompatible_profile_is_refused_or_falls_back_cold(captured, env, monke
     with pytest.raises(ColdSnapError) as e:
         restore(RestoreRequest(operation="restore", capsule=digest, policy=Policy(fallback_to_cold=False)))
     assert e.value.code == ErrorCode.INCOMPATIBLE and "kernel 5.4.0-other" in e.value.message
-    assert e.value.receipt["state"] == "refused"
+    assert e.value.receipt.state == "refused"
     assert not netns_exists("pyt-ref")
 
     r = restore(RestoreRequest(operation="restore", capsule=digest))
     try:
-        assert r["state"] == "fell-back"
-        assert "kernel 5.4.0-other" in r["result"]["fallback_reason"]
-        assert r["result"]["validated_text"] == captured.profile.expected_text
+        assert r.state == "fell-back"
+        assert "kernel 5.4.0-other" in r.result["fallback_reason"]
+        assert r.result["validated_text"] == captured.profile.expected_text
         assert load_state("pyt-ref").origin == "cold"
     finally:
         stop("pyt-ref")
 
     relaxed = restore(RestoreRequest(operation="prepare", capsule=digest, policy=Policy(compatibility="relaxed")))
-    assert relaxed["state"] == "succeeded"
+    assert relaxed.state == "succeeded"
 
 
 def test_a_workload_that_never_validates_times_out_and_leaves_nothing(env):
@@ -231,7 +233,7 @@ def test_a_workload_that_never_validates_times_out_and_leaves_nothing(env):
     with pytest.raises(ColdSnapError) as e:
         capture(req)
     assert e.value.code == ErrorCode.VALIDATION_TIMEOUT
-    assert e.value.receipt["state"] == "failed"
+    assert e.value.receipt.state == "failed"
     assert not netns_exists("pyt-never")
     assert set(store.blobs.iterdir()) == before
     out = subprocess.run(["pgrep", "-f", "sleep 600"], capture_output=True, text=True)

@@ -127,9 +127,10 @@ def test_admission_refuses_a_distributed_capsule_on_another_topology():
 def _capture_and_restore_twice(tmp_path_factory, monkeypatch, devices: list[str], opts: dict):
     from conftest import CRIU_PREFIX
 
+    from coldsnap.base.procfs import alive, descendants
     from coldsnap.flows.capture import capture, engine_info
     from coldsnap.flows.restore import restore
-    from coldsnap.workload.process import alive, descendants, inner_pid, stop_workload
+    from coldsnap.workload.process import inner_pid, stop_workload
     from coldsnap.workload.state import list_states
 
     root = tmp_path_factory.mktemp("tp")
@@ -150,8 +151,8 @@ def _capture_and_restore_twice(tmp_path_factory, monkeypatch, devices: list[str]
     try:
         for attempt in range(2):
             r = restore(RestoreRequest(operation="restore", capsule=cap.capsule, policy={"fallback_to_cold": False}))
-            assert r["state"] == "succeeded", r
-            res = r["result"]
+            assert r.state == "succeeded", r
+            res = r.result
             assert res["validated_text"] == profile.expected_text
             assert res["ranks"] == {"restored": 2, "expected": 2}
             prefetch = res["hydrate"]["prefetch"]

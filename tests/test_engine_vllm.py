@@ -230,7 +230,7 @@ def cold_capture_restore(engine: str, options: dict, workdir: Path, name: str, r
 
     # 2. capture
     cap = capture(req)
-    assert cap.receipt["state"] == "succeeded"
+    assert cap.receipt.state == "succeeded"
     profile = cap.profile
     assert profile.engine.name == engine and profile.weights_mode == "native"
     assert profile.expected_text == cold.first.text  # greedy output is deterministic across starts
@@ -245,10 +245,10 @@ def cold_capture_restore(engine: str, options: dict, workdir: Path, name: str, r
     results = []
     for i in range(restores):
         r = restore(RestoreRequest(operation="restore", capsule=cap.capsule, policy=Policy(fallback_to_cold=False)))
-        res = r["result"]
+        res = r.result
         ws = load_state(res["workload"])
         try:
-            assert r["state"] == "succeeded", r
+            assert r.state == "succeeded", r
             assert res["validated_text"] == profile.expected_text
             url = urlsplit(res["url"])
             after = completions(url.hostname, url.port, served)
@@ -300,4 +300,4 @@ def test_vllm_cold_capture_restore_identical(engine_home):
     # vLLM's shm message queues and its semaphore's link_remap are what the capsule must carry besides the images
     assert any(p.startswith("/dev/shm/psm_") for p in out["carried"]), out["carried"]
     for res in out["restores"]:
-        assert res["time_to_first_token_s"] < cap.receipt["result"]["cold_time_to_first_token_s"]
+        assert res["time_to_first_token_s"] < cap.receipt.result["cold_time_to_first_token_s"]

@@ -53,10 +53,10 @@ def test_pull_into_an_empty_store_restores_and_shares_weights(registry, tmp_path
     got = pull(fresh, f"{registry}/coldsnap/ref@{first.capsule}", insecure=True)
     assert str(got) == first.capsule and got.payload_bytes > 0
     r = restore(RestoreRequest(operation="restore", capsule=first.capsule, policy=Policy(fallback_to_cold=False)))
-    assert r["state"] == "succeeded"
-    assert r["result"]["validated_text"] == first.profile.expected_text
+    assert r.state == "succeeded"
+    assert r.result["validated_text"] == first.profile.expected_text
     assert os.path.exists(weights.path)  # materialized from the payload, digest verified
-    stop_workload(load_state(r["result"]["workload"]))
+    stop_workload(load_state(r.result["workload"]))
 
     got2 = pull(fresh, f"{registry}/coldsnap/ref@{second.capsule}", insecure=True)
     assert got2.payload_bytes == 0  # the second capsule of the same model moves no weight bytes

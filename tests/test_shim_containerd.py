@@ -189,7 +189,7 @@ def test_ctr_restores_an_engine_container_with_the_same_completions(ctr, engine)
     before = completions_in(pid, model)
     assert len(set(before)) > 1, before  # not degenerate
     res = capture_container(cid, RUNC_ROOT, engine=engine, tag=f"containerd-{engine}")
-    assert res.receipt["state"] == "succeeded" and res.profile.engine.name == engine
+    assert res.receipt.state == "succeeded" and res.profile.engine.name == engine
     assert res.profile.launch.command == launch.argv
     ctr.remove(cid)
 

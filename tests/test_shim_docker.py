@@ -162,7 +162,7 @@ def test_docker_restores_an_engine_container_with_the_same_completions(docker, e
     before = completions_in(pid, model)
     assert len(set(before)) > 1, before  # not degenerate
     res = capture_container(info["Id"], docker.runc_root, engine=engine, tag=f"docker-{engine}")
-    assert res.receipt["state"] == "succeeded" and res.profile.engine.name == engine
+    assert res.receipt.state == "succeeded" and res.profile.engine.name == engine
     assert res.profile.launch.command == launch.argv
     wait_for(lambda: docker.inspect(name)["State"]["Status"] == "exited", 30, "docker to see the capture's stop")
     docker("rm", name)

@@ -184,7 +184,7 @@ def test_podman_restores_an_engine_container_with_the_same_completions(podman, p
     before = completions(ns.address, 8000, model)
     assert len(set(before)) > 1, before  # not degenerate
     res = capture_container(podman.inspect(name)["Id"], "/run/runc", engine=engine, tag=f"podman-{engine}")
-    assert res.receipt["state"] == "succeeded" and res.profile.engine.name == engine
+    assert res.receipt.state == "succeeded" and res.profile.engine.name == engine
     assert res.profile.snapshot_driver == "criu-runc" and res.profile.launch.command == launch.argv
     wait_for(lambda: podman.inspect(name)["State"]["Status"] == "exited", 30, "podman to see the capture's stop")
     podman("rm", name)
@@ -202,5 +202,5 @@ def test_podman_restores_an_engine_container_with_the_same_completions(podman, p
     assert completions(ns.address, 8000, model) == before
     shm = [f.path for f in res.profile.files if f.path.startswith("/dev/shm/")]
     print(f"\n[measured] {engine} under podman: restore → first token {rec['result'].get('time_to_first_token_s')} s; "
-          f"{len(shm)} /dev/shm file(s) carried; capture {[(s['name'], round(s['duration_s'], 2)) for s in res.receipt['spans']]}")
+          f"{len(shm)} /dev/shm file(s) carried; capture {[(s.name, round(s.duration_s, 2)) for s in res.receipt.spans]}")
     podman("rm", "-f", "-t", "0", restored)

@@ -158,8 +158,8 @@ def captured(lab):
 
 def test_capture_container_writes_a_criu_runc_capsule_and_stops_the_container(lab, captured):
     res = captured["result"]
-    assert res.receipt["state"] == "succeeded" and res.receipt["operation"] == "capture"
-    assert {"validate", "release", "quiesce", "criu-dump", "pack"} <= {s["name"] for s in res.receipt["spans"]}
+    assert res.receipt.state == "succeeded" and res.receipt.operation == "capture"
+    assert {"validate", "release", "quiesce", "criu-dump", "pack"} <= {s.name for s in res.receipt.spans}
     p = res.profile
     assert p.snapshot_driver == "criu-runc" and p.network is None and p.weights_mode == "native"
     assert p.expected_text == captured["cold_text"] and p.launch.command == ENGINE_ARGS and p.launch.port == 8000

@@ -12,6 +12,7 @@ import shlex
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -26,25 +27,45 @@ from coldsnap.workload.process import kill_tree, stop_workload, uses_gpu
 from coldsnap.workload.state import load_state
 
 
+@dataclass
+class BenchOptions:
+    """What `coldsnap bench` (and `demo`) measure; the CLI fills it from its arguments."""
+
+    engine: str = "reference"
+    samples: int = 5  # restore samples (and vanilla, unless vanilla_samples)
+    vanilla_samples: int | None = None
+    device: str = "cpu"
+    weights_mode: str = "auto"
+    engine_options: dict = field(default_factory=dict)
+    out: str = "bench/results"
+    name: str | None = None  # result file stem (default ENGINE-DEVICE-MODE)
+    drop_caches: bool = False
+    via: str | None = None  # podman | docker: the reference engine in a container (bench.via)
+    command: str = ""  # the command line that made the result, recorded in it
+
+
+@dataclass
+class BenchResult:
+    data: dict  # what the result JSON holds
+    summary: str  # the side-by-side lines a person reads
+
+
 def _stats(xs: list[float]) -> dict:
     return {"samples_s": [round(x, 4) for x in xs], "median_s": round(statistics.median(xs), 4),
             "min_s": round(min(xs), 4), "max_s": round(max(xs), 4)} if xs else {"samples_s": []}
 
 
-def run_bench(args, progress=lambda m: None) -> dict:
-    n = args.samples
+def run_bench(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
+    n = opts.samples
     if n < 1:
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, "--samples must be at least 1")
-    device = args.device
-    name = f"bench-{args.engine}"
-    from coldsnap.cli.main import engine_options
-
-    req = CaptureRequest(operation="capture",
-                         engine={"name": args.engine, "options": engine_options(getattr(args, "engine_opt", None))},
+    device = opts.device
+    name = f"bench-{opts.engine}"
+    req = CaptureRequest(operation="capture", engine={"name": opts.engine, "options": opts.engine_options},
                          launch=Launch(devices=[] if device == "cpu" else [device]),
-                         policy=Policy(weights_mode=args.weights_mode), lifecycle={"name": name},
-                         tag=f"bench-{args.engine}-{device}")
-    adapter = get_adapter(args.engine)
+                         policy=Policy(weights_mode=opts.weights_mode), lifecycle={"name": name},
+                         tag=f"bench-{opts.engine}-{device}")
+    adapter = get_adapter(opts.engine)
     launch = adapter.prepare(req)
 
     # One unmeasured cold start first: it writes the seeded weights and fills the compile cache, so every vanilla
@@ -52,18 +73,23 @@ def run_bench(args, progress=lambda m: None) -> dict:
     progress("warm-up cold start (not measured)")
     _vanilla_once(name, req, launch, expected=None)
 
-    progress(f"capturing {args.engine} on {device}")
+    progress(f"capturing {opts.engine} on {device}")
     cap = capture(req, progress=progress)
     expected = cap.profile.expected_text
-    capsule_bytes = cap.receipt["result"]["capsule_bytes"]
+    capsule_bytes = cap.receipt.result["capsule_bytes"]
 
-    drop = getattr(args, "drop_caches", False)
-    nv = getattr(args, "vanilla_samples", None) or n
+    nv = opts.vanilla_samples or n
     vanilla, validated_vanilla = [], 0
     for i in range(nv):
-        if drop:
+        if opts.drop_caches:
             drop_page_cache()
-        ttft = _vanilla_once(name, req, launch, expected)
+        try:
+            ttft = _vanilla_once(name, req, launch, expected)
+        except ColdSnapError as e:
+            if e.code != ErrorCode.VALIDATION_FAILED:
+                raise
+            progress(f"vanilla {i + 1}/{nv}: NOT VALIDATED ({e.message})")  # counted, not timed
+            continue
         vanilla.append(ttft)
         validated_vanilla += 1
         progress(f"vanilla {i + 1}/{nv}: first token {ttft:.3f} s")
@@ -73,16 +99,25 @@ def run_bench(args, progress=lambda m: None) -> dict:
     restore(RestoreRequest(operation="prepare", capsule=cap.capsule))
     staging_s = time.monotonic() - t
 
-    restored, validated_restore, fell_back = [], 0, 0
+    # Restores run as a user's would, falling back to a cold start when they must: a fallback is counted and its
+    # time kept apart (it is not a restore), a restore that served another text is not validated.
+    restored, validated_restore, fell_back = [], 0, []
     for i in range(n):
-        if drop:
+        if opts.drop_caches:
             drop_page_cache()
-        r = restore(RestoreRequest(operation="restore", capsule=cap.capsule, policy=Policy(fallback_to_cold=False)))
-        res = r["result"]
+        r = restore(RestoreRequest(operation="restore", capsule=cap.capsule))
+        res = r.result
+        stop_workload(load_state(res["workload"]))
+        if r.state == "fell-back":
+            fell_back.append(res["time_to_first_token_s"])
+            progress(f"restore {i + 1}/{n}: FELL BACK to a cold start ({res['fallback_reason']})")
+            continue
         restored.append(res["time_to_first_token_s"])
         validated_restore += int(res["validated_text"] == expected)
-        stop_workload(load_state(res["workload"]))
         progress(f"restore {i + 1}/{n}: first token {res['time_to_first_token_s']:.3f} s")
+    if not vanilla or not restored:
+        raise ColdSnapError(ErrorCode.VALIDATION_FAILED, f"nothing to compare: {validated_vanilla}/{nv} vanilla "
+                            f"samples validated, {len(restored)}/{n} restores did not fall back")
 
     v, rr = _stats(vanilla), _stats(restored)
     from coldsnap.bench import bandwidth
@@ -92,38 +127,38 @@ def run_bench(args, progress=lambda m: None) -> dict:
     weight_files = [w.path for w in (cap.profile.model.weights if cap.profile.model else []) if os.path.exists(w.path)]
     weights_bytes = sum(os.path.getsize(p) for p in weight_files)
     # Cold samples read their bytes from disk: the rate is measured on the biggest file a restore reads.
-    cold_file = max([*weight_files, *([pages] if pages else [])], key=os.path.getsize, default=None) if drop else None
+    cold_file = (max([*weight_files, *([pages] if pages else [])], key=os.path.getsize, default=None)
+                 if opts.drop_caches else None)
     bw = bandwidth.measure(pages, cold_file)
-    apart = cap.receipt.get("result", {}).get("weights_apart", cap.profile.weights_mode == "recovery")
+    apart = cap.receipt.result.get("weights_apart", cap.profile.weights_mode == "recovery")
     limit = bandwidth.restore_limit(bw, bandwidth.dir_bytes(staged) if staged.exists() else 0, weights_bytes,
-                                    weights_in_images=not apart, from_disk=drop)
+                                    weights_in_images=not apart, from_disk=opts.drop_caches)
     ratio = round(v["median_s"] / rr["median_s"], 2)
     data = {
         "kind": "coldsnap.bench",
-        "command": "coldsnap " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "command": opts.command or "coldsnap " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "host": {"machine": platform.machine(), "kernel": platform.release(), "cpus": _cpus(),
+        "host": {"machine": platform.machine(), "kernel": platform.release(), "cpus": os.cpu_count() or 0,
                  "cpu_model": cap.profile.host.cpu_model, "criu": cap.profile.host.criu_version,
                  "gpus": [g.name for g in cap.profile.host.gpus]},
-        "page_cache": "dropped before every sample" if drop else "warm",
-        "engine": args.engine, "device": device, "weights_mode": cap.profile.weights_mode,
+        "page_cache": "dropped before every sample" if opts.drop_caches else "warm",
+        "engine": opts.engine, "device": device, "weights_mode": cap.profile.weights_mode,
         "samples": n,
         "clock": "issue of start/restore -> first non-empty streamed token; staging excluded and reported apart",
         "vanilla": v, "restore": rr, "ratio_median": ratio,
         "vanilla_samples": nv,
         "validations": {"vanilla": f"{validated_vanilla}/{nv}", "restore": f"{validated_restore}/{n}"},
-        "fell_back": fell_back,
+        "fell_back": len(fell_back), "fell_back_samples_s": [round(x, 4) for x in fell_back],
         "bandwidth": bw, "physical_limit": limit,
         "capsule": {"digest": cap.capsule, "bytes": capsule_bytes, "staging_s": round(staging_s, 3),
-                    "capture_spans": {s["name"]: s["duration_s"] for s in cap.receipt["spans"]}},
+                    "capture_spans": {s.name: s.duration_s for s in cap.receipt.spans}},
     }
-    out = Path(args.out)
+    out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / (getattr(args, "name", None) or f"{args.engine}-{device.replace(':', '')}-{cap.profile.weights_mode}")
+    stem = out / (opts.name or f"{opts.engine}-{device.replace(':', '')}-{cap.profile.weights_mode}")
     stem.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
     _chart(data, stem.with_suffix(".png"))
-    data["_summary"] = side_by_side(data) + f"\nwrote {stem}.json and {stem}.png"
-    return data
+    return BenchResult(data, side_by_side(data) + f"\nwrote {stem}.json and {stem}.png")
 
 
 def drop_page_cache() -> None:
@@ -131,12 +166,6 @@ def drop_page_cache() -> None:
     os.sync()
     with open("/proc/sys/vm/drop_caches", "w") as f:
         f.write("3")
-
-
-def _cpus() -> int:
-    import os
-
-    return os.cpu_count() or 0
 
 
 def _vanilla_once(name: str, req: CaptureRequest, launch, expected: str | None) -> float:
@@ -183,6 +212,8 @@ def side_by_side(data: dict) -> str:
         ("first token, max", f"{v['max_s']:.3f} s", f"{r['max_s']:.3f} s"),
         ("validated", data["validations"]["vanilla"], data["validations"]["restore"]),
     ]
+    if "fell_back" in data:
+        rows.append(("fell back to cold", "", str(data["fell_back"])))
     lines = [f"{a:<22}{b:>16}{c:>20}" for a, b, c in rows]
     lines.append(f"{data['engine']} on {data['device']}, weights {data['weights_mode']}: restore reaches the first "
                  f"token {data['ratio_median']}x sooner; capsule {data['capsule']['bytes'] / 2**20:.0f} MiB, "

@@ -31,7 +31,7 @@ from typing import Callable
 from coldsnap.base.paths import settings
 from coldsnap.base.procfs import alive
 from coldsnap.bench.rootfs import host_usr_rootfs
-from coldsnap.bench.run import _chart, _stats, side_by_side
+from coldsnap.bench.run import BenchOptions, BenchResult, _chart, _stats, side_by_side
 from coldsnap.contracts import ColdSnapError, ErrorCode, Validation
 from coldsnap.contracts import capsule as mt
 from coldsnap.workload.probe import ProbeResult, ValidationProbe
@@ -306,11 +306,9 @@ def passthrough_overhead(runc: str, runtime: str, runc_root: Path, cid: str, rep
 
 
 # --- the bench ---------------------------------------------------------------------------------------------------
-def _engine_flags(pairs: list[str] | None) -> list[str]:
-    from coldsnap.cli.main import engine_options
-
+def _engine_flags(options: dict) -> list[str]:
     flags: list[str] = []
-    for key, value in engine_options(pairs).items():
+    for key, value in options.items():
         flag = "--" + key.replace("_", "-")
         if isinstance(value, bool):
             flags.append(flag if value else "--no-" + key.replace("_", "-"))
@@ -319,10 +317,9 @@ def _engine_flags(pairs: list[str] | None) -> list[str]:
     return flags
 
 
-def _command(args) -> str:
-    if "bench" in sys.argv[1:] and "--via" in " ".join(sys.argv):
-        return "coldsnap " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    return f"coldsnap bench --via {args.via} --samples {args.samples} --out {shlex.quote(str(args.out))}"
+def _command(opts: BenchOptions) -> str:
+    return opts.command or (f"coldsnap bench --via {opts.via} --samples {opts.samples} "
+                            f"--out {shlex.quote(str(opts.out))}")
 
 
 def _coldsnap_settings(s: Sample) -> dict:
@@ -341,11 +338,11 @@ def _receipt(cid: str) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def run_via_bench(args, progress: Progress = lambda m: None) -> dict:
-    via, n = args.via, args.samples
+def run_via_bench(opts: BenchOptions, progress: Progress = lambda m: None) -> BenchResult:
+    via, n = opts.via, opts.samples
     if n < 1:
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, "--samples must be at least 1")
-    if args.engine != "reference" or args.device != "cpu":
+    if opts.engine != "reference" or opts.device != "cpu":
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, "--via benchmarks the reference engine on cpu only")
     if os.geteuid() != 0:
         raise ColdSnapError(ErrorCode.ENVIRONMENT, "--via needs root (runc, CRIU, a rootful engine)")
@@ -356,7 +353,7 @@ def run_via_bench(args, progress: Progress = lambda m: None) -> dict:
     r = _sh([str(SETUP), "install", via])
     if r.returncode != 0:
         raise ColdSnapError(ErrorCode.ENVIRONMENT, f"setup.sh install {via}: {(r.stderr or r.stdout).strip()[-400:]}")
-    flags = _engine_flags(getattr(args, "engine_opt", None))
+    flags = _engine_flags(opts.engine_options)
 
     base = Path(tempfile.mkdtemp(prefix=f"coldsnap-bench-{via}-", dir="/var/tmp"))
     env = coldsnap_env(base, criu_prefix)
@@ -367,7 +364,7 @@ def run_via_bench(args, progress: Progress = lambda m: None) -> dict:
     engine = ENGINES[via](base, env)
     engine.engine_args += flags
     try:
-        return _bench(args, engine, progress)
+        return _bench(opts, engine, progress)
     finally:
         progress(f"cleaning up ({via} containers and image, {base})")
         try:
@@ -384,11 +381,12 @@ def run_via_bench(args, progress: Progress = lambda m: None) -> dict:
                 progress(f"note: {base} could not be removed entirely (a mount left behind?)")
 
 
-def _bench(args, engine: Engine, progress: Progress) -> dict:
+def _bench(opts: BenchOptions, engine: Engine, progress: Progress) -> BenchResult:
+    from coldsnap.flows.admission import load_capsule
     from coldsnap.flows.container_capture import capture_container
-    from coldsnap.flows.restore import load_capsule, stage
+    from coldsnap.flows.staging import stage
 
-    via, n, base = engine.via, args.samples, engine.base
+    via, n, base = engine.via, opts.samples, engine.base
     validation = Validation()
     engine.start()
     rootfs = host_usr_rootfs(base / "rootfs", extra_dirs=(CACHE,))
@@ -459,7 +457,7 @@ def _bench(args, engine: Engine, progress: Progress) -> dict:
     data = {
         "kind": "coldsnap.bench",
         "via": via,
-        "command": _command(args),
+        "command": _command(opts),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "host": {"machine": platform.machine(), "kernel": platform.release(), "cpus": os.cpu_count() or 0,
                  "cpu_model": prof.host.cpu_model, "criu": prof.host.criu_version,
@@ -489,19 +487,19 @@ def _bench(args, engine: Engine, progress: Progress) -> dict:
         "restore_settings": annotations,
         "restore_receipts": receipts,
         "passthrough_overhead": overhead,
-        "capsule": {"digest": cap.capsule, "bytes": cap.receipt["result"]["capsule_bytes"],
+        "capsule": {"digest": cap.capsule, "bytes": cap.receipt.result["capsule_bytes"],
                     "staging_s": round(staging_s, 3),
-                    "capture_spans": {s["name"]: s["duration_s"] for s in cap.receipt["spans"]}},
+                    "capture_spans": {s.name: s.duration_s for s in cap.receipt.spans}},
     }
-    out = Path(args.out)
+    out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"reference-{via}-cpu"
     stem.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
     _chart({**data, "engine": f"reference via {via}"}, stem.with_suffix(".png"))
     o = overhead or {}
-    data["_summary"] = (side_by_side({**data, "engine": f"reference via {via}"}) +
+    summary = (side_by_side({**data, "engine": f"reference via {via}"}) +
                         f"\ncoldsnap-runtime pass-through vs runc (median of {OVERHEAD_REPS}): --version "
                         f"+{o.get('version', {}).get('overhead_ms')} ms, "
                         f"state +{o.get('state', {}).get('overhead_ms')} ms"
                         f"\nwrote {stem}.json and {stem}.png")
-    return data
+    return BenchResult(data, summary)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 from typing import Any
 
@@ -24,11 +25,20 @@ def _progress(args) -> Any:
     return lambda msg: print(f"coldsnap: {msg}", file=sys.stderr, flush=True)
 
 
-def _emit(args, data: dict, human: str | None = None) -> None:
+def _emit(args, data: Any, human: str | None = None) -> None:
+    """data (a dict or a contract model) as JSON with --json (or when there is no human form), else the human line."""
     if getattr(args, "json", False) or human is None:
+        if hasattr(data, "model_dump"):
+            data = data.model_dump(mode="json")
         print(json.dumps(data, indent=1, sort_keys=True))
     else:
         print(human)
+
+
+def _receipt_line(receipt) -> str:
+    from coldsnap.flows.receipts import receipt_path
+
+    return f"receipt {receipt_path(receipt.operation_id)}"
 
 
 def _read_request(path: str) -> Any:
@@ -142,8 +152,8 @@ def cmd_capture(args) -> int:
                                 "to a container capture only (--container ID)")
         res = capture(req, progress=_progress(args))
     r = res.receipt
-    _emit(args, r, f"captured {r['result']['capsule']} ({r['result']['capsule_bytes'] / 2**20:.1f} MiB); "
-                   f"receipt {r['_path']}")
+    _emit(args, r, f"captured {r.result['capsule']} ({r.result['capsule_bytes'] / 2**20:.1f} MiB); "
+                   f"{_receipt_line(r)}")
     return 0
 
 
@@ -166,14 +176,14 @@ def cmd_restore(args) -> int:
                              policy=Policy(fallback_to_cold=not args.no_fallback, allow_unpinned=args.allow_unpinned,
                                            compatibility="relaxed" if args.relaxed else "strict"))
     r = restore(req, progress=_progress(args))
-    res = r["result"]
-    if r["state"] == "fell-back":
+    res = r.result
+    if r.state == "fell-back":
         human = f"fell back to a cold start ({res['fallback_reason']}); serving at {res['url']}"
-    elif r["operation"] == "prepare":
+    elif r.operation == "prepare":
         human = f"prepared {res['capsule']} (admitted, verified, staged)"
     else:
         human = f"restored {res['workload']} at {res['url']}: first token {res['time_to_first_token_s']:.3f} s"
-    _emit(args, r, human + f"; receipt {r['_path']}")
+    _emit(args, r, f"{human}; {_receipt_line(r)}")
     return 0
 
 
@@ -215,7 +225,7 @@ def cmd_sleep(args) -> int:
     from coldsnap.flows.lifecycle import sleep
 
     r = sleep(WorkloadRequest(operation="sleep", workload=args.name, sleep_mode=args.mode), progress=_progress(args))
-    _emit(args, r, f"{args.name} is sleeping ({r['result']['mode']}: GPU memory released); receipt {r['_path']}")
+    _emit(args, r, f"{args.name} is sleeping ({r.result['mode']}: GPU memory released); {_receipt_line(r)}")
     return 0
 
 
@@ -224,8 +234,8 @@ def cmd_wake(args) -> int:
     from coldsnap.flows.lifecycle import wake
 
     r = wake(WorkloadRequest(operation="wake", workload=args.name), progress=_progress(args))
-    _emit(args, r, f"{args.name} is awake: first token {r['result']['time_to_first_token_s']:.3f} s; "
-                   f"receipt {r['_path']}")
+    _emit(args, r, f"{args.name} is awake: first token {r.result['time_to_first_token_s']:.3f} s; "
+                   f"{_receipt_line(r)}")
     return 0
 
 
@@ -312,6 +322,19 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def _bench_options(args, **fixed):
+    from coldsnap.bench.run import BenchOptions
+
+    opts = BenchOptions(
+        engine=args.engine, samples=args.samples, vanilla_samples=args.vanilla_samples, device=args.device,
+        weights_mode=args.weights_mode, engine_options=engine_options(args.engine_opt), out=args.out,
+        name=args.name, drop_caches=args.drop_caches, via=args.via,
+        command="coldsnap " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
+    for key, value in fixed.items():
+        setattr(opts, key, value)
+    return opts
+
+
 def cmd_bench(args) -> int:
     if args.registry:
         from coldsnap.bench.registry import run
@@ -325,29 +348,29 @@ def cmd_bench(args) -> int:
                           f"curl to /dev/null), peak RSS {s['peak_rss_mib_push']}/{s['peak_rss_mib_pull']} MiB; "
                           f"wrote {args.out}/registry_bench.json and .png")
         return 0
-    if getattr(args, "via", None):
+    opts = _bench_options(args)
+    if opts.via:
         from coldsnap.bench.via import run_via_bench
 
-        data = run_via_bench(args, progress=_progress(args))
-        _emit(args, data, data.get("_summary"))
-        return 0
-    from coldsnap.bench.run import run_bench
+        result = run_via_bench(opts, progress=_progress(args))
+    else:
+        from coldsnap.bench.run import run_bench
 
-    data = run_bench(args, progress=_progress(args))
-    _emit(args, data, data.get("_summary"))
+        result = run_bench(opts, progress=_progress(args))
+    _emit(args, result.data, result.summary)
     return 0
 
 
 def cmd_demo(args) -> int:
     from coldsnap.base.paths import settings
-    from coldsnap.bench.run import run_bench
+    from coldsnap.bench.run import BenchOptions, run_bench
 
-    args.engine, args.device, args.weights_mode = "reference", "cpu", "auto"
-    args.out = args.out or str(settings().home / "demo")
+    opts = BenchOptions(engine="reference", device="cpu", weights_mode="auto", samples=args.samples,
+                        out=args.out or str(settings().home / "demo"), command="coldsnap demo")
     progress = _progress(args)
     progress("demo: the embedded reference engine on CPU, started cold and restored from a capsule, side by side")
-    data = run_bench(args, progress=progress)
-    _emit(args, data, data["_summary"])
+    result = run_bench(opts, progress=progress)
+    _emit(args, result.data, result.summary)
     return 0
 
 
@@ -496,6 +519,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except ColdSnapError as e:
+        if e.receipt is not None and getattr(args, "json", False):  # a machine caller gets the receipt either way
+            _emit(args, e.receipt)
         print(f"coldsnap: error: {e}", file=sys.stderr)
         return e.exit_code
     except BrokenPipeError:  # e.g. `coldsnap schema | head`

@@ -7,6 +7,10 @@ a one-line message and the code's exit status; receipts carry the code string.
 from __future__ import annotations
 
 from enum import Enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from coldsnap.contracts.receipt import Receipt
 
 
 class ErrorCode(str, Enum):
@@ -47,12 +51,14 @@ EXIT_CODES: dict[ErrorCode, int] = {
 
 
 class ColdSnapError(Exception):
-    """A failure with a stable code and a sentence a user can act on."""
+    """A failure with a stable code and a sentence a user can act on. An error that ended an operation carries the
+    operation's receipt (written already), so an entry point can print it."""
 
     def __init__(self, code: ErrorCode, message: str):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.receipt: Receipt | None = None
 
     @property
     def exit_code(self) -> int:

@@ -26,6 +26,7 @@ class Origin(Strict):
 class ErrorInfo(Strict):
     code: ErrorCode
     message: str
+    exit_code: int | None = Field(default=None, description="The exit status the CLI ends with for this code.")
 
 
 class Receipt(Strict):

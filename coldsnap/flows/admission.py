@@ -1,10 +1,15 @@
-"""Admission: compare a capsule's compatibility profile with this host; admit or refuse with reasons."""
+"""Admission: load the capsule a request names and compare it with what restores it (snapshot driver, image) and
+with this host; admit or refuse with reasons. One implementation for process and container restores."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from coldsnap.contracts import Distributed, HostProfile
+from coldsnap.base.paths import settings
+from coldsnap.capsule import CapsuleStore, LoadedCapsule
+from coldsnap.contracts import ColdSnapError, Distributed, ErrorCode, HostProfile, Policy
+from coldsnap.criu import CriuDriver
+from coldsnap.host.profile import host_profile
 
 
 @dataclass
@@ -15,6 +20,9 @@ class Admission:
 
     def sentence(self) -> str:
         return "; ".join(self.differences) or "compatible"
+
+    def refusal(self) -> ColdSnapError:
+        return ColdSnapError(ErrorCode.INCOMPATIBLE, f"capsule refused on this host: {self.sentence()}")
 
 
 def _major_minor(v: str | None) -> str:
@@ -64,3 +72,25 @@ def admit(captured: HostProfile, host: HostProfile, strictness: str = "strict",
               f"GPU topology {', '.join(captured.gpu_links) or 'unknown'} vs {', '.join(host.gpu_links) or 'none'} "
               "here", False)
     return Admission(admitted=not blocking, differences=blocking, warnings=soft)
+
+
+def load_capsule(ref: str, allow_unpinned: bool) -> LoadedCapsule:
+    """The capsule a reference names, from the local store (its manifest and profile parsed, blobs not yet hashed)."""
+    store = CapsuleStore(settings().store)
+    return store.load(store.resolve(ref, allow_unpinned=allow_unpinned))
+
+
+def admit_capsule(capsule: LoadedCapsule, policy: Policy, driver: str, image_digest: str | None = None) -> Admission:
+    """Whether this host may restore the capsule with `driver` (criu-process for a process restore, criu-runc for a
+    container): the capsule's snapshot driver, the container image it was captured from (when both name one),
+    then its host profile against this host's."""
+    profile = capsule.profile
+    if profile.snapshot_driver != driver:
+        return Admission(admitted=False, differences=[
+            f"capsule {capsule.digest} was captured with the {profile.snapshot_driver} driver; this restore needs "
+            f"{driver}"])
+    if image_digest and profile.image_digest and image_digest != profile.image_digest:
+        return Admission(admitted=False, differences=[
+            f"container image {image_digest} differs from the captured image {profile.image_digest}"])
+    here = host_profile(CriuDriver().version())
+    return admit(profile.host, here, policy.compatibility, profile.distributed)

@@ -23,13 +23,14 @@ from coldsnap.contracts import (
     ColdSnapError,
     ErrorCode,
     Model,
+    Receipt,
 )
 from coldsnap.contracts import capsule as mt
 from coldsnap.criu import CriuDriver, CriuOptions, criu_images_open_files, criu_stats, drop_zero_pages
 from coldsnap.engines import get_adapter
 from coldsnap.flows.coldstart import start_cold
 from coldsnap.flows.quiesce import wait_no_connections
-from coldsnap.flows.receipts import finish_receipt
+from coldsnap.flows.receipts import finish_receipt, receipt_on_failure
 from coldsnap.flows.spans import Timeline
 from coldsnap.gpu import codestash
 from coldsnap.gpu import steps as gpu_steps
@@ -46,7 +47,7 @@ Progress = Callable[[str], None]
 class CaptureResult:
     capsule: str
     profile: CapsuleProfile
-    receipt: dict
+    receipt: Receipt
 
 
 def _quiet(_: str) -> None:
@@ -56,16 +57,13 @@ def _quiet(_: str) -> None:
 def capture(request: CaptureRequest, progress: Progress = _quiet) -> CaptureResult:
     tl = Timeline()
     op_id = request.id or f"capture-{uuid.uuid4().hex[:12]}"
-    try:
-        result = _capture(request, tl, progress)
-    except ColdSnapError as e:
-        finish_receipt(request, op_id, "capture", tl, "failed", error=e)
-        raise
+    with receipt_on_failure(request, op_id, "capture", tl):
+        result, profile = _capture(request, tl, progress)
     receipt = finish_receipt(request, op_id, "capture", tl, "succeeded", result=result)
-    return CaptureResult(capsule=result["capsule"], profile=result.pop("_profile"), receipt=receipt)
+    return CaptureResult(capsule=result["capsule"], profile=profile, receipt=receipt)
 
 
-def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> dict:
+def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> tuple[dict, CapsuleProfile]:
     cfg = settings()
     if request.policy.quiesce != "drain":
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, "quiesce none (capture with connections in flight) is for "
@@ -162,8 +160,7 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> dict:
             "criu_options": options.cli_flags(),
             "criu_stats": dump_stats,
             **({"release": released} if released else {}),
-            "_profile": profile,
-        }
+        }, profile
     finally:
         if not workload_kept:
             if cold is not None:

@@ -11,7 +11,6 @@ network namespace from the dump until a restore into it unlocks it (see containe
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import uuid
@@ -21,6 +20,7 @@ from typing import Callable
 from coldsnap.base.files import private_dir
 from coldsnap.base.paths import settings
 from coldsnap.contracts import (
+    CapsuleProfile,
     CaptureRequest,
     ColdSnapError,
     Engine,
@@ -33,12 +33,12 @@ from coldsnap.contracts import (
 )
 from coldsnap.contracts import capsule as mt
 from coldsnap.contracts.capsule import ANNOTATION_IMAGE_DIGEST
-from coldsnap.criu import CriuDriver, CriuOptions, runc_options
-from coldsnap.criu.driver import first_error_line
+from coldsnap.criu import CriuDriver
+from coldsnap.criu.runc import QUIESCE_MODES, checkpoint_container, container_options
 from coldsnap.engines import get_adapter
 from coldsnap.flows.capture import CaptureResult, capsule_profile, engine_info, saved_weights_model, thin_and_pack
 from coldsnap.flows.quiesce import open_connections, wait_no_connections
-from coldsnap.flows.receipts import finish_receipt
+from coldsnap.flows.receipts import finish_receipt, receipt_on_failure
 from coldsnap.flows.spans import Timeline
 from coldsnap.gpu import steps as gpu_steps
 from coldsnap.oci.spec import coldsnap_annotations, load_spec
@@ -64,35 +64,6 @@ def container_state(runc: str, runc_root: str | Path, container_id: str) -> dict
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"container {container_id!r} is {state.get('status')}, "
                             "not running")
     return state
-
-
-QUIESCE_MODES = ("drain", "none")
-IN_FLIGHT_LOCK = "nftables"  # libnftables ships in the CRIU prefix (the GPU image has no iptables)
-
-
-def container_options(leave_running: bool, quiesce: str = "drain") -> CriuOptions:
-    """The one option table. drain: the network lock off: the container's network namespace belongs to its
-    engine (or to a pod) and may outlive the dump; a lock CRIU left there would black-hole whatever uses it next,
-    and the capture quiesced first, so no connection needs it. none: connections are open and are dumped with
-    the server (--tcp-established); CRIU locks the namespace (drops every packet but its own) before it freezes
-    the tree and, once the tree is dumped and gone, leaves the lock in place, so a client's ACK or retransmit
-    meets silence, not a reset; restoring into that namespace with the same option removes it once the sockets are
-    back (and the shim removes it before a cold fallback there). With leave_running CRIU unlocks at once."""
-    return CriuOptions(leave_running=leave_running, network_lock="skip" if quiesce == "drain" else IN_FLIGHT_LOCK)
-
-
-def runc_checkpoint(runc: str, runc_root: str | Path, container_id: str, images: Path, work: Path,
-                    options: CriuOptions) -> list[str]:
-    flags, lines = runc_options.split(options.cli_flags(), "checkpoint")
-    conf = runc_options.write_config(work.parent / "criu.conf", lines)
-    argv = [runc, "--root", str(runc_root), "--criu", settings().criu, "checkpoint", "--image-path", str(images),
-            "--work-path", str(work), *flags, container_id]
-    r = subprocess.run(argv, env={**os.environ, "CRIU_CONFIG_FILE": str(conf)}, capture_output=True, text=True,
-                       stdin=subprocess.DEVNULL)
-    if r.returncode != 0:
-        raise ColdSnapError(ErrorCode.CRIU_FAILED, f"runc checkpoint of {container_id} failed (exit {r.returncode}): "
-                            f"{first_error_line(work / 'dump.log')} (runc: {r.stderr.strip()[-300:]})")
-    return argv
 
 
 def capture_container(container_id: str, runc_root: str | Path = "/run/runc", bundle: str | Path | None = None, *,
@@ -125,18 +96,15 @@ def capture_container(container_id: str, runc_root: str | Path = "/run/runc", bu
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, "weights_mode must be native or recovery for a container")
     tl = Timeline()
     op_id = f"capture-{container_id[:24]}-{uuid.uuid4().hex[:8]}"
-    try:
-        result = _capture(request, container_id, runc_root, int(state["pid"]), val_ann.get("host"), runc, tl, progress,
+    with receipt_on_failure(request, op_id, "capture", tl):
+        result, profile = _capture(request, container_id, runc_root, int(state["pid"]), val_ann.get("host"), runc, tl, progress,
                           shm_source=hostfiles.bound_shm_source(spec))
-    except ColdSnapError as e:
-        finish_receipt(request, op_id, "capture", tl, "failed", error=e)
-        raise
     receipt = finish_receipt(request, op_id, "capture", tl, "succeeded", result=result)
-    return CaptureResult(capsule=result["capsule"], profile=result.pop("_profile"), receipt=receipt)
+    return CaptureResult(capsule=result["capsule"], profile=profile, receipt=receipt)
 
 
 def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str | None, runc: str, tl: Timeline,
-             progress: Progress, shm_source: str | None = None) -> dict:
+             progress: Progress, shm_source: str | None = None) -> tuple[dict, CapsuleProfile]:
     criu = CriuDriver()
     adapter = get_adapter(request.engine.name)
     target = Target(pid=pid, port=request.launch.port, host=host)
@@ -172,7 +140,7 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
             held_shm = hostfiles.HeldShm(shm_source)  # a bound /dev/shm: its files outlive the container for us
             progress("checkpointing with runc + CRIU")
             with tl.span("criu-dump"):
-                argv = runc_checkpoint(runc, runc_root, cid, images, work, options)
+                argv = checkpoint_container(runc, runc_root, cid, images, work, options)
         except ColdSnapError:
             _resume(target, adapter, gpu, kv_discard, weights_mode)  # no dump: the container serves on as it was
             raise
@@ -196,7 +164,7 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
                 "left_running": request.lifecycle.leave_running, "quiesce": request.policy.quiesce,
                 "connections_in_flight": connections, "validated_text": first.text,
                 "weights_mode": weights_mode, "cuda_processes": len(gpu.pids), "criu_options": options.cli_flags(),
-                "runc_checkpoint": argv, "_profile": profile}
+                "runc_checkpoint": argv}, profile
     finally:
         if held_shm is not None:
             held_shm.close()

@@ -14,9 +14,9 @@ import time
 import uuid
 
 from coldsnap.base.procfs import alive
-from coldsnap.contracts import ColdSnapError, ErrorCode, Validation, WorkloadRequest
+from coldsnap.contracts import ColdSnapError, ErrorCode, Receipt, Validation, WorkloadRequest
 from coldsnap.engines import get_adapter
-from coldsnap.flows.receipts import finish_receipt
+from coldsnap.flows.receipts import finish_receipt, receipt_on_failure
 from coldsnap.flows.spans import Timeline
 from coldsnap.gpu import steps as gpu_steps
 from coldsnap.workload.probe import ValidationProbe
@@ -46,10 +46,10 @@ def _sleep_mode(ws, requested: str) -> str:
     return requested
 
 
-def sleep(request: WorkloadRequest, progress=lambda m: None) -> dict:
+def sleep(request: WorkloadRequest, progress=lambda m: None) -> Receipt:
     tl = Timeline()
     op_id = request.id or f"sleep-{uuid.uuid4().hex[:12]}"
-    try:
+    with receipt_on_failure(request, op_id, "sleep", tl):
         ws = _checked(request.workload)
         if ws.state == "sleeping":
             raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"workload {ws.name!r} is already sleeping")
@@ -75,16 +75,12 @@ def sleep(request: WorkloadRequest, progress=lambda m: None) -> dict:
         return finish_receipt(request, op_id, "sleep", tl, "succeeded",
                               result={"workload": ws.name, "mode": mode, "cuda_processes": len(ckpt.pids),
                                       "seconds": ckpt.seconds, "engine_release": released})
-    except ColdSnapError as e:
-        if getattr(e, "receipt", None) is None:
-            finish_receipt(request, op_id, "sleep", tl, "failed", error=e)
-        raise
 
 
-def wake(request: WorkloadRequest, progress=lambda m: None, validation: Validation | None = None) -> dict:
+def wake(request: WorkloadRequest, progress=lambda m: None, validation: Validation | None = None) -> Receipt:
     tl = Timeline()
     op_id = request.id or f"wake-{uuid.uuid4().hex[:12]}"
-    try:
+    with receipt_on_failure(request, op_id, "wake", tl):
         ws = _checked(request.workload)
         if ws.state != "sleeping":
             raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"workload {ws.name!r} is not sleeping")
@@ -105,7 +101,3 @@ def wake(request: WorkloadRequest, progress=lambda m: None, validation: Validati
                               result={"workload": ws.name, "time_to_first_token_s": round(res.first_token_s - t0, 4),
                                       "validated_text": res.text, "mode": ws.sleep_mode or "cuda",
                                       "engine_resume": resumed})
-    except ColdSnapError as e:
-        if getattr(e, "receipt", None) is None:
-            finish_receipt(request, op_id, "wake", tl, "failed", error=e)
-        raise

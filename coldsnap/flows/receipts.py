@@ -1,19 +1,26 @@
-"""Build, hash and write receipts (0600, one JSON file per operation)."""
+"""Receipts: build, hash and write one per operation (0600, <receipts>/<operation id>.json), whatever the outcome.
+Every flow returns its receipt (contracts.Receipt); a ColdSnapError that ends an operation carries it."""
 
 from __future__ import annotations
 
-import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from coldsnap import __version__
 from coldsnap.base.files import atomic_write, private_dir
 from coldsnap.base.paths import settings
-from coldsnap.contracts import ColdSnapError, ErrorInfo, Receipt, sha256_hex
+from coldsnap.contracts import ColdSnapError, ErrorCode, ErrorInfo, Receipt, sha256_hex
 from coldsnap.flows.spans import Timeline
 
 
-def _public(result: dict | None) -> dict:
-    return {k: v for k, v in (result or {}).items() if not k.startswith("_")}
+def receipt_path(operation_id: str) -> Path:
+    return settings().receipts / f"{operation_id}.json"
+
+
+def failed_state(error: ColdSnapError) -> str:
+    """A refusal (the capsule does not fit here) reads differently from a failure."""
+    return "refused" if error.code == ErrorCode.INCOMPATIBLE else "failed"
 
 
 def build_receipt(request, op_id: str, operation: str, tl: Timeline, state: str, result: dict | None = None,
@@ -25,25 +32,35 @@ def build_receipt(request, op_id: str, operation: str, tl: Timeline, state: str,
         state=state,
         origin=tl.origin,
         spans=tl.spans,
-        result=_public(result),
-        error=ErrorInfo(code=error.code, message=error.message) if error else None,
+        result=dict(result or {}),
+        error=ErrorInfo(code=error.code, message=error.message, exit_code=error.exit_code) if error else None,
         coldsnap_version=__version__,
     )
 
 
-def write_receipt(receipt: Receipt, path: Path | None = None) -> Path:
-    path = path or private_dir(settings().receipts) / f"{receipt.operation_id}.json"
+def write_receipt(receipt: Receipt) -> Path:
+    path = receipt_path(receipt.operation_id)
     private_dir(path.parent)
     atomic_write(path, receipt.model_dump_json(indent=1).encode())
     return path
 
 
 def finish_receipt(request, op_id: str, operation: str, tl: Timeline, state: str, result: dict | None = None,
-                   error: ColdSnapError | None = None) -> dict:
+                   error: ColdSnapError | None = None) -> Receipt:
+    """Build and write the receipt; an error that ends the operation carries it to the entry point."""
     receipt = build_receipt(request, op_id, operation, tl, state, result, error)
-    path = write_receipt(receipt)
-    data = json.loads(receipt.model_dump_json())
-    data["_path"] = str(path)
+    write_receipt(receipt)
     if error is not None:
-        error.receipt = data  # the entry point prints where the receipt is
-    return data
+        error.receipt = receipt
+    return receipt
+
+
+@contextmanager
+def receipt_on_failure(request, op_id: str, operation: str, tl: Timeline) -> Iterator[None]:
+    """A ColdSnapError leaving the block gets a receipt (refused or failed) unless it already has one."""
+    try:
+        yield
+    except ColdSnapError as e:
+        if e.receipt is None:
+            finish_receipt(request, op_id, operation, tl, failed_state(e), error=e)
+        raise

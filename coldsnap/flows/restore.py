@@ -5,33 +5,26 @@ A refused or failed restore falls back to a cold start when the policy allows it
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 import uuid
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 from coldsnap.base.files import private_dir
 from coldsnap.base.paths import settings
 from coldsnap.base.procfs import alive, descendants
-from coldsnap.capsule import CapsuleStore, LoadedCapsule, unpack_layer
-from coldsnap.capsule.payload import materialize
-from coldsnap.capsule.pinned import verify_weights
-from coldsnap.contracts import ColdSnapError, ErrorCode, RestoreRequest, Validation
-from coldsnap.contracts import capsule as mt
+from coldsnap.capsule import LoadedCapsule
+from coldsnap.contracts import ColdSnapError, ErrorCode, Receipt, RestoreRequest, Validation
 from coldsnap.criu import CriuDriver, CriuOptions, criu_stats
 from coldsnap.engines import get_adapter
-from coldsnap.flows.admission import admit
+from coldsnap.flows.admission import admit_capsule, load_capsule
 from coldsnap.flows.coldstart import start_cold
-from coldsnap.flows.receipts import finish_receipt
+from coldsnap.flows.fallback import may_fall_back
+from coldsnap.flows.receipts import finish_receipt, receipt_on_failure
 from coldsnap.flows.spans import Timeline
-from coldsnap.gpu import codestash
+from coldsnap.flows.staging import Staged, put_back_files, reloads_weights, stage
 from coldsnap.gpu import steps as gpu_steps
-from coldsnap.host.profile import host_profile
 from coldsnap.net import create_network, destroy_network, netns_path
-from coldsnap.workload import hostfiles
 from coldsnap.workload.probe import ValidationProbe
 from coldsnap.workload.process import kill_tree, uses_gpu
 from coldsnap.workload.state import WorkloadState, run_dir, save_state
@@ -43,91 +36,19 @@ def _quiet(_: str) -> None:
     pass
 
 
-@dataclass
-class Staged:
-    capsule: LoadedCapsule
-    images: Path
-    files: Path | None
-
-
-# --- admit -------------------------------------------------------------------------------------------------------
-def load_capsule(ref: str, allow_unpinned: bool) -> LoadedCapsule:
-    store = CapsuleStore(settings().store)
-    return store.load(store.resolve(ref, allow_unpinned=allow_unpinned))
-
-
-def admission_for(capsule: LoadedCapsule, strictness: str):
-    criu = CriuDriver()
-    return admit(capsule.profile.host, host_profile(criu.version()), strictness, capsule.profile.distributed)
-
-
-# --- stage -------------------------------------------------------------------------------------------------------
-def stage(capsule: LoadedCapsule) -> Staged:
-    """Verify every blob digest, check pinned weights, unpack CRIU images (cached per capsule digest), put back
-    the CUDA code files the capsule's processes map."""
-    store = CapsuleStore(settings().store)
-    store.verify(capsule)
-    profile = capsule.profile
-    payload = capsule.manifest.get("annotations", {}).get(mt.ANNOTATION_PAYLOAD)
-    if reloads_weights(capsule):
-        if payload:
-            materialize(store, payload, profile.model.weights)
-        verify_weights(profile.model.weights)
-    root = private_dir(settings().run / "staged") / capsule.digest.split(":")[1]
-    done = root / ".complete"
-    if not done.exists():
-        shutil.rmtree(root, ignore_errors=True)
-        tmp = private_dir(root.with_name(root.name + f".tmp{os.getpid()}"))
-        try:
-            unpack_layer(store.blob_path(capsule.layer(mt.LAYER_CRIU).digest), tmp / "images")
-            files_layer = capsule.layer(mt.LAYER_FILES)
-            if files_layer:
-                unpack_layer(store.blob_path(files_layer.digest), tmp / "files")
-            (tmp / ".complete").write_text(capsule.digest)
-            try:
-                os.replace(tmp, root)
-            except OSError:
-                if not done.exists():  # not a concurrent stager that finished first
-                    raise
-                shutil.rmtree(tmp, ignore_errors=True)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    files = root / "files"
-    staged = Staged(capsule=capsule, images=root / "images", files=files if files.exists() else None)
-    _put_back_files(staged, only_code=True)  # big, and the same for every restore: here, off the restore's clock
-    return staged
-
-
-def reloads_weights(capsule: LoadedCapsule) -> bool:
-    """Whether the restored engine reloads its weights from files (recovery's pinned files, or native weights that
-    travel as a payload), rather than finding them in its restored memory."""
-    payload = capsule.manifest.get("annotations", {}).get(mt.ANNOTATION_PAYLOAD)
-    return bool(capsule.profile.model) and (bool(payload) or capsule.profile.weights_mode == "recovery")
-
-
-def _put_back_files(staged: Staged, only_code: bool = False) -> None:
-    """Files the process held open must look as they did at the dump (CRIU checks their size): the run dir's log,
-    host /dev/shm state, CUDA code files (only those with only_code). Sparse, atomic, with their recorded mode."""
-    for i, f in enumerate(staged.capsule.profile.files):
-        if not only_code or codestash.is_code_file(f.path):
-            hostfiles.put_back_file(staged.files / str(i) if staged.files else None, f)
-
-
 # --- the whole restore -------------------------------------------------------------------------------------------
-def restore(request: RestoreRequest, progress: Progress = _quiet) -> dict:
+def restore(request: RestoreRequest, progress: Progress = _quiet) -> Receipt:
     tl = Timeline()
     op = "prepare" if request.operation == "prepare" else "restore"
     op_id = request.id or f"{op}-{uuid.uuid4().hex[:12]}"
-    try:
+    with receipt_on_failure(request, op_id, op, tl):
         with tl.span("admit"):
             capsule = load_capsule(request.capsule, request.policy.allow_unpinned)
-            verdict = admission_for(capsule, request.policy.compatibility)
+            verdict = admit_capsule(capsule, request.policy, "criu-process")
         for w in verdict.warnings:
             progress(f"note: {w} (relaxed compatibility)")
         if not verdict.admitted:
-            refusal = ColdSnapError(ErrorCode.INCOMPATIBLE, f"capsule refused on this host: {verdict.sentence()}")
-            return _fallback_or_raise(request, capsule, tl, op_id, refusal, "refused", progress)
+            return _fall_back(request, capsule, tl, op_id, verdict.refusal(), progress)
         with tl.span("stage"):
             staged = stage(capsule)
         progress(f"staged {capsule.digest[:19]}… (all digests verified)")
@@ -138,16 +59,8 @@ def restore(request: RestoreRequest, progress: Progress = _quiet) -> dict:
         try:
             result = _restore_staged(request, staged, tl, progress)
         except ColdSnapError as e:
-            if e.code in (ErrorCode.CRIU_FAILED, ErrorCode.GPU_FAILED, ErrorCode.VALIDATION_FAILED,
-                          ErrorCode.VALIDATION_TIMEOUT, ErrorCode.WORKLOAD_FAILED):
-                return _fallback_or_raise(request, capsule, tl, op_id, e, "failed", progress)
-            raise
+            return _fall_back(request, capsule, tl, op_id, e, progress)
         return finish_receipt(request, op_id, op, tl, "succeeded", result=result)
-    except ColdSnapError as e:
-        if getattr(e, "receipt", None) is None:
-            finish_receipt(request, op_id, op, tl, "refused" if e.code == ErrorCode.INCOMPATIBLE else "failed",
-                           error=e)
-        raise
 
 
 def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progress: Progress) -> dict:
@@ -168,7 +81,7 @@ def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progr
     try:
         with tl.span("network"):
             create_network(plan)
-            _put_back_files(staged)
+            put_back_files(staged)
         progress("restoring with CRIU")
         work = private_dir(settings().run / "restore-work" / uuid.uuid4().hex)
         with tl.span("criu-restore"):
@@ -238,17 +151,17 @@ def _validation(request: RestoreRequest, profile) -> Validation:
 
 
 # --- cold fallback -----------------------------------------------------------------------------------------------
-def _fallback_or_raise(request: RestoreRequest, capsule: LoadedCapsule, tl: Timeline, op_id: str,
-                       cause: ColdSnapError, why: str, progress: Progress) -> dict:
-    op = "prepare" if request.operation == "prepare" else "restore"
-    if op == "prepare" or not request.policy.fallback_to_cold:
-        finish_receipt(request, op_id, op, tl, "refused" if why == "refused" else "failed", error=cause)
+def _fall_back(request: RestoreRequest, capsule: LoadedCapsule, tl: Timeline, op_id: str, cause: ColdSnapError,
+               progress: Progress) -> Receipt:
+    """Start the capsule's launch cold when the policy allows it (a prepare never does); else the cause, with its
+    receipt, goes up."""
+    if request.operation == "prepare" or not may_fall_back(cause, request.policy, own_launch=False):
         raise cause
     progress(f"{cause.message}; falling back to a cold start")
     with tl.span("cold-start"):
         result = cold_start(capsule.profile, request, progress)
     result.update({"fallback_reason": f"{cause.code.value}: {cause.message}", "capsule": capsule.digest})
-    return finish_receipt(request, op_id, op, tl, "fell-back", result=result)
+    return finish_receipt(request, op_id, "restore", tl, "fell-back", result=result)
 
 
 def cold_start(profile, request: RestoreRequest, progress: Progress) -> dict:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from coldsnap.shim.delete import forget
+from coldsnap.oci import records
 
 
 def poststop(state: dict) -> int:
-    forget(state["id"])
+    records.forget(state["id"])
     return 0

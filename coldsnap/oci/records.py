@@ -14,10 +14,19 @@ def state_dir() -> str:
     return os.path.join(os.environ.get("COLDSNAP_RUN", "/run/coldsnap"), "shim")
 
 
-def state_path(container_id: str) -> str:
+def _checked(container_id: str) -> str:
     if not container_id or "/" in container_id or container_id.startswith("."):
         raise ValueError(f"unusable container id {container_id!r}")
-    return os.path.join(state_dir(), f"{container_id}.json")
+    return container_id
+
+
+def state_path(container_id: str) -> str:
+    return os.path.join(state_dir(), f"{_checked(container_id)}.json")
+
+
+def work_dir_path(container_id: str) -> str:
+    """Where a restore of this container keeps runc's and CRIU's logs (removed with the record)."""
+    return os.path.join(state_dir(), "work", _checked(container_id))
 
 
 def load(container_id: str | None) -> dict | None:
@@ -50,3 +59,13 @@ def remove(container_id: str | None) -> None:
 def belongs(data: dict | None, root: str) -> bool:
     """A record applies only to the runc root it was made under (ids are unique per root, not per host)."""
     return bool(data) and os.path.realpath(data.get("root", "")) == os.path.realpath(root)
+
+
+def forget(container_id: str) -> None:
+    """The container is gone (or never came up restored): its record and its restore work directory go."""
+    import shutil
+
+    record = load(container_id) or {}
+    for work in {record.get("work_dir"), work_dir_path(container_id)} - {None, ""}:
+        shutil.rmtree(work, ignore_errors=True)
+    remove(container_id)

@@ -4,24 +4,15 @@ runc's poststop hooks (coldsnap-hook poststop among them) run inside runc's dele
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 
 from coldsnap.oci import records
 from coldsnap.oci.argv import RuncArgv
 
 
-def forget(container_id: str) -> None:
-    record = records.load(container_id) or {}
-    work = record.get("work_dir")
-    if work:
-        shutil.rmtree(work, ignore_errors=True)
-    records.remove(container_id)
-
-
 def delete(runc: str, parsed: RuncArgv) -> int:
     rc = subprocess.call([runc, *parsed.argv])
     cid = parsed.container_id
     if rc == 0 or not os.path.exists(os.path.join(parsed.root, cid)):  # deleted, or runc never knew it
-        forget(cid)
+        records.forget(cid)
     return rc

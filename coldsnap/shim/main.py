@@ -1,30 +1,64 @@
 """`coldsnap-runtime`: runc, except that a container whose config.json carries the io.coldsnap.capsule annotation
 is restored from that capsule at `create` instead of being started cold.
 
-The decision sits here, in one place. The pass-through path (everything that is not create/run of an annotated
-bundle, or start/delete of a container this shim restored) is os.execv of the real runc with the caller's argv,
-unchanged, after importing only the argv parser; the spec and state readers load only for the subcommands that
-need them, and the rest of ColdSnap (pydantic, CRIU, ...) only for an annotated create."""
+The decision sits here, in one place (decide). The pass-through path (everything that is not create/run of an
+annotated bundle, or start/delete of a container this shim handled) is os.execv of the real runc with the caller's
+argv, unchanged, after importing only the argv parser and the runc locator (stdlib only); the spec and record
+readers load only for the subcommands that need them, and the rest of ColdSnap (pydantic, CRIU, ...) only once the
+decision is not to pass through."""
 
 from __future__ import annotations
 
 import sys
+from typing import Callable
 
 from coldsnap.oci.argv import RuncArgv, parse_runc_argv
 from coldsnap.oci.runtime import RuncNotFound, apply_config_env, exec_runc, find_runc
 
 ANNOTATION_CAPSULE = "io.coldsnap.capsule"  # == coldsnap.contracts.capsule.ANNOTATION_CAPSULE (not imported: pydantic)
 
+PASS_THROUGH = "pass-through"  # exec the real runc, argv unchanged
+RESTORE = "restore"  # create/run of an annotated bundle: restore it from the capsule (or fall back cold)
+ANSWER_START = "answer-start"  # start of a container the shim restored: it already runs; run poststart hooks
+DELETE = "delete"  # delete of a container the shim handled: runc deletes it, the shim forgets it
 
-def annotated_spec(parsed: RuncArgv) -> dict | None:
+
+def annotated_spec(bundle: str) -> dict | None:
     """The bundle's spec when it asks for a capsule; None (pass through) when it does not or cannot be read."""
     from coldsnap.oci.spec import coldsnap_annotations, load_spec
 
     try:
-        spec = load_spec(parsed.bundle)
+        spec = load_spec(bundle)
     except (OSError, ValueError):
         return None  # runc reports an unreadable bundle better than we would
     return spec if coldsnap_annotations(spec).get(ANNOTATION_CAPSULE, "").strip() else None
+
+
+def shim_record(container_id: str) -> dict | None:
+    from coldsnap.oci import records
+
+    return records.load(container_id)
+
+
+def decide(parsed: RuncArgv, spec_of: Callable[[str], dict | None] = annotated_spec,
+           record_of: Callable[[str], dict | None] = shim_record) -> tuple[str, dict | None]:
+    """(action, the annotated spec or the shim's record) for a runc command line. spec_of(bundle) returns the spec
+    only when it is annotated; record_of(id) the shim's record of a container, if any."""
+    command, cid = parsed.command, parsed.container_id
+    if command in ("create", "run") and cid:
+        spec = spec_of(parsed.bundle)
+        if spec is not None:
+            return RESTORE, spec
+    elif command in ("start", "delete") and cid:
+        from coldsnap.oci.records import belongs
+
+        record = record_of(cid)
+        if belongs(record, parsed.root):
+            if command == "delete":
+                return DELETE, record
+            if record.get("outcome") == "restored":
+                return ANSWER_START, record
+    return PASS_THROUGH, None
 
 
 def _full_python() -> None:
@@ -46,32 +80,24 @@ def main(argv: list[str] | None = None) -> int:
         from coldsnap.oci.runclog import fail
 
         return fail(parsed, f"coldsnap-runtime: {e}")
-
-    command, cid = parsed.command, parsed.container_id
-    if command in ("create", "run") and cid:
-        spec = annotated_spec(parsed)
-        if spec is not None:
-            _full_python()
-            from coldsnap.shim.create import create_from_capsule
-
-            return create_from_capsule(runc, parsed, spec)
-    elif command in ("start", "delete") and cid:
-        from coldsnap.oci import records
-
+    if parsed.command in ("start", "delete"):
         apply_config_env()  # where the records are
-        record = records.load(cid)
-        if records.belongs(record, parsed.root):
-            _full_python()
-            if command == "delete":
-                from coldsnap.shim.delete import delete
+    action, data = decide(parsed)
+    if action == PASS_THROUGH:
+        exec_runc(runc, args)
+        return 127  # not reached
+    _full_python()
+    if action == RESTORE:
+        from coldsnap.shim.create import create
 
-                return delete(runc, parsed)
-            if record.get("outcome") == "restored":
-                from coldsnap.shim.start import start_restored
+        return create(runc, parsed, data)
+    if action == DELETE:
+        from coldsnap.shim.delete import delete
 
-                return start_restored(runc, parsed, record)
-    exec_runc(runc, args)
-    return 127  # not reached
+        return delete(runc, parsed)
+    from coldsnap.shim.start import start_restored
+
+    return start_restored(runc, parsed, data)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,266 @@
+"""Container restore: what coldsnap-runtime does at `create` of a bundle annotated with io.coldsnap.capsule, and
+what the poststart hook does once the container is started.
+
+  create     admit → stage → `runc restore --detach` → hydrate, then a record that `start` and the poststart hook
+             read. A refusal or a failed restore falls back to a cold `runc create` with the caller's argv when the
+             policy allows (the shim execs runc), and never leaves a half-restored container behind.
+  poststart  validate → receipt: the container is ready only once it has served a real completion equal to the
+             one validated at capture.
+
+Annotations (keys in coldsnap.contracts.capsule):
+  io.coldsnap.capsule       capsule reference, pinned (sha256:… or NAME@sha256:…)
+  io.coldsnap.policy        JSON of contracts.Policy fields, e.g. {"fallback_to_cold": true, "compatibility": "strict"}
+  io.coldsnap.validation    JSON: {"host": ..., "port": ...} (where the server answers; default: 127.0.0.1 inside
+                            the container's network namespace, port as captured) plus any contracts.Validation
+                            field to override the validation recorded at capture (e.g. "ready_timeout_s")
+  io.coldsnap.image-digest  (optional) the container image's digest; must equal the capsule's when both are set
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from pydantic import ValidationError
+
+from coldsnap.base.files import private_dir
+from coldsnap.base.paths import settings
+from coldsnap.capsule import LoadedCapsule
+from coldsnap.contracts import ColdSnapError, ErrorCode, Policy, Receipt, RestoreRequest, Validation
+from coldsnap.contracts import capsule as mt
+from coldsnap.contracts.parse import first_error
+from coldsnap.criu.runc import restore_container
+from coldsnap.engines import get_adapter
+from coldsnap.flows.admission import admit_capsule, load_capsule
+from coldsnap.flows.fallback import may_fall_back
+from coldsnap.flows.receipts import failed_state, finish_receipt, receipt_path
+from coldsnap.flows.spans import Timeline
+from coldsnap.flows.staging import Staged, stage
+from coldsnap.gpu import steps as gpu_steps
+from coldsnap.oci import records
+from coldsnap.oci.argv import RuncArgv
+from coldsnap.oci.hooks import add_coldsnap_hooks
+from coldsnap.oci.spec import coldsnap_annotations, netns_path, write_spec
+from coldsnap.workload import hostfiles
+from coldsnap.workload.target import Target, validate
+
+
+# --- what the annotations ask for --------------------------------------------------------------------------------
+@dataclass
+class ContainerRequest:
+    request: RestoreRequest  # what the receipt's request_sha256 is taken over
+    validation_overrides: dict = field(default_factory=dict)
+    host: str | None = None
+    port: int | None = None
+    image_digest: str | None = None
+
+    def validation(self, recorded: Validation) -> Validation:
+        return Validation.model_validate({**recorded.model_dump(), **self.validation_overrides})
+
+
+def _json_annotation(ann: dict[str, str], key: str) -> dict:
+    raw = ann.get(key)
+    if raw is None or not raw.strip():
+        return {}
+    try:
+        value = json.loads(raw)
+    except ValueError as e:
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"annotation {key}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"annotation {key}: must be a JSON object")
+    return value
+
+
+def request_from_annotations(ann: dict[str, str]) -> ContainerRequest:
+    ref = ann.get(mt.ANNOTATION_CAPSULE, "").strip()
+    policy = _json_annotation(ann, mt.ANNOTATION_POLICY)
+    val = _json_annotation(ann, mt.ANNOTATION_VALIDATION)
+    host, port = val.pop("host", None), val.pop("port", None)
+    if host is not None and not isinstance(host, str):
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"annotation {mt.ANNOTATION_VALIDATION}: host must be a string")
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"annotation {mt.ANNOTATION_VALIDATION}: port must be 1-65535")
+    try:
+        request = RestoreRequest(operation="restore", capsule=ref, policy=Policy.model_validate(policy),
+                                 validation=Validation.model_validate(val) if val else None)
+    except ValidationError as e:
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"annotations: {first_error(e)}") from None
+    return ContainerRequest(request=request, validation_overrides=val, host=host or None, port=port,
+                            image_digest=ann.get(mt.ANNOTATION_IMAGE_DIGEST) or None)
+
+
+# --- create ------------------------------------------------------------------------------------------------------
+@dataclass
+class CreateOutcome:
+    """What the shim does next: the container is restored (record saved), or it runs `runc create` cold with the
+    caller's argv (message: why, for runc's log), or it fails the create (message: runc-style error line)."""
+
+    action: Literal["restored", "cold", "fail"]
+    message: str = ""
+    record: dict | None = None
+
+
+def work_dir(container_id: str) -> Path:
+    """A fresh work dir for this container's restore (runc's and CRIU's logs; removed when it is deleted)."""
+    path = Path(records.work_dir_path(container_id))
+    shutil.rmtree(path, ignore_errors=True)
+    return private_dir(path)
+
+
+def restore_at_create(runc: str, parsed: RuncArgv, spec: dict) -> CreateOutcome:
+    cid = parsed.container_id
+    if os.path.exists(os.path.join(parsed.root, cid)):  # runc's own refusal; and never touch that container
+        return CreateOutcome("fail", f"container with id exists: {cid}")
+    try:
+        creq = request_from_annotations(coldsnap_annotations(spec))
+        if add_coldsnap_hooks(spec):
+            write_spec(parsed.bundle, spec)
+    except ColdSnapError as e:
+        return CreateOutcome("fail", f"coldsnap-runtime: {e}")
+    except OSError as e:
+        return CreateOutcome("fail", f"coldsnap-runtime: cannot update {parsed.bundle}/config.json: {e}")
+
+    tl = Timeline()
+    capsule = None
+    attempted = False
+    try:
+        if parsed.command == "run" and not parsed.detach:
+            raise ColdSnapError(ErrorCode.RUNTIME, "a foreground `runc run` cannot be restored (use create + start "
+                                "or run --detach)")
+        with tl.span("admit"):
+            capsule = load_capsule(creq.request.capsule, creq.request.policy.allow_unpinned)
+            verdict = admit_capsule(capsule, creq.request.policy, "criu-runc", creq.image_digest)
+        if not verdict.admitted:
+            raise verdict.refusal()
+        with tl.span("stage"):
+            staged = stage(capsule)
+        attempted = True
+        restored = _restore(runc, parsed, staged, spec, creq, tl)
+    except Exception as e:  # noqa: BLE001 - whatever went wrong, the container must still come up (or say why)
+        cause = e if isinstance(e, ColdSnapError) else ColdSnapError(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
+        return _fall_back(runc, parsed, creq, tl, capsule, cause, attempted, netns_path(spec))
+
+    profile = capsule.profile
+    record = {
+        "outcome": "restored", "id": cid, "root": parsed.root, "bundle": parsed.bundle, "capsule": capsule.digest,
+        "request": creq.request.model_dump(mode="json"),
+        "validation": creq.validation(profile.validation).model_dump(mode="json"),
+        "expected_text": profile.expected_text, "weights_mode": profile.weights_mode,
+        "criu_options": profile.criu_options, "timeline": tl.to_dict(), "started": False, **restored,
+    }
+    records.save(cid, record)
+    return CreateOutcome("restored", record=record)
+
+
+def _restore(runc: str, parsed: RuncArgv, staged: Staged, spec: dict, creq: ContainerRequest, tl: Timeline) -> dict:
+    """criu-restore and hydrate spans; returns what the record needs. spec: the new container's."""
+    profile = staged.capsule.profile
+    work = work_dir(parsed.container_id)
+    t0 = time.monotonic()  # the restore clock: staging excluded, as for process mode
+    # files of a bound /dev/shm the dump refers to: into the new container's before CRIU looks for them
+    put_back = hostfiles.put_back_container_shm(staged.files, profile.files, spec)
+    try:
+        with tl.span("criu-restore"):
+            pid, argv = restore_container(runc, parsed, staged.images, profile.criu_options, work,
+                                          settings().receipts)
+        target = Target(pid=pid, port=creq.port or profile.launch.port, host=creq.host)
+        with tl.span("hydrate"):
+            gpu = gpu_steps.restore_restored_tree(pid) if profile.cuda_pids else gpu_steps.GpuCheckpoint()
+            adapter = get_adapter(profile.engine.name)
+            target.call(adapter.after_restore, profile.kv_discarded, profile.weights_mode)
+    except BaseException:
+        hostfiles.remove_files(put_back)  # the cold start the caller falls back to gets its /dev/shm as it was
+        raise
+    return {"pid": pid, "t0": t0, "work_dir": str(work), "runc_restore": argv, "port": target.port,
+            "host": target.host, "cuda_processes": len(gpu.pids)}
+
+
+def _remove_container(runc: str, parsed: RuncArgv) -> None:
+    subprocess.run([runc, *parsed.global_argv(drop=("log", "log-format")), "delete", "--force", parsed.container_id],
+                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _unlock_network(netns: str | None) -> dict:
+    """Before a cold start in a network namespace the container joins (a pod's): remove the network lock an
+    in-flight capture left there for the restore that is not coming (coldsnap.net.lock). Never raises."""
+    if not netns or not os.path.exists(netns):
+        return {}
+    try:
+        from coldsnap.net.lock import remove_criu_locks
+
+        removed = remove_criu_locks(netns)
+        return {"network_lock_removed": removed} if removed else {}
+    except Exception as e:  # noqa: BLE001 - the cold start goes ahead; the receipt says what is left
+        return {"network_lock_note": f"could not check {netns} for a leftover network lock: {e}"}
+
+
+def _fall_back(runc: str, parsed: RuncArgv, creq: ContainerRequest, tl: Timeline, capsule: LoadedCapsule | None,
+               cause: ColdSnapError, attempted: bool, netns: str | None) -> CreateOutcome:
+    cid = parsed.container_id
+    if attempted:  # never leave a half-restored container (only ours: a restore was tried under this id)
+        _remove_container(runc, parsed)
+    records.forget(cid)
+    reason = f"{cause.code.value}: {cause.message}"
+    if not may_fall_back(cause, creq.request.policy, own_launch=True):
+        finish_receipt(creq.request, cid, "restore", tl, failed_state(cause), error=cause)
+        return CreateOutcome("fail", f"coldsnap-runtime: {reason}")
+    unlocked = _unlock_network(netns)
+    try:  # bookkeeping must not stand between the container and its cold start
+        finish_receipt(creq.request, cid, "restore", tl, "fell-back", result={
+            "container": cid, "capsule": capsule.digest if capsule else creq.request.capsule,
+            "fallback_reason": reason, "started": "cold", **unlocked})
+        records.save(cid, {"outcome": "fell-back", "id": cid, "root": parsed.root, "bundle": parsed.bundle,
+                           "reason": reason, "receipt": str(receipt_path(cid))})
+    except Exception as e:  # noqa: BLE001
+        reason += f" (and no receipt: {e})"
+    return CreateOutcome("cold", f"coldsnap: {reason}; starting the container cold")
+
+
+# --- poststart ---------------------------------------------------------------------------------------------------
+@dataclass
+class Validated:
+    ok: bool
+    message: str
+    receipt: Receipt | None = None
+
+
+def validate_restored(state: dict) -> Validated | None:
+    """The poststart hook's work for the container in `state` (OCI state JSON): None when the shim did not restore
+    it (or it is validated already); else validate it, write its receipt and say how it went."""
+    cid = state["id"]
+    record = records.load(cid)
+    if record is None or record.get("validated"):
+        return None
+    if record.get("outcome") == "fell-back":
+        return Validated(True, f"{cid} started cold: {record.get('reason')} (receipt {record.get('receipt')})")
+    pid = int(state.get("pid") or record["pid"])
+    request = RestoreRequest.model_validate(record["request"])
+    tl = Timeline.from_dict(record["timeline"])
+    target = Target(pid=pid, port=int(record["port"]), host=record.get("host"))
+    try:
+        start = time.monotonic()
+        try:
+            res = validate(target, Validation.model_validate(record["validation"]), record["expected_text"])
+        finally:
+            tl.add("validate", start, time.monotonic())
+    except ColdSnapError as e:
+        receipt = finish_receipt(request, cid, "restore", tl, "failed",
+                                 result={"container": cid, "capsule": record["capsule"]}, error=e)
+        return Validated(False, f"{cid} restored from {record['capsule'][:19]}… but failed validation against "
+                         f"{target.describe()}: {e} (receipt {receipt_path(cid)})", receipt)
+    ttft = res.first_token_s - record["t0"]
+    receipt = finish_receipt(request, cid, "restore", tl, "succeeded", result={
+        "container": cid, "capsule": record["capsule"], "pid": pid, "address": target.describe(),
+        "time_to_first_token_s": round(ttft, 4), "validated_text": res.text,
+        "cuda_processes": record.get("cuda_processes", 0), "criu_options": record.get("criu_options", []),
+        "runc_restore": record.get("runc_restore", []), "weights_mode": record.get("weights_mode")})
+    record.update(validated=True, receipt=str(receipt_path(cid)))
+    records.save(cid, record)
+    return Validated(True, f"{cid} restored from {record['capsule'][:19]}… and validated: first token {ttft:.3f} s "
+                     f"after the restore began (receipt {receipt_path(cid)})", receipt)

@@ -1,0 +1,87 @@
+"""stage: verify every blob digest of an admitted capsule, check its pinned weights (materialising a weights
+payload), unpack its CRIU images and files once per capsule digest under <run>/staged/, and put back the CUDA code
+files its processes map. Shared by process and container restores; `restore --prepare-only` stops here."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from coldsnap.base.files import private_dir
+from coldsnap.base.paths import settings
+from coldsnap.capsule import CapsuleStore, LoadedCapsule, unpack_layer
+from coldsnap.capsule.payload import materialize
+from coldsnap.capsule.pinned import verify_weights
+from coldsnap.contracts import capsule as mt
+from coldsnap.gpu import codestash
+from coldsnap.workload import hostfiles
+
+
+@dataclass
+class Staged:
+    capsule: LoadedCapsule
+    images: Path
+    files: Path | None
+
+
+def stage(capsule: LoadedCapsule) -> Staged:
+    """Verify every blob digest, check pinned weights, unpack CRIU images (cached per capsule digest), put back
+    the CUDA code files the capsule's processes map."""
+    store = CapsuleStore(settings().store)
+    store.verify(capsule)
+    profile = capsule.profile
+    payload = capsule.manifest.get("annotations", {}).get(mt.ANNOTATION_PAYLOAD)
+    if reloads_weights(capsule):
+        if payload:
+            materialize(store, payload, profile.model.weights)
+        verify_weights(profile.model.weights)
+    root = private_dir(settings().run / "staged") / capsule.digest.split(":")[1]
+    try:
+        _unpack(store, capsule, root)
+    except OSError:  # a concurrent restore of the same capsule removed or published the directory under us
+        _unpack(store, capsule, root)
+    files = root / "files"
+    staged = Staged(capsule=capsule, images=root / "images", files=files if files.exists() else None)
+    put_back_files(staged, only_code=True)  # big, and the same for every restore: here, off the restore's clock
+    return staged
+
+
+def _unpack(store: CapsuleStore, capsule: LoadedCapsule, root: Path) -> None:
+    """The capsule's CRIU images and files under root, published whole (root/.complete) or not at all."""
+    done = root / ".complete"
+    if done.exists():
+        return
+    shutil.rmtree(root, ignore_errors=True)
+    tmp = private_dir(root.with_name(root.name + f".tmp{os.getpid()}"))
+    try:
+        unpack_layer(store.blob_path(capsule.layer(mt.LAYER_CRIU).digest), tmp / "images")
+        files_layer = capsule.layer(mt.LAYER_FILES)
+        if files_layer:
+            unpack_layer(store.blob_path(files_layer.digest), tmp / "files")
+        (tmp / ".complete").write_text(capsule.digest)
+        try:
+            os.replace(tmp, root)
+        except OSError:
+            if not done.exists():  # not a concurrent stager that finished first
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def reloads_weights(capsule: LoadedCapsule) -> bool:
+    """Whether the restored engine reloads its weights from files (recovery's pinned files, or native weights that
+    travel as a payload), rather than finding them in its restored memory."""
+    payload = capsule.manifest.get("annotations", {}).get(mt.ANNOTATION_PAYLOAD)
+    return bool(capsule.profile.model) and (bool(payload) or capsule.profile.weights_mode == "recovery")
+
+
+def put_back_files(staged: Staged, only_code: bool = False) -> None:
+    """Files the process held open must look as they did at the dump (CRIU checks their size): the run dir's log,
+    host /dev/shm state, CUDA code files (only those with only_code). Sparse, atomic, with their recorded mode."""
+    for i, f in enumerate(staged.capsule.profile.files):
+        if not only_code or codestash.is_code_file(f.path):
+            hostfiles.put_back_file(staged.files / str(i) if staged.files else None, f)
