@@ -2,7 +2,7 @@
 VENV ?= .venv
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-containers demo test test-fast bench clean-state
+.PHONY: setup setup-containers demo lint test test-fast bench clean-state
 
 setup:
 	@VENV=$(VENV) packaging/setup.sh
@@ -13,10 +13,15 @@ setup-containers: setup
 demo: setup
 	$(VENV)/bin/coldsnap demo
 
-test: setup
+# The floors (import-linter contracts in pyproject.toml) and ruff, before the suite: both fail fast.
+lint: setup
+	$(VENV)/bin/ruff check coldsnap tests packaging
+	$(VENV)/bin/lint-imports
+
+test: lint
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
-test-fast: setup
+test-fast: lint
 	$(VENV)/bin/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 bench: setup

@@ -272,8 +272,6 @@ def state(root: Path, cid: str) -> dict | None:
     return json.loads(r.stdout) if r.returncode == 0 else None
 
 
-def force_delete(root: Path, cid: str) -> None:
-    runc(root, "delete", "-f", cid)
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
@@ -294,8 +292,6 @@ def netns_http(netns: str, path: str, port: int = ENGINE_PORT, timeout: float = 
     return int(code or 0), body
 
 
-def rm_tree(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def completion_in(pid: int, port: int = ENGINE_PORT) -> str:

@@ -56,7 +56,8 @@ def stream(host: str, port: int, model: str, prompt: str, max_tokens: int, pace:
 
 
 def main(argv: list[str]) -> int:
-    host, port, model, max_tokens, pace, prompts = argv[0], int(argv[1]), argv[2], int(argv[3]), float(argv[4]), argv[5:]
+    host, port, model, prompts = argv[0], int(argv[1]), argv[2], argv[5:]
+    max_tokens, pace = int(argv[3]), float(argv[4])
     results = [dict() for _ in prompts]
     first = threading.Semaphore(0)
     threads = [threading.Thread(target=stream, args=(host, port, model, p, max_tokens, pace, r, first), daemon=True)

@@ -85,7 +85,8 @@ def test_capture_writes_a_private_verified_capsule_and_stops_the_workload(captur
 def test_restore_twice_from_one_capsule(captured):
     texts = []
     for _ in range(2):
-        r = restore(RestoreRequest(operation="restore", capsule=captured.capsule, policy=Policy(fallback_to_cold=False)))
+        r = restore(RestoreRequest(operation="restore", capsule=captured.capsule,
+                                   policy=Policy(fallback_to_cold=False)))
         assert r.state == "succeeded"
         res = r.result
         assert res["validated_text"] == captured.profile.expected_text

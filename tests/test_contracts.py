@@ -169,7 +169,7 @@ def test_types_per_operation():
 
 
 def run_cli(*args, stdin=""):
-    return subprocess.run([sys.executable, "-m", "coldsnap.cli.main", *args], input=stdin, capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "coldsnap.cli", *args], input=stdin, capture_output=True, text=True)
 
 
 def test_cli_validate_request_rejects_with_one_line_and_exit_2():

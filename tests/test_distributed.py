@@ -149,7 +149,7 @@ def _capture_and_restore_twice(tmp_path_factory, monkeypatch, devices: list[str]
     assert len(profile.prefetch_plans) == (2 if devices else 0) and set(profile.prefetch_plans) <= set(
         profile.gpus_used)
     try:
-        for attempt in range(2):
+        for _ in range(2):
             r = restore(RestoreRequest(operation="restore", capsule=cap.capsule, policy={"fallback_to_cold": False}))
             assert r.state == "succeeded", r
             res = r.result

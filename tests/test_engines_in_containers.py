@@ -221,7 +221,8 @@ def vllm_restored(lab, vllm_cold):
     after = ctr.completions()
     m = MEASURED["vllm"]
     m.update(capture_s=round(took, 1), capsule_mib=round(res.receipt.result["capsule_bytes"] / 2**20),
-             criu_dump_s=_span(res.receipt.model_dump(), "criu-dump"), restore_create_start_s=round(restored["wall_s"], 2),
+             criu_dump_s=_span(res.receipt.model_dump(), "criu-dump"),
+             restore_create_start_s=round(restored["wall_s"], 2),
              restore_ttft_s=restored["receipt"]["result"]["time_to_first_token_s"],
              restore_criu_s=_span(restored["receipt"], "criu-restore"), stage_s=_span(restored["receipt"], "stage"))
     return {"capture": res, "gone": gone, "restored": restored, "after": after}

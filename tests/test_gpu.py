@@ -249,7 +249,8 @@ def test_failing_call_raises_gpu_failed_with_the_drivers_error_name():
         api.restore(123)
     assert e.value.code is ErrorCode.GPU_FAILED
     assert e.value.message == "cuCheckpointProcessRestore(pid 123): CUDA_ERROR_NOT_SUPPORTED (801)"
-    with pytest.raises(ColdSnapError, match=r"cuCheckpointProcessCheckpoint\(pid 9\): CUDA_ERROR_ILLEGAL_STATE \(401\)"):
+    with pytest.raises(ColdSnapError,
+                       match=r"cuCheckpointProcessCheckpoint\(pid 9\): CUDA_ERROR_ILLEGAL_STATE \(401\)"):
         api.checkpoint(9)
     with pytest.raises(ColdSnapError, match=r"cuCheckpointProcessUnlock\(pid 9\): CUDA_ERROR_77 \(77\)"):
         api.unlock(9)
@@ -444,7 +445,8 @@ def torch_python(cuda_api):
 
 class TorchChild:
     def __init__(self, python, *args):
-        self.p = subprocess.Popen([python, "-c", CHILD, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        self.p = subprocess.Popen([python, "-c", CHILD, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  text=True,
                                   env={**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1"})
         line = self.p.stdout.readline().split()
         assert line and line[0] == "READY", f"child failed to start: {line}"

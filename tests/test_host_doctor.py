@@ -61,7 +61,8 @@ def test_host_profile_is_sane_here():
 
 
 def test_read_cpuinfo_x86_and_arm():
-    x86 = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx512f fpu\n\nprocessor\t: 1\nmodel name\t: AMD EPYC\n"
+    x86 = ("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx512f fpu\n\n"
+           "processor\t: 1\nmodel name\t: AMD EPYC\n")
     assert read_cpuinfo(x86) == ("AMD EPYC", ["avx512f", "fpu", "sse2"])
     arm = "processor\t: 0\nFeatures\t: fp asimd sve\nCPU implementer\t: 0x41\nCPU part\t: 0xd4f\n"
     assert read_cpuinfo(arm) == ("implementer 0x41 part 0xd4f", ["asimd", "fp", "sve"])
@@ -83,7 +84,8 @@ def test_criu_parsers():
     assert version_tuple("4.2.1") == (4, 2, 1) and version_tuple("4.2-rc1") == (4, 2) and version_tuple("x") == ()
     noise = "rlimit: Can't setup RLIMIT_NOFILE for self: Operation not permitted\nLooks good.\n"
     assert interpret_criu_check(0, noise) == (True, "Looks good.")
-    ok, detail = interpret_criu_check(1, noise.replace("Looks good.", "Error (criu/vdso.c:123): vdso: Unexpected rt vDSO area bounds"))
+    vdso = "Error (criu/vdso.c:123): vdso: Unexpected rt vDSO area bounds"
+    ok, detail = interpret_criu_check(1, noise.replace("Looks good.", vdso))
     assert not ok and "vDSO" in detail and "RLIMIT" not in detail
     assert interpret_criu_check(1, "Looks good.\n")[0] is False
 

@@ -1,5 +1,5 @@
-"""State a workload keeps outside CRIU's images (coldsnap.workload.hostfiles): here, a container's /dev/shm bound from the
-host (podman, docker, containerd), which a capture carries and a restore writes into the new container's. The
+"""State a workload keeps outside CRIU's images (coldsnap.workload.hostfiles): here, a container's /dev/shm bound from
+the host (podman, docker, containerd), which a capture carries and a restore writes into the new container's. The
 whole path runs for real with vLLM under podman (tests/test_shim_podman.py); these check its parts."""
 
 from __future__ import annotations

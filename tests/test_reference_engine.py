@@ -197,13 +197,15 @@ def test_completion_is_openai_shaped_nonempty_and_deterministic(eager):
     assert out["object"] == "text_completion" and out["model"] == "coldsnap/reference-tiny"
     choice = out["choices"][0]
     assert choice["index"] == 0 and choice["finish_reason"] == "length" and len(choice["text"]) == 16
-    assert out["usage"] == {"prompt_tokens": len(PROMPTS[0]) + 1, "completion_tokens": 16, "total_tokens": len(PROMPTS[0]) + 17}
+    assert out["usage"] == {"prompt_tokens": len(PROMPTS[0]) + 1, "completion_tokens": 16,
+                            "total_tokens": len(PROMPTS[0]) + 17}
     assert eager.complete(PROMPTS[0]) == choice["text"]
     assert eager.complete(PROMPTS[1]) != choice["text"]
 
 
 def test_streamed_chunks_concatenate_to_the_completion(eager):
-    status, data, ctype = eager.request("POST", "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 10, "stream": True})
+    status, data, ctype = eager.request("POST", "/v1/completions",
+                                        {"prompt": PROMPTS[1], "max_tokens": 10, "stream": True})
     assert status == 200 and ctype.startswith("text/event-stream")
     events = [e[len("data: "):] for e in data.decode().split("\n\n") if e]
     assert events[-1] == "[DONE]"

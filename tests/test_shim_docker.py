@@ -1,8 +1,9 @@
 """coldsnap-runtime under dockerd 20.10, for real: a private dockerd (its own data-root, exec-root and socket,
 daemon.json from packaging/containers/) with the runtime registered as "coldsnap". A reference-engine container
 captured with capture_container comes back restored from `docker run --runtime coldsnap`, and falls back cold
-when its capsule is refused; real vLLM and SGLang containers come back with the same completions. Docker 20.10 has no `run --annotation`: the capsule is named by the container's
-COLDSNAP_CAPSULE environment variable (the shim's stand-in for io.coldsnap.capsule)."""
+when its capsule is refused; real vLLM and SGLang containers come back with the same completions. Docker 20.10
+has no `run --annotation`: the capsule is named by the container's COLDSNAP_CAPSULE environment variable (the
+shim's stand-in for io.coldsnap.capsule)."""
 
 from __future__ import annotations
 

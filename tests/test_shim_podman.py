@@ -154,7 +154,8 @@ def test_podman_run_falls_back_cold_when_the_capsule_is_refused(podman, captured
 def run_launch(podman: Podman, name: str, launch, netns: str, *extra: str) -> subprocess.CompletedProcess:
     """`podman run -d` of an engine adapter's container launch in a network namespace made beforehand (a pod's):
     clients reach it from the host."""
-    return podman("run", "-d", "--name", name, "--runtime", str(podman.runtime), "--network", f"ns:/var/run/netns/{netns}",
+    return podman("run", "-d", "--name", name, "--runtime", str(podman.runtime),
+                  "--network", f"ns:/var/run/netns/{netns}",
                   *LIMITS, *launch_run_args(launch), *extra, IMAGE, *launch.argv, check=False)
 
 
@@ -180,7 +181,8 @@ def test_podman_restores_an_engine_container_with_the_same_completions(podman, p
     assert r.returncode == 0, r.stderr
     wait_for(lambda: healthy_at(ns.address, 8000) or podman.inspect(name)["State"]["Status"] != "running", 600,
              f"{engine} to answer /health")
-    assert healthy_at(ns.address, 8000), f"the {engine} container stopped: {podman('logs', name, check=False).stderr[-800:]}"
+    assert healthy_at(ns.address, 8000), \
+        f"the {engine} container stopped: {podman('logs', name, check=False).stderr[-800:]}"
     before = completions(ns.address, 8000, model)
     assert len(set(before)) > 1, before  # not degenerate
     res = capture_container(podman.inspect(name)["Id"], "/run/runc", engine=engine, tag=f"podman-{engine}")
@@ -202,5 +204,6 @@ def test_podman_restores_an_engine_container_with_the_same_completions(podman, p
     assert completions(ns.address, 8000, model) == before
     shm = [f.path for f in res.profile.files if f.path.startswith("/dev/shm/")]
     print(f"\n[measured] {engine} under podman: restore → first token {rec['result'].get('time_to_first_token_s')} s; "
-          f"{len(shm)} /dev/shm file(s) carried; capture {[(s.name, round(s.duration_s, 2)) for s in res.receipt.spans]}")
+          f"{len(shm)} /dev/shm file(s) carried; "
+          f"capture {[(s.name, round(s.duration_s, 2)) for s in res.receipt.spans]}")
     podman("rm", "-f", "-t", "0", restored)

@@ -150,8 +150,8 @@ class CapsuleStore:
         digest, size = checked_sha256(path)  # hashed unless unchanged since its last check (coldsnap.base.digests)
         if digest != desc.digest or size != desc.size:
             raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT,
-                                f"blob {desc.digest} ({desc.media_type}) fails verification: content hashes to {digest}, "
-                                f"{size} bytes (expected {desc.size})")
+                                f"blob {desc.digest} ({desc.media_type}) fails verification: content hashes to "
+                                f"{digest}, {size} bytes (expected {desc.size})")
         return path
 
     def read_verified(self, desc: Descriptor) -> bytes:

@@ -36,7 +36,8 @@ class WeightFile(Strict):
 
 class Model(Strict):
     id: str = Field(min_length=1, description="Model name, e.g. coldsnap/reference-tiny.")
-    revision: str = Field(min_length=1, description="Immutable revision (a commit hash or content digest, not a branch).")
+    revision: str = Field(min_length=1,
+                          description="Immutable revision (a commit hash or content digest, not a branch).")
     weights: list[WeightFile] = Field(default_factory=list)
 
 

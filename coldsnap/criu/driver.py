@@ -136,7 +136,8 @@ class CriuDriver:
                 client.dump()
             except self.pycriu.CRIUException as e:
                 raise ColdSnapError(
-                    ErrorCode.CRIU_FAILED, f"criu dump of pid {pid} failed: {first_error_line(images_dir / 'dump.log')} "
+                    ErrorCode.CRIU_FAILED,
+                    f"criu dump of pid {pid} failed: {first_error_line(images_dir / 'dump.log')} "
                     f"(log: {images_dir / 'dump.log'}; {e})"
                 ) from None
             return time.monotonic() - t0

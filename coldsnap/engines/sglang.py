@@ -8,7 +8,8 @@ The engine runs from its own venv (default /var/lib/coldsnap/venvs/sglang). What
   - own PID namespace, --tcp-established (the scheduler's TCPStore connection to itself), --link-remap (a POSIX
     semaphore mapped under a deleted name): provided by the generic process-mode flow;
   - /dev/shm/sglang_loads_*.shm and the semaphore's link_remap.N are state outside the CRIU images in process
-    mode: coldsnap.workload.hostfiles carries them in the capsule (in a container, its own /dev/shm tmpfs is in the images);
+    mode: coldsnap.workload.hostfiles carries them in the capsule (in a container, its own /dev/shm tmpfs is in
+    the images);
   - as PID 1 of its namespace the leader hangs on SIGTERM: stop it with SIGKILL (kill_tree does).
 
 Weights mode is native only. SGLang's /release_memory_occupation and /resume_memory_occupation are implemented with

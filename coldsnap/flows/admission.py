@@ -60,7 +60,7 @@ def admit(captured: HostProfile, host: HostProfile, strictness: str = "strict",
         if captured.gpus:
             check(captured.driver_version == host.driver_version,
                   f"NVIDIA driver {captured.driver_version} vs {host.driver_version} here", True)
-            check(_major_minor(captured.driver_version) .split(".")[0] == _major_minor(host.driver_version).split(".")[0],
+            check((captured.driver_version or "").split(".")[0] == (host.driver_version or "").split(".")[0],
                   f"NVIDIA driver branch {captured.driver_version} vs {host.driver_version} here", False)
             check(captured.cuda_version == host.cuda_version,
                   f"CUDA {captured.cuda_version} vs {host.cuda_version} here", False)

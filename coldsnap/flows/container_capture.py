@@ -97,8 +97,8 @@ def capture_container(container_id: str, runc_root: str | Path = "/run/runc", bu
     tl = Timeline()
     op_id = f"capture-{container_id[:24]}-{uuid.uuid4().hex[:8]}"
     with receipt_on_failure(request, op_id, "capture", tl):
-        result, profile = _capture(request, container_id, runc_root, int(state["pid"]), val_ann.get("host"), runc, tl, progress,
-                          shm_source=hostfiles.bound_shm_source(spec))
+        result, profile = _capture(request, container_id, runc_root, int(state["pid"]), val_ann.get("host"), runc,
+                                   tl, progress, shm_source=hostfiles.bound_shm_source(spec))
     receipt = finish_receipt(request, op_id, "capture", tl, "succeeded", result=result)
     return CaptureResult(capsule=result["capsule"], profile=profile, receipt=receipt)
 

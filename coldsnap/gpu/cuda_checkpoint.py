@@ -132,7 +132,8 @@ class CudaCheckpointAPI:
                         tried.append(f"{name} ({e})")
                 if self._lib is None:
                     self._reason = (
-                        f"cannot load {tried[0]}" if self.lib_path else "libcuda.so.1 not found (no NVIDIA driver on this host)"
+                        f"cannot load {tried[0]}" if self.lib_path
+                        else "libcuda.so.1 not found (no NVIDIA driver on this host)"
                     )
                     return
                 self._declare()
@@ -201,7 +202,8 @@ class CudaCheckpointAPI:
         v = ctypes.c_int()
         rc = self._lib.cuDriverGetVersion(ctypes.byref(v))
         if rc != 0:
-            raise ColdSnapError(ErrorCode.GPU_FAILED, format_cuda_error("cuDriverGetVersion", None, rc, error_name(rc, self._lib)))
+            raise ColdSnapError(ErrorCode.GPU_FAILED,
+                                format_cuda_error("cuDriverGetVersion", None, rc, error_name(rc, self._lib)))
         return v.value
 
     def driver_version_text(self) -> str:
@@ -253,7 +255,8 @@ class CudaCheckpointAPI:
             raise ColdSnapError(
                 ErrorCode.INCOMPATIBLE,
                 f"cuCheckpointProcessRestore(pid {pid}): restoring onto other GPUs (UUID remapping) needs a driver "
-                f"with CUDA {_cuda_version_text(REMAP_MIN_DRIVER)}+ (r575+); this driver is CUDA {_cuda_version_text(version)}",
+                f"with CUDA {_cuda_version_text(REMAP_MIN_DRIVER)}+ (r575+); this driver is CUDA "
+                f"{_cuda_version_text(version)}",
             )
         args, keep = build_restore_args(pairs)
         hint = f" [with {len(pairs)} GPU UUID remapping pair(s); the driver may not support remapping these GPUs]"

@@ -108,10 +108,6 @@ def driver_version() -> str | None:
     return discover().driver_version
 
 
-def cuda_driver_version() -> str | None:
-    return discover().cuda_version
-
-
 def gpus() -> list[GpuInfo]:
     return discover().gpus
 

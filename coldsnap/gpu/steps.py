@@ -152,8 +152,8 @@ def start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir) -
                 plan = ["--plan", name + ".plan.json"]
             p.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "coldsnap.gpu.prefetch", "--file", weights.path, "--gpu", gpu,
-                 "--socket", sock, "--hold", "--threads", threads, *plan], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, start_new_session=True))
+                 "--socket", sock, "--hold", "--threads", threads, *plan], env=env, stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True))
         except OSError as e:
             return _abandon(p, f"could not start the prefetcher: {e}")  # its plan file included
     return p

@@ -183,7 +183,8 @@ def check_container_tools() -> list[Check]:
             status: Status = "ok" if p.returncode == 0 else "warn"
         except (OSError, subprocess.TimeoutExpired) as e:
             version, status = f"version query failed: {e}", "warn"
-        rows.append(Check(f"tool {name}", status, f"{version} ({path})", "" if status == "ok" else "make setup-containers"))
+        rows.append(Check(f"tool {name}", status, f"{version} ({path})",
+                          "" if status == "ok" else "make setup-containers"))
     return rows
 
 
@@ -284,7 +285,8 @@ def check_nvidia() -> list[Check]:
         listed = ", ".join(f"{g.index}: {g.name} {g.memory_mib} MiB cc {g.compute_capability}" for g in report.gpus)
         rows.append(Check("nvidia gpus", "ok",
                           f"driver {report.driver_version}, CUDA {report.cuda_version}; {listed}",
-                          "", {"driver": report.driver_version, "cuda": report.cuda_version, "count": len(report.gpus)}))
+                          "", {"driver": report.driver_version, "cuda": report.cuda_version,
+                               "count": len(report.gpus)}))
     elif report.driver_version:
         rows.append(Check("nvidia gpus", "warn", f"driver {report.driver_version} but no GPU visible: CPU-only capture",
                           "check the device nodes / NVIDIA_VISIBLE_DEVICES"))

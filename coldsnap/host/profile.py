@@ -56,7 +56,8 @@ def _run(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
     try:
         return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     except FileNotFoundError:
-        raise ColdSnapError(ErrorCode.ENVIRONMENT, f"CRIU not found at {argv[0]} (run packaging/criu/provision.sh)") from None
+        raise ColdSnapError(ErrorCode.ENVIRONMENT,
+                            f"CRIU not found at {argv[0]} (run packaging/criu/provision.sh)") from None
     except PermissionError:
         raise ColdSnapError(ErrorCode.ENVIRONMENT, f"CRIU at {argv[0]} is not executable") from None
     except subprocess.TimeoutExpired:

@@ -55,7 +55,8 @@ def allocate_plan(name: str, port: int) -> NetworkPlan:
     addresses, links = _host_addresses(), _host_links()
     names = set(netns.listnetns())
     if f"coldsnap-{name}" in names:
-        raise ColdSnapError(ErrorCode.RESOURCE_BUSY, f"network namespace coldsnap-{name} exists: workload {name!r} is running "
+        raise ColdSnapError(ErrorCode.RESOURCE_BUSY,
+                            f"network namespace coldsnap-{name} exists: workload {name!r} is running "
                             f"(stop it with `coldsnap stop {name}`)")
     for slot in range(MAX_SLOTS):
         plan = plan_for_slot(name, slot, port)

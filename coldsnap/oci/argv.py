@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 
 GLOBAL_VALUE = frozenset({"root", "log", "log-format", "criu", "rootless"})
-GLOBAL_BOOL = frozenset({"debug", "systemd-cgroup", "help", "h", "version", "v"})
 
 # Flags of runc 1.1 subcommands that take a value (the rest are booleans).
 VALUE_FLAGS: dict[str, frozenset[str]] = {

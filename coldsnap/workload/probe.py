@@ -89,8 +89,8 @@ class ValidationProbe:
                          headers={"Content-Type": "application/json", "Connection": "close"})
             resp = conn.getresponse()
             if resp.status != 200:
-                raise ColdSnapError(ErrorCode.VALIDATION_FAILED,
-                                    f"completion answered HTTP {resp.status}: {resp.read(200).decode(errors='replace')}")
+                body = resp.read(200).decode(errors="replace")
+                raise ColdSnapError(ErrorCode.VALIDATION_FAILED, f"completion answered HTTP {resp.status}: {body}")
             for text in completion_stream(resp):
                 if text and first is None:
                     first = time.monotonic()

@@ -11,7 +11,8 @@ for f in sorted(d.glob("*.json"), key=lambda p: p.stat().st_mtime):
     res = r.get("result") or {}
     if r.get("operation") == "capture":
         rel = res.get("release") or {}
-        print(f"capture {res.get('capsule', '')[:19]} pages_written={(res.get('criu_stats') or {}).get('pages_written')} "
+        pages = (res.get("criu_stats") or {}).get("pages_written")
+        print(f"capture {res.get('capsule', '')[:19]} pages_written={pages} "
               f"gpu_used_after_release={rel.get('gpu_used_bytes')} torch_reserved={rel.get('torch_reserved_bytes')} "
               f"code_stash={rel.get('code_stash')}")
         continue

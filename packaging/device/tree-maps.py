@@ -41,7 +41,8 @@ def show(pid: int) -> None:
         elif head[0] == "Rss:":
             entry["rss"] = int(head[1]) << 10
         elif head[0] == "VmFlags:" and entry and entry["size"] >= MIN:
-            print(f"   {entry['start']:#14x} {entry['size'] >> 20:6d} MiB  rss {entry['rss'] >> 20:6d} MiB  {entry['name'][:60]:60s}  "
+            print(f"   {entry['start']:#14x} {entry['size'] >> 20:6d} MiB  rss {entry['rss'] >> 20:6d} MiB  "
+                  f"{entry['name'][:60]:60s}  "
                   f"{' '.join(head[1:])}", file=sys.stderr)
             if entry["name"] == "anon" and entry["rss"] >= MIN:
                 print(f"      {sample(pid, entry['start'], entry['size'])}", file=sys.stderr)

@@ -214,7 +214,8 @@ class Handler(BaseHTTPRequestHandler):
         try:
             fn = routes.get(path)
             if fn is None:
-                known = {"/health", "/v1/models", "/v1/completions", "/coldsnap/info", "/coldsnap/release", "/coldsnap/resume"}
+                known = {"/health", "/v1/models", "/v1/completions", "/coldsnap/info", "/coldsnap/release",
+                         "/coldsnap/resume"}
                 if path in known:
                     raise BadRequest(f"method {self.command} not allowed on {path}", 405)
                 raise BadRequest(f"no route {path}", 404)
@@ -234,7 +235,8 @@ class Handler(BaseHTTPRequestHandler):
         self._dispatch({"/health": self.health, "/v1/models": self.models, "/coldsnap/info": self.info})
 
     def do_POST(self) -> None:  # noqa: N802
-        self._dispatch({"/v1/completions": self.completions, "/coldsnap/release": self.release, "/coldsnap/resume": self.resume})
+        self._dispatch({"/v1/completions": self.completions, "/coldsnap/release": self.release,
+                        "/coldsnap/resume": self.resume})
 
     # --- endpoints ---
 
@@ -296,7 +298,8 @@ class Handler(BaseHTTPRequestHandler):
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
             self._json(
                 200,
-                {"id": cid, "object": "text_completion", "created": created, "model": e.model_id, "choices": [choice], "usage": usage},
+                {"id": cid, "object": "text_completion", "created": created, "model": e.model_id,
+                 "choices": [choice], "usage": usage},
             )
             return
         try:
@@ -319,10 +322,13 @@ class Handler(BaseHTTPRequestHandler):
             while first is not None:
                 text, first = first, next(gen, None)
                 i += 1
-                choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": None if first is not None else "length"}
-                event({"id": cid, "object": "text_completion", "created": created, "model": e.model_id, "choices": [choice]})
+                choice = {"index": 0, "text": text, "logprobs": None,
+                          "finish_reason": None if first is not None else "length"}
+                event({"id": cid, "object": "text_completion", "created": created, "model": e.model_id,
+                       "choices": [choice]})
             if req["usage"]:
-                event({"id": cid, "object": "text_completion", "created": created, "model": e.model_id, "choices": [], "usage": usage})
+                event({"id": cid, "object": "text_completion", "created": created, "model": e.model_id,
+                       "choices": [], "usage": usage})
             event(b"[DONE]")
         finally:
             gen.close()  # a client gone mid-stream frees the lock here
@@ -344,20 +350,24 @@ class Server(ThreadingHTTPServer):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m coldsnap.engines.reference.server", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m coldsnap.engines.reference.server",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--weights", required=True, help="safetensors file; generated (seeded) when missing")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="torch.compile the model steps")
-    p.add_argument("--compile-mode", default="default", help='torch.compile mode (default: "default"; CUDA graphs come from --cuda-graphs)')
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="torch.compile the model steps")
+    p.add_argument("--compile-mode", default="default",
+                   help='torch.compile mode (default: "default"; CUDA graphs come from --cuda-graphs)')
     p.add_argument(
         "--cuda-graphs",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="capture CUDA graphs of the prefill and decode steps (default: on with --device cuda)",
     )
-    p.add_argument("--compile-cache", default=None, help="inductor cache directory (TORCHINDUCTOR_CACHE_DIR); the process maps compiled kernels from it")
+    p.add_argument("--compile-cache", default=None,
+                   help="inductor cache directory (TORCHINDUCTOR_CACHE_DIR); the process maps compiled kernels from it")
     p.add_argument(
         "--compile-cache-policy",
         choices=("kernels", "all", "fresh"),
@@ -375,7 +385,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--intermediate", type=int, help="MLP width (default: about 8/3 of hidden)")
     p.add_argument("--max-seq", type=int)
     p.add_argument("--prefill-chunk", type=int)
-    p.add_argument("--kv-mib", type=float, default=None, help="KV cache buffer size in MiB (default 64 on CPU, 1024 on CUDA)")
+    p.add_argument("--kv-mib", type=float, default=None,
+                   help="KV cache buffer size in MiB (default 64 on CPU, 1024 on CUDA)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default min(2, cpu count))")
     p.add_argument("--warmup-tokens", type=int, default=8, help="tokens generated per warm-up prompt")
     p.add_argument("--model-id", default=DEFAULT_MODEL_ID)
@@ -610,7 +621,8 @@ def _compile_cache_env(args: argparse.Namespace) -> None:
     if args.compile_cache_policy == "fresh" and args.compile:
         import tempfile
 
-        root = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(tempfile.gettempdir(), f"torchinductor_uid{os.getuid()}")
+        root = (os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+                or os.path.join(tempfile.gettempdir(), f"torchinductor_uid{os.getuid()}"))
         os.makedirs(root, exist_ok=True)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="fresh-", dir=root)
 
