@@ -206,6 +206,7 @@ def _fall_back(runc: str, parsed: RuncArgv, creq: ContainerRequest, tl: Timeline
     if attempted:  # never leave a half-restored container (only ours: a restore was tried under this id)
         _remove_container(runc, parsed)
     records.forget(cid)
+    shutil.rmtree(records.work_dir_path(cid), ignore_errors=True)  # what is worth keeping sits beside the receipt
     reason = f"{cause.code.value}: {cause.message}"
     if not may_fall_back(cause, creq.request.policy, own_launch=True):
         finish_receipt(creq.request, cid, "restore", tl, failed_state(cause), error=cause)

@@ -62,10 +62,12 @@ def belongs(data: dict | None, root: str) -> bool:
 
 
 def forget(container_id: str) -> None:
-    """The container is gone (or never came up restored): its record and its restore work directory go."""
+    """The container is gone: its record goes, and the work directory the record names. (Not the work directory
+    of a restore in progress, which has no record yet: runc runs the poststop hook when a restore fails, and the
+    shim keeps CRIU's log from it before it cleans up.)"""
     import shutil
 
     record = load(container_id) or {}
-    for work in {record.get("work_dir"), work_dir_path(container_id)} - {None, ""}:
-        shutil.rmtree(work, ignore_errors=True)
+    if record.get("work_dir"):
+        shutil.rmtree(record["work_dir"], ignore_errors=True)
     remove(container_id)
