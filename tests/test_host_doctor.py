@@ -11,12 +11,12 @@ import pytest
 
 from coldsnap.base.paths import settings
 from coldsnap.contracts import Capabilities, ColdSnapError, HostProfile
+from coldsnap.host.capabilities import REPO_RESULTS, capabilities, qualifications
 from coldsnap.host.doctor import (
     CAP_CHECKPOINT_RESTORE,
     CAP_SYS_ADMIN,
     CAP_SYS_RESOURCE,
     Check,
-    capabilities,
     cgroup_version,
     check_capabilities,
     doctor_json,
@@ -196,10 +196,33 @@ def test_capabilities_document():
     assert doc["request_formats"] == doc["receipt_formats"] == doc["capsule_formats"] == [1]
     assert doc["operations"] == ["capture", "restore", "prepare", "sleep", "wake", "status", "stop"]
     assert doc["engines"] == ["reference", "vllm", "sglang"]
-    assert doc["snapshot_drivers"] == ["criu-process", "criu-runc", "cuda-checkpoint"]
+    assert doc["snapshot_drivers"] == ["criu-process", "criu-runc"]
     assert doc["weights_modes"] == ["native", "recovery", "auto"]
-    assert {"criu-process/cpu", "criu-process/cuda", "registry"} <= set(doc["qualified"])
-    assert all(isinstance(v, str) and v for v in doc["qualified"].values())
+    # Every claim comes from a result file of the checkout, and every bench result there makes one.
+    assert doc["results"] == str(REPO_RESULTS)
+    evidence = [q["evidence"] for q in doc["qualified"]]
+    assert evidence and all((REPO_RESULTS.parents[1] / e).is_file() for e in evidence)
+    benches = {str(p.relative_to(REPO_RESULTS.parents[1])) for p in REPO_RESULTS.rglob("*.json")
+               if json.loads(p.read_text()).get("kind") == "coldsnap.bench"}
+    assert benches and benches <= set(evidence)
+
+
+def test_a_claim_says_what_its_result_file_measured(tmp_path):
+    assert qualifications(tmp_path) == []  # no result files, no claims
+    (tmp_path / "x.json").write_text(json.dumps({
+        "kind": "coldsnap.bench", "engine": "reference", "device": "cpu", "weights_mode": "recovery",
+        "vanilla": {"median_s": 12.5}, "restore": {"median_s": 0.25}, "validations": {"restore": "7/8"},
+        "fell_back": 1, "physical_limit": {"limit_s": 0.2}, "page_cache": "warm",
+        "host": {"cpu_model": "AMD EPYC", "criu": "4.2.1", "gpus": []}}))
+    (tmp_path / "y.receipts.json").write_text(json.dumps({"command": "gpu-bench.sh sleepwake", "receipts": [
+        {"operation": "sleep", "state": "succeeded"}, {"operation": "wake", "state": "failed"}]}))
+    (tmp_path / "z.json").write_text("[not a result]")
+    got = {q.evidence: q.claim for q in qualifications(tmp_path)}
+    assert set(got) == {str(tmp_path / "x.json"), str(tmp_path / "y.receipts.json")}
+    x = got[str(tmp_path / "x.json")]
+    assert "0.25 s median vs vanilla 12.5 s" in x and "7/8 restores validated, 1 fell back" in x
+    assert "1.25x the same-run physical limit" in x and "AMD EPYC" in x
+    assert got[str(tmp_path / "y.receipts.json")] == "sleep 1/1 succeeded, wake 0/1 succeeded (gpu-bench.sh sleepwake)"
 
 
 def test_paths_exist():

@@ -76,7 +76,7 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_capabilities(args) -> int:
-    from coldsnap.host.doctor import capabilities
+    from coldsnap.host.capabilities import capabilities
 
     print(capabilities().model_dump_json(indent=1))
     return 0

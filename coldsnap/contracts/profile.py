@@ -91,6 +91,11 @@ class CapsuleProfile(Strict):
     image_digest: str | None = None
 
 
+class Qualification(Strict):
+    claim: str = Field(description="What was measured to work, with its figures.")
+    evidence: str = Field(description="The result file the claim is read from (bench/results/…).")
+
+
 class Capabilities(Strict):
     format: Literal[1] = FORMAT_VERSION
     kind: Literal["coldsnap.capabilities"] = "coldsnap.capabilities"
@@ -102,4 +107,6 @@ class Capabilities(Strict):
     engines: list[str]
     snapshot_drivers: list[str]
     weights_modes: list[str]
-    qualified: dict[str, str] = Field(description="What was qualified on which kind of machine, with the evidence.")
+    results: str = Field(description="Where the result files were read from.")
+    qualified: list[Qualification] = Field(description="What was measured to work, each claim read from its result "
+                                           "file; empty where no result files are installed.")

@@ -12,9 +12,8 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
-import coldsnap
 from coldsnap.base.paths import settings
-from coldsnap.contracts import ENGINE_NAMES, FORMAT_VERSION, OPERATIONS, Capabilities, ColdSnapError
+from coldsnap.contracts import ColdSnapError
 
 Status = Literal["ok", "warn", "fail"]
 
@@ -360,54 +359,8 @@ def doctor_json(checks: list[Check]) -> dict[str, Any]:
     }
 
 
-def capabilities() -> Capabilities:
-    return Capabilities(
-        coldsnap_version=coldsnap.__version__,
-        request_formats=[FORMAT_VERSION],
-        receipt_formats=[FORMAT_VERSION],
-        capsule_formats=[FORMAT_VERSION],
-        operations=list(OPERATIONS),
-        engines=list(ENGINE_NAMES),
-        snapshot_drivers=["criu-process", "criu-runc", "cuda-checkpoint"],
-        weights_modes=["native", "recovery", "auto"],
-        qualified={
-            "criu-process/cpu": "Debian 12, kernel 6.18, CRIU 4.2.1: capture, restore, restore twice, refusal, cold "
-                                "fallback (make test); bench/results/reference-cpu-*.json",
-            "criu-process/cuda": "H200, driver 580.159.04, CUDA 13.0: reference engine 11 GiB weights + 4 GiB KV, "
-                                 "recovery 10/10 (1.53x its physical limit) and native 10/10 (1.99x) restores "
-                                 "validated; bench/results/reference-cuda-*.json",
-            "cuda-checkpoint/sleep-wake": "H200, 15 GiB of GPU state: sleep --mode engine 3/3 wakes validated in "
-                                          "1.30-1.47 s; --mode cuda 3/3 in 2.5-5.1 s "
-                                          "(bench/results/reference-cuda-sleep-wake.receipts.json)",
-            "cuda-checkpoint/gpu-map": "2xH200: a capsule captured on GPU 0 restored onto GPU 1 by UUID pairs, "
-                                       "validated (bench/results/reference-cuda-gpu-map.receipts.json)",
-            "criu-process/tensor-parallel": "2xH200 NV18, NCCL (P2P/SHM/cuMem/NVLS off): reference engine TP2, one "
-                                            "capsule, 10/10 restores with 2/2 ranks validated, 1.50-1.51x the one-GPU "
-                                            "restore of the same per-rank state "
-                                            "(bench/results/reference-cuda-tp2-s7-run{1,2}.json); gloo TP2 on CPU "
-                                            "(make test)",
-            "criu-runc/cuda": "H200: the reference engine on the GPU in a runc container through coldsnap-runtime, "
-                              "captured (CUDA checkpoint by host PID) and restored by an annotated create/start, "
-                              "validated (bench/results/reference-cuda-container.receipts.json)",
-            "weights-prefetch/cuda": "H200: the weights loaded onto the GPU during the restore and taken by the engine "
-                                     "in 10/10 recovery and 10/10 native restores "
-                                     "(bench/results/reference-cuda-{recovery,native}.receipts.json); and on "
-                                     "each GPU of 10/10 tensor-parallel-2 restores, its rank's part only "
-                                     "(reference-cuda-tp2-s7-run1.receipts.json)",
-            "criu-runc/cpu": "Debian 12, runc 1.1.5, CRIU 4.2.1, through coldsnap-runtime: reference engine under "
-                             "runc, podman, docker, containerd; vLLM 0.32 CPU and SGLang 0.5.23 CPU under runc, "
-                             "podman, docker and containerd (a bound /dev/shm carried; lo up before CRIU restores "
-                             "loopback connections): 10/10 completions identical after restore, vLLM "
-                             "captured with 16 streams in flight (quiesce none), 16/16 finished identical "
-                             "(tests/test_engines_in_containers.py, tests/test_shim_{podman,docker,containerd}.py)",
-            "registry": "Debian docker-registry 2.8: push/pull/resume/tamper refusal/shared payload (make test)",
-        },
-    )
-
-
 __all__ = [
     "Check",
-    "capabilities",
     "doctor_json",
     "render_table",
     "run_doctor",
