@@ -76,7 +76,7 @@ def test_models_round_trip():
                           error={"code": "criu-failed", "message": "m"}, coldsnap_version="0.1.0"),
                   Capabilities(coldsnap_version="0.1", request_formats=[1], receipt_formats=[1], capsule_formats=[1],
                                operations=["capture"], engines=["reference"], snapshot_drivers=["criu-process"],
-                               weights_modes=["native"], qualified={})):
+                               weights_modes=["native"], results="/r", qualified=[])):
         assert type(model).model_validate_json(model.model_dump_json()) == model
 
 
@@ -200,3 +200,15 @@ def test_cli_schema():
     assert set(json.loads(r.stdout)) == set(SCHEMAS)
     r = run_cli("schema", "nope")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_cli_json_prints_the_receipt_of_a_failed_operation_too(coldsnap_home):
+    r = run_cli("restore", "--capsule", "sha256:" + "0" * 64, "--json")
+    assert r.returncode == 3
+    receipt = Receipt.model_validate_json(r.stdout)  # the whole of stdout is the receipt
+    assert receipt.state == "failed" and receipt.error.code == ErrorCode.CAPSULE_NOT_FOUND
+    assert receipt.error.exit_code == 3
+    assert (coldsnap_home / "receipts" / f"{receipt.operation_id}.json").exists()
+    assert len(r.stderr.strip().splitlines()) == 1 and "capsule-not-found" in r.stderr
+    r = run_cli("restore", "--capsule", "sha256:" + "0" * 64)  # without --json: the line only
+    assert r.returncode == 3 and r.stdout == ""
