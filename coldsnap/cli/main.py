@@ -13,10 +13,14 @@ from typing import Any
 from coldsnap import __version__
 from coldsnap.contracts import ENGINE_NAMES, EXIT_CODES, SCHEMAS, ColdSnapError, ErrorCode, parse_request
 
-EPILOG = """exit codes: 0 ok, 2 invalid request, 3 capsule not found, 4 capsule corrupt/unpinned, 5 incompatible,
-6 resource busy, 7 CRIU failed, 8 GPU failed, 9 workload failed, 10 validation failed, 11 validation timeout,
-12 environment, 13 registry, 14 runtime, 70 internal. Paths: COLDSNAP_HOME (/var/lib/coldsnap), COLDSNAP_STORE,
-COLDSNAP_RUN (/run/coldsnap), COLDSNAP_CRIU_PREFIX, COLDSNAP_CRIU."""
+
+def _epilog() -> str:
+    codes: dict[int, list[str]] = {}
+    for code, status in EXIT_CODES.items():
+        codes.setdefault(status, []).append(code.value)
+    table = ", ".join(f"{status} {'/'.join(names)}" for status, names in sorted(codes.items()))
+    return (f"exit codes: 0 ok, {table}.\nPaths: COLDSNAP_HOME (/var/lib/coldsnap), COLDSNAP_STORE, "
+            "COLDSNAP_RUN (/run/coldsnap), COLDSNAP_RECEIPTS, COLDSNAP_CRIU_PREFIX, COLDSNAP_CRIU.")
 
 
 def _progress(args) -> Any:
@@ -380,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="coldsnap",
         description="Capture an initialized inference server once (CRIU + CUDA checkpoint) and restore it instead "
                     "of cold-starting: admit → stage → restore → hydrate → validate → receipt.",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"coldsnap {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -483,9 +487,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--insecure", action="store_true", help="plain HTTP (a local registry)")
     sp.add_argument("--allow-unpinned", action="store_true")
     sp.add_argument("--json", action="store_true")
-    sp = add("inspect", cmd_inspect, "a capsule's manifest and profile (environment values omitted)")
+    sp = add("inspect", cmd_inspect, "print a capsule's manifest and profile as JSON (environment values omitted)")
     sp.add_argument("ref")
     sp.add_argument("--allow-unpinned", action="store_true")
+    sp.add_argument("--json", action="store_true", help="accepted for symmetry; output is always JSON")
 
     sp = add("demo", cmd_demo, "capture the reference engine on CPU, restore it, print cold vs restored")
     sp.add_argument("--samples", "-n", type=int, default=3)
