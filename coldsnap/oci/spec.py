@@ -76,6 +76,32 @@ def netns_path(spec: dict) -> str | None:
     return None
 
 
+def apply_launch(spec: dict, argv: list[str], env: dict[str, str], cwd: str | None = None, binds=()) -> dict:
+    """Make the spec's process an engine launch (an adapter's prepare_container()): argv, its environment (the
+    spec's own variables are kept unless the launch sets them), cwd; and a bind mount per contracts.Mount
+    (source, target, readonly) whose target the spec does not mount yet. Returns the spec."""
+    proc = spec.setdefault("process", {})
+    proc["args"] = list(argv)
+    merged = {}
+    for entry in proc.get("env") or []:
+        name, _, value = str(entry).partition("=")
+        merged[name] = value
+    merged.update(env)
+    proc["env"] = [f"{k}={v}" for k, v in merged.items()]
+    if cwd:
+        proc["cwd"] = cwd
+    mounts = spec.setdefault("mounts", [])
+    taken = {os.path.normpath(m.get("destination", "")) for m in mounts}
+    for bind in binds:
+        if os.path.normpath(bind.target) in taken:
+            continue
+        for mount in host_bind(bind.source, bind.target, bind.readonly):
+            if os.path.normpath(mount["destination"]) not in taken:
+                mounts.append(mount)
+                taken.add(os.path.normpath(mount["destination"]))
+    return spec
+
+
 def host_bind(source: str, target: str, readonly: bool = True) -> list[dict]:
     """The spec mounts that bind a host directory at target: the directory itself, not recursively, then each host
     submount below it as a bind of its own (see base.files.submounts: runc makes only the spec's binds external)."""
