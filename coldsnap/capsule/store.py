@@ -23,6 +23,7 @@ from coldsnap.base.digests import checked_sha256, sha256_file
 from coldsnap.base.files import atomic_write, private_dir
 from coldsnap.contracts import CapsuleProfile, ColdSnapError, ErrorCode
 from coldsnap.contracts import capsule as mt
+from coldsnap.contracts.parse import short, strict_json
 
 DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 
@@ -42,7 +43,18 @@ class Descriptor:
 
     @classmethod
     def from_json(cls, d: dict) -> "Descriptor":
-        return cls(d["mediaType"], d["digest"], int(d["size"]), d.get("annotations"))
+        """A descriptor as a manifest holds it; a malformed one raises ValueError (callers say whose)."""
+        if not isinstance(d, dict):
+            raise ValueError("a descriptor must be an object")
+        media_type, digest, size, ann = d.get("mediaType"), d.get("digest"), d.get("size"), d.get("annotations")
+        if not isinstance(media_type, str) or not isinstance(digest, str) or not DIGEST_RE.match(digest):
+            raise ValueError(f"descriptor {short(digest)}: mediaType and a sha256 digest are required")
+        if type(size) is not int or size < 0:
+            raise ValueError(f"descriptor {digest}: size must be a non-negative integer")
+        if ann is not None and (not isinstance(ann, dict) or
+                                not all(isinstance(k, str) and isinstance(v, str) for k, v in ann.items())):
+            raise ValueError(f"descriptor {digest}: annotations must map strings to strings")
+        return cls(media_type, digest, size, ann)
 
 
 @dataclass(frozen=True)
@@ -56,16 +68,37 @@ class LoadedCapsule:
         return next((d for d in self.layers if d.media_type == media_type), None)
 
 
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:-]{0,254}$")  # a local tag or a registry repository[:tag]
+
+
+def _looks_like_digest(ref: str) -> bool:
+    """ALGORITHM:ENCODED meant as a digest (sha512:…, SHA256:…, or 32+ hex digits after the colon), not NAME:TAG."""
+    algorithm, _, encoded = ref.partition(":")
+    return bool(encoded) and bool(re.fullmatch(r"(sha|blake)\d*", algorithm, re.I)
+                                  or re.fullmatch(r"[0-9a-fA-F]{32,}", encoded))
+
+
 def parse_reference(ref: str) -> tuple[str | None, str | None]:
-    """(name, digest). Pinned forms: 'sha256:…' and 'NAME@sha256:…'; 'NAME' or 'NAME:TAG' are unpinned."""
-    if DIGEST_RE.match(ref):
-        return None, ref
-    if "@" in ref:
-        name, digest = ref.rsplit("@", 1)
-        if not DIGEST_RE.match(digest):
-            raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"capsule reference {ref!r}: digest must be sha256:<64 hex>")
-        return name, digest
-    return ref, None
+    """(name, digest). Pinned forms: 'sha256:…' and 'NAME@sha256:…'; 'NAME' or 'NAME:TAG' are unpinned. A digest
+    that is not sha256:<64 lowercase hex> (63 digits, uppercase, sha512:…) is an invalid reference, not an unpinned
+    one."""
+    if not isinstance(ref, str) or not ref or len(ref) > 512:
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"capsule reference {short(ref)}: not a reference")
+    name, sep, digest = ref.rpartition("@") if "@" in ref else (ref, "", "")
+    if not sep and _looks_like_digest(ref):
+        name, digest = None, ref
+    if digest and not DIGEST_RE.match(digest):
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"capsule reference {short(ref)}: digest must be "
+                            "sha256:<64 lowercase hex digits>")
+    if name is not None and not NAME_RE.match(name):
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"capsule reference {short(ref)}: {short(name)} is not a "
+                            "name (letters, digits and ._/:- only)")
+    return name, digest or None
+
+
+def _tag(entry: dict) -> str | None:
+    ann = entry.get("annotations")
+    return ann.get(mt.ANNOTATION_REF_NAME) if isinstance(ann, dict) else None
 
 
 class CapsuleStore:
@@ -190,20 +223,24 @@ class CapsuleStore:
             self._atomic_write(self.root / "index.json", self._index_bytes(manifests))
 
     def resolve(self, ref: str, allow_unpinned: bool = False) -> str:
-        """Reference → manifest digest. Unpinned references (a tag) are refused unless asked for."""
+        """Reference → manifest digest. Unpinned references (a tag) are refused unless asked for; NAME@sha256:…
+        must be a capsule that name tags."""
         name, digest = parse_reference(ref)
         if digest:
             if not self.has_blob(digest):
                 raise ColdSnapError(ErrorCode.CAPSULE_NOT_FOUND, f"capsule {digest} is not in the store {self.root}")
+            if name is not None and not any(m.get("digest") == digest and _tag(m) == name for m in self.index()):
+                raise ColdSnapError(ErrorCode.CAPSULE_NOT_FOUND, f"capsule {digest} is not tagged {short(name)} in "
+                                    f"the store {self.root}")
             return digest
         if not allow_unpinned:
             raise ColdSnapError(ErrorCode.CAPSULE_UNPINNED,
-                                f"capsule reference {ref!r} is not pinned by digest; use NAME@sha256:… "
+                                f"capsule reference {short(ref)} is not pinned by digest; use NAME@sha256:… "
                                 f"or pass --allow-unpinned")
         for m in reversed(self.index()):
-            if m.get("annotations", {}).get(mt.ANNOTATION_REF_NAME) == name:
+            if _tag(m) == name:
                 return m["digest"]
-        raise ColdSnapError(ErrorCode.CAPSULE_NOT_FOUND, f"no capsule tagged {name!r} in the store {self.root}")
+        raise ColdSnapError(ErrorCode.CAPSULE_NOT_FOUND, f"no capsule tagged {short(name)} in the store {self.root}")
 
     def load(self, digest: str) -> LoadedCapsule:
         """Manifest and profile, both verified against their digests."""
@@ -214,16 +251,23 @@ class CapsuleStore:
         actual = "sha256:" + hashlib.sha256(raw).hexdigest()
         if actual != digest:
             raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"manifest {digest} fails verification (hashes to {actual})")
-        manifest = json.loads(raw)
-        if manifest.get("artifactType") != mt.ARTIFACT_TYPE:
-            raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"{digest} is not a ColdSnap capsule "
-                                f"(artifactType {manifest.get('artifactType')!r})")
-        config = Descriptor.from_json(manifest["config"])
+        manifest = strict_json(raw, f"manifest {digest}", code=ErrorCode.CAPSULE_CORRUPT)
+        if not isinstance(manifest, dict) or manifest.get("artifactType") != mt.ARTIFACT_TYPE:
+            kind = manifest.get("artifactType") if isinstance(manifest, dict) else type(manifest).__name__
+            raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"{digest} is not a ColdSnap capsule manifest "
+                                f"(artifactType {short(kind)})")
+        try:
+            config = Descriptor.from_json(manifest["config"])
+            layers = [Descriptor.from_json(d) for d in manifest["layers"]]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"manifest {digest}: malformed descriptor "
+                                f"({short(str(e))})") from None
         try:
             profile = CapsuleProfile.model_validate_json(self.read_verified(config))
         except ValueError as e:
-            raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"capsule profile does not validate: {e}") from None
-        return LoadedCapsule(digest, manifest, profile, [Descriptor.from_json(d) for d in manifest["layers"]])
+            raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"capsule profile does not validate: "
+                                f"{short(str(e), 200)}") from None
+        return LoadedCapsule(digest, manifest, profile, layers)
 
     def verify(self, capsule: LoadedCapsule) -> None:
         for desc in capsule.layers:

@@ -12,6 +12,7 @@ from typing import Any
 
 from coldsnap import __version__
 from coldsnap.contracts import ENGINE_NAMES, EXIT_CODES, SCHEMAS, ColdSnapError, ErrorCode, parse_request
+from coldsnap.contracts.parse import MAX_BYTES, short
 
 
 def _epilog() -> str:
@@ -47,10 +48,14 @@ def _receipt_line(receipt) -> str:
 
 def _read_request(path: str) -> Any:
     try:
-        text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()
+        if path == "-":
+            raw = sys.stdin.buffer.read(MAX_BYTES + 1)
+        else:
+            with open(path, "rb") as f:
+                raw = f.read(MAX_BYTES + 1)  # a bigger document is refused without reading all of it
     except OSError as e:
-        raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"cannot read request {path}: {e.strerror}") from None
-    return parse_request(text)
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"cannot read request {short(path)}: {e.strerror}") from None
+    return parse_request(raw)
 
 
 # --- commands ----------------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ FORMAT_VERSION = 1
 class Strict(BaseModel):
     """Unknown fields are errors, never silently dropped: a typo must not change behaviour."""
 
-    model_config = ConfigDict(extra="forbid", frozen=False, validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", frozen=False, validate_assignment=True, strict=True)
 
 
 def canonical_json(data: Any) -> str:

@@ -23,3 +23,8 @@ ANNOTATION_PAYLOAD = "io.coldsnap.payload"
 ANNOTATION_PATH = "io.coldsnap.path"
 ANNOTATION_MODE = "io.coldsnap.mode"
 ANNOTATION_IMAGE_DIGEST = "io.coldsnap.image-digest"
+
+# What a container may ask of coldsnap-runtime (its annotations, or COLDSNAP_* env for docker); any other
+# io.coldsnap.* key is a typo that would silently change behaviour (a policy meant to refuse), so it is refused.
+CONTAINER_ANNOTATIONS = (ANNOTATION_CAPSULE, ANNOTATION_POLICY, ANNOTATION_VALIDATION, ANNOTATION_IMAGE_DIGEST)
+MAX_ANNOTATION_BYTES = 64 << 10

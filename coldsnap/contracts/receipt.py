@@ -24,7 +24,7 @@ class Origin(Strict):
 
 
 class ErrorInfo(Strict):
-    code: ErrorCode
+    code: ErrorCode = Field(strict=False)  # the code's string, as JSON carries it
     message: str
     exit_code: int | None = Field(default=None, description="The exit status the CLI ends with for this code.")
 

@@ -18,8 +18,8 @@ Annotations (keys in coldsnap.contracts.capsule):
 
 from __future__ import annotations
 
-import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -34,7 +34,7 @@ from coldsnap.base.paths import settings
 from coldsnap.capsule import LoadedCapsule
 from coldsnap.contracts import ColdSnapError, ErrorCode, Policy, Receipt, RestoreRequest, Validation
 from coldsnap.contracts import capsule as mt
-from coldsnap.contracts.parse import first_error
+from coldsnap.contracts.parse import first_error, short, strict_json
 from coldsnap.criu.runc import restore_container
 from coldsnap.engines import get_adapter
 from coldsnap.flows.admission import admit_capsule, load_capsule
@@ -43,7 +43,7 @@ from coldsnap.flows.receipts import failed_state, finish_receipt, receipt_path
 from coldsnap.flows.spans import Timeline
 from coldsnap.flows.staging import Staged, stage
 from coldsnap.gpu import steps as gpu_steps
-from coldsnap.oci import records
+from coldsnap.oci import records, runclog
 from coldsnap.oci.argv import RuncArgv
 from coldsnap.oci.hooks import add_coldsnap_hooks
 from coldsnap.oci.spec import coldsnap_annotations, netns_path, write_spec
@@ -68,42 +68,49 @@ def _json_annotation(ann: dict[str, str], key: str) -> dict:
     raw = ann.get(key)
     if raw is None or not raw.strip():
         return {}
-    try:
-        value = json.loads(raw)
-    except ValueError as e:
-        raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"annotation {key}: not valid JSON ({e})") from None
+    value = strict_json(raw, f"annotation {key}", max_bytes=mt.MAX_ANNOTATION_BYTES)
     if not isinstance(value, dict):
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"annotation {key}: must be a JSON object")
     return value
 
 
 def request_from_annotations(ann: dict[str, str]) -> ContainerRequest:
+    unknown = sorted(k for k in ann if k.startswith("io.coldsnap.") and k not in mt.CONTAINER_ANNOTATIONS)
+    if unknown:
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"annotation {short(unknown[0])}: unknown (ColdSnap reads "
+                            f"{', '.join(mt.CONTAINER_ANNOTATIONS)})")
     ref = ann.get(mt.ANNOTATION_CAPSULE, "").strip()
     policy = _json_annotation(ann, mt.ANNOTATION_POLICY)
     val = _json_annotation(ann, mt.ANNOTATION_VALIDATION)
     host, port = val.pop("host", None), val.pop("port", None)
     if host is not None and not isinstance(host, str):
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"annotation {mt.ANNOTATION_VALIDATION}: host must be a string")
-    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
+    if port is not None and (type(port) is not int or not 0 < port < 65536):
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"annotation {mt.ANNOTATION_VALIDATION}: port must be 1-65535")
     try:
         request = RestoreRequest(operation="restore", capsule=ref, policy=Policy.model_validate(policy),
                                  validation=Validation.model_validate(val) if val else None)
     except ValidationError as e:
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"annotations: {first_error(e)}") from None
+    digest = ann.get(mt.ANNOTATION_IMAGE_DIGEST) or None
+    if digest is not None and not re.fullmatch(r"sha256:[0-9a-f]{64}", digest):
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"annotation {mt.ANNOTATION_IMAGE_DIGEST}: {short(digest)} is "
+                            "not sha256:<64 lowercase hex digits>")
     return ContainerRequest(request=request, validation_overrides=val, host=host or None, port=port,
-                            image_digest=ann.get(mt.ANNOTATION_IMAGE_DIGEST) or None)
+                            image_digest=digest)
 
 
 # --- create ------------------------------------------------------------------------------------------------------
 @dataclass
 class CreateOutcome:
-    """What the shim does next: the container is restored (record saved), or it runs `runc create` cold with the
-    caller's argv (message: why, for runc's log), or it fails the create (message: runc-style error line)."""
+    """What the shim answers: restored (record saved); cold (the caller's `runc create` ran instead, exit_code is
+    runc's; message says why, for runc's log); exec (a foreground `runc run`: the shim becomes runc with the
+    caller's argv); fail (message: the runc-style error line)."""
 
-    action: Literal["restored", "cold", "fail"]
+    action: Literal["restored", "cold", "exec", "fail"]
     message: str = ""
     record: dict | None = None
+    exit_code: int = 0
 
 
 def work_dir(container_id: str) -> Path:
@@ -212,15 +219,38 @@ def _fall_back(runc: str, parsed: RuncArgv, creq: ContainerRequest, tl: Timeline
         finish_receipt(creq.request, cid, "restore", tl, failed_state(cause), error=cause)
         return CreateOutcome("fail", f"coldsnap-runtime: {reason}")
     unlocked = _unlock_network(netns)
-    try:  # bookkeeping must not stand between the container and its cold start
-        finish_receipt(creq.request, cid, "restore", tl, "fell-back", result={
-            "container": cid, "capsule": capsule.digest if capsule else creq.request.capsule,
-            "fallback_reason": reason, "started": "cold", **unlocked})
-        records.save(cid, {"outcome": "fell-back", "id": cid, "root": parsed.root, "bundle": parsed.bundle,
-                           "reason": reason, "receipt": str(receipt_path(cid))})
-    except Exception as e:  # noqa: BLE001
-        reason += f" (and no receipt: {e})"
-    return CreateOutcome("cold", f"coldsnap: {reason}; starting the container cold")
+    result = {"container": cid, "capsule": capsule.digest if capsule else creq.request.capsule,
+              "fallback_reason": reason, "started": "cold", **unlocked}
+    message = f"coldsnap: {reason}; starting the container cold"
+    if parsed.command == "run" and not parsed.detach:  # runc stays in the foreground: hand over to it
+        try:
+            _fell_back(creq, parsed, tl, result, reason)
+        except Exception as e:  # noqa: BLE001 - bookkeeping must not stand between the container and its start
+            message += f" (and no receipt: {short(str(e), 200)})"
+        return CreateOutcome("exec", message)
+    runclog.log(parsed, "warning", message)
+    # The caller's own create, as runc would run it (all fds: --preserve-fds, the console socket's); the record
+    # and the receipt say what happened only once runc has answered.
+    with tl.span("cold-start"):
+        rc = subprocess.call([runc, *parsed.argv], close_fds=False)
+    if rc == 0:
+        try:  # the container exists now: bookkeeping that fails must not fail its create
+            _fell_back(creq, parsed, tl, result, reason)
+        except Exception as e:  # noqa: BLE001
+            runclog.log(parsed, "warning", f"coldsnap: no receipt or record for the cold start: {short(str(e), 200)}")
+        return CreateOutcome("cold", message, exit_code=0)
+    failed = ColdSnapError(ErrorCode.RUNTIME, f"{reason}; and the cold start failed too: runc {parsed.command} "
+                           f"exited {rc}")
+    finish_receipt(creq.request, cid, "restore", tl, "failed", result=result, error=failed)
+    return CreateOutcome("cold", message, exit_code=rc)
+
+
+def _fell_back(creq: ContainerRequest, parsed: RuncArgv, tl: Timeline, result: dict, reason: str) -> None:
+    """The receipt and the record of a container started cold (its poststart hook says so; its delete forgets)."""
+    cid = parsed.container_id
+    finish_receipt(creq.request, cid, "restore", tl, "fell-back", result=result)
+    records.save(cid, {"outcome": "fell-back", "id": cid, "root": parsed.root, "bundle": parsed.bundle,
+                       "reason": reason, "receipt": str(receipt_path(cid))})
 
 
 # --- poststart ---------------------------------------------------------------------------------------------------

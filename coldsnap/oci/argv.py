@@ -10,6 +10,16 @@ from __future__ import annotations
 
 import os
 
+# runc's own rule for a container id (libcontainer validateID): ASCII letters, digits and _ + , - . only, and not
+# "." or "..". The shim builds paths from an id only after this check, so an id runc refuses goes to runc untouched.
+ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_+,-.")
+MAX_ID = 200  # the shim's record is <id>.json, its temp file longer: beyond this, runc answers alone
+
+
+def valid_container_id(container_id: str | None) -> bool:
+    return (bool(container_id) and len(container_id) <= MAX_ID and container_id not in (".", "..")
+            and set(container_id) <= ID_CHARS)
+
 GLOBAL_VALUE = frozenset({"root", "log", "log-format", "criu", "rootless"})
 
 # Flags of runc 1.1 subcommands that take a value (the rest are booleans).

@@ -22,8 +22,17 @@ def format_line(level: str, msg: str, log_format: str) -> str:
     return f'time="{_now()}" level={level} msg={json.dumps(msg)}'
 
 
+MAX_MESSAGE = 2000  # one line, whatever a message quotes
+
+
+def _one_line(msg: str) -> str:
+    msg = " ".join(msg.split())
+    return msg if len(msg) <= MAX_MESSAGE else msg[:MAX_MESSAGE] + "…"
+
+
 def log(parsed: RuncArgv, level: str, msg: str) -> None:
     """Append one line to runc's --log file (when one is set and is not stderr)."""
+    msg = _one_line(msg)
     path = parsed.log
     if not path or path in ("/dev/stderr", "/proc/self/fd/2"):
         return
@@ -36,5 +45,5 @@ def log(parsed: RuncArgv, level: str, msg: str) -> None:
 
 def fail(parsed: RuncArgv, msg: str) -> int:
     log(parsed, "error", msg)
-    print(msg, file=sys.stderr, flush=True)
+    print(_one_line(msg), file=sys.stderr, flush=True)
     return 1

@@ -27,9 +27,65 @@ def write_spec(bundle: str | os.PathLike, spec: dict) -> None:
     atomic_write(os.path.join(bundle, CONFIG), data, KEEP_MODE)
 
 
+def _strings(value) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _string_map(value) -> bool:
+    return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
+
+
+def runc_refuses(spec) -> str | None:
+    """Why runc would refuse this config.json, judged on the parts ColdSnap reads or changes (runc's Go types:
+    annotations map[string]string, process.args/env []string, hooks.<stage> []{path string, args/env []string,
+    timeout int}, linux.namespaces []{type, path string}, mounts []object); None when they are well-formed. A spec
+    runc refuses goes to runc untouched: runc then says why, as it always would."""
+    if not isinstance(spec, dict):
+        return "the spec is not a JSON object"
+    if spec.get("annotations") is not None and not _string_map(spec["annotations"]):
+        return "annotations must map strings to strings"
+    process = spec.get("process")
+    if process is not None:
+        if not isinstance(process, dict):
+            return "process must be an object"
+        for key in ("args", "env"):
+            if process.get(key) is not None and not _strings(process[key]):
+                return f"process.{key} must be a list of strings"
+    hooks = spec.get("hooks")
+    if hooks is not None:
+        if not isinstance(hooks, dict):
+            return "hooks must be an object"
+        for stage, entries in hooks.items():
+            if entries is None:
+                continue
+            if not isinstance(entries, list):
+                return f"hooks.{stage} must be a list"
+            for hook in entries:
+                if not isinstance(hook, dict) or not isinstance(hook.get("path"), str):
+                    return f"hooks.{stage}: each hook needs a string path"
+                if any(hook.get(k) is not None and not _strings(hook[k]) for k in ("args", "env")):
+                    return f"hooks.{stage}: args and env must be lists of strings"
+                if hook.get("timeout") is not None and type(hook["timeout"]) is not int:
+                    return f"hooks.{stage}: timeout must be an integer"
+    linux = spec.get("linux")
+    if linux is not None:
+        if not isinstance(linux, dict):
+            return "linux must be an object"
+        namespaces = linux.get("namespaces")
+        if namespaces is not None and (not isinstance(namespaces, list) or not all(
+                isinstance(ns, dict) and isinstance(ns.get("type"), str) and isinstance(ns.get("path", ""), str)
+                for ns in namespaces)):
+            return "linux.namespaces must be a list of {type, path} objects"
+    mounts = spec.get("mounts")
+    if mounts is not None and (not isinstance(mounts, list) or not all(isinstance(m, dict) for m in mounts)):
+        return "mounts must be a list of objects"
+    return None
+
+
 def annotations_of(spec: dict) -> dict[str, str]:
+    """The spec's annotations (a spec runc_refuses() passed: strings only)."""
     value = spec.get("annotations") or {}
-    return {str(k): str(v) for k, v in value.items()} if isinstance(value, dict) else {}
+    return dict(value) if _string_map(value) else {}
 
 
 # For engines that cannot set OCI annotations on a container (Docker before 24 has no `run --annotation`), the
@@ -46,7 +102,7 @@ def coldsnap_annotations(spec: dict) -> dict[str, str]:
     """The spec's annotations, completed with io.coldsnap.* settings given as COLDSNAP_* process env vars."""
     ann = annotations_of(spec)
     for entry in (spec.get("process") or {}).get("env") or []:
-        name, sep, value = str(entry).partition("=")
+        name, sep, value = entry.partition("=")
         key = ENV_ANNOTATIONS.get(name)
         if sep and key and key not in ann:
             ann[key] = value

@@ -14,7 +14,9 @@ def create(runc: str, parsed: RuncArgv, spec: dict) -> int:
     outcome = restore_at_create(runc, parsed, spec)
     if outcome.action == "fail":
         return runclog.fail(parsed, outcome.message)
-    if outcome.action == "cold":
+    if outcome.action == "cold":  # runc created it cold (or said why not, in its own words)
+        return outcome.exit_code
+    if outcome.action == "exec":
         runclog.log(parsed, "warning", outcome.message)
         exec_runc(runc, parsed.argv)
         return 127  # not reached

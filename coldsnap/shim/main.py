@@ -9,10 +9,11 @@ decision is not to pass through."""
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Callable
 
-from coldsnap.oci.argv import RuncArgv, parse_runc_argv
+from coldsnap.oci.argv import RuncArgv, parse_runc_argv, valid_container_id
 from coldsnap.oci.runtime import RuncNotFound, apply_config_env, exec_runc, find_runc
 
 ANNOTATION_CAPSULE = "io.coldsnap.capsule"  # == coldsnap.contracts.capsule.ANNOTATION_CAPSULE (not imported: pydantic)
@@ -25,12 +26,14 @@ DELETE = "delete"  # delete of a container the shim handled: runc deletes it, th
 
 def annotated_spec(bundle: str) -> dict | None:
     """The bundle's spec when it asks for a capsule; None (pass through) when it does not or cannot be read."""
-    from coldsnap.oci.spec import coldsnap_annotations, load_spec
+    from coldsnap.oci.spec import coldsnap_annotations, load_spec, runc_refuses
 
     try:
         spec = load_spec(bundle)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None  # runc reports an unreadable bundle better than we would
+    if runc_refuses(spec):
+        return None  # and a malformed one
     return spec if coldsnap_annotations(spec).get(ANNOTATION_CAPSULE, "").strip() else None
 
 
@@ -45,11 +48,13 @@ def decide(parsed: RuncArgv, spec_of: Callable[[str], dict | None] = annotated_s
     """(action, the annotated spec or the shim's record) for a runc command line. spec_of(bundle) returns the spec
     only when it is annotated; record_of(id) the shim's record of a container, if any."""
     command, cid = parsed.command, parsed.container_id
-    if command in ("create", "run") and cid:
+    if not valid_container_id(cid):
+        return PASS_THROUGH, None  # runc refuses it (or needs no id): nothing of ours is touched
+    if command in ("create", "run"):
         spec = spec_of(parsed.bundle)
         if spec is not None:
             return RESTORE, spec
-    elif command in ("start", "delete") and cid:
+    elif command in ("start", "delete"):
         from coldsnap.oci.records import belongs
 
         record = record_of(cid)
@@ -74,6 +79,19 @@ def _full_python() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     parsed = parse_runc_argv(args)
+    try:
+        return _run(args, parsed)
+    except Exception as e:  # noqa: BLE001 - whatever raised: one line in runc's log format, never a traceback
+        from coldsnap.oci.runclog import fail
+
+        if os.environ.get("COLDSNAP_DEBUG"):
+            raise
+        code = getattr(getattr(e, "code", None), "value", "internal")
+        message = getattr(e, "message", None) or f"{type(e).__name__}: {e}"
+        return fail(parsed, f"coldsnap-runtime: {code}: {message[:300]}")
+
+
+def _run(args: list[str], parsed: RuncArgv) -> int:
     try:
         runc = find_runc()
     except RuncNotFound as e:
