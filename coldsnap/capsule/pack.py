@@ -9,6 +9,7 @@ from pathlib import Path
 import zstandard
 
 from coldsnap.contracts import ColdSnapError, ErrorCode
+from coldsnap.contracts.parse import short
 
 
 def pack_dir(src: Path, dest: Path, level: int = 1, skip: tuple[str, ...] = ()) -> None:
@@ -23,16 +24,63 @@ def pack_dir(src: Path, dest: Path, level: int = 1, skip: tuple[str, ...] = ()) 
                 tar.add(entry, arcname=entry.name)
 
 
-def unpack_layer(layer: Path, dest: Path) -> None:
-    """Extract a tar.zst layer into dest, refusing members that would escape it."""
+MAX_RATIO = 1000  # zero pages are dropped before packing: a layer that expands more than this is a bomb
+SLACK = 64 << 20
+CHUNK = 1 << 20
+
+
+def _member_path(dest: Path, name: str) -> Path:
+    """Where a member goes: a relative path of plain components inside dest, or ColdSnapError."""
+    parts = [p for p in name.split("/") if p not in ("", ".")]
+    if name.startswith("/") or "\0" in name or ".." in parts:
+        raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"layer member escapes its directory: {short(name)}")
+    if not parts:
+        raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"layer member names no file: {short(name)}")
+    return dest.joinpath(*parts)
+
+
+def unpack_layer(layer: Path, dest: Path) -> int:
+    """Extract a tar.zst layer into dest; returns the bytes written. Only regular files and directories, each inside
+    dest (no absolute paths, no `..`, no links, no devices), and no more bytes than MAX_RATIO times the layer's size
+    nor than dest's file system has free. Anything else: ColdSnapError(CAPSULE_CORRUPT), one line; what was
+    written stays under dest for the caller to remove."""
     dest.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = os.statvfs(dest)
+    budget = min(MAX_RATIO * os.path.getsize(layer) + SLACK, st.f_bavail * st.f_frsize)
+    written = 0
     dctx = zstandard.ZstdDecompressor()
-    with open(layer, "rb") as raw, dctx.stream_reader(raw) as zr:
-        with tarfile.open(fileobj=zr, mode="r|") as tar:
+    try:
+        with open(layer, "rb") as raw, dctx.stream_reader(raw) as zr, tarfile.open(fileobj=zr, mode="r|") as tar:
             for member in tar:
-                target = (dest / member.name).resolve()
-                if not str(target).startswith(str(dest.resolve()) + os.sep):
-                    raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"layer member escapes its directory: {member.name}")
-                if not (member.isfile() or member.isdir()):
-                    raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"unexpected layer member type: {member.name}")
-                tar.extract(member, dest, set_attrs=False)
+                target = _member_path(dest, member.name)
+                if member.isdir():
+                    target.mkdir(parents=True, exist_ok=True, mode=0o700)
+                    continue
+                if not member.isfile():
+                    raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"layer member {short(member.name)} is not a "
+                                        "regular file or a directory")
+                if written + member.size > budget:
+                    raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"layer {layer.name[:19]}… expands beyond "
+                                        f"{budget} bytes (at {short(member.name)}): refused")
+                target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+                src = tar.extractfile(member)
+                fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                with os.fdopen(fd, "wb") as out:
+                    left = member.size
+                    while left:
+                        chunk = src.read(min(CHUNK, left))
+                        if not chunk:
+                            raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"layer member {short(member.name)} is "
+                                                "truncated")
+                        out.write(chunk)
+                        left -= len(chunk)
+                written += member.size
+    except FileExistsError as e:
+        raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"layer names {short(e.filename)} twice") from None
+    except (tarfile.TarError, zstandard.ZstdError, EOFError) as e:
+        raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"layer {layer.name[:19]}… is not a tar+zstd layer: "
+                            f"{short(str(e), 120)}") from None
+    except (NotADirectoryError, IsADirectoryError) as e:
+        raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"layer member {short(e.filename)} clashes with another") \
+            from None
+    return written

@@ -26,6 +26,7 @@ from coldsnap.contracts import capsule as mt
 from coldsnap.contracts.parse import short, strict_json
 
 DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+MAX_INDEX_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -137,10 +138,17 @@ class CapsuleStore:
             os.close(lock)
 
     def index(self) -> list[dict]:
+        """The store's index.json manifests (descriptor dicts), read strictly: a damaged index is one line."""
         try:
-            return json.loads((self.root / "index.json").read_text())["manifests"]
+            raw = (self.root / "index.json").read_bytes()
         except FileNotFoundError:
             return []
+        doc = strict_json(raw, f"{self.root}/index.json", max_bytes=MAX_INDEX_BYTES, code=ErrorCode.CAPSULE_CORRUPT)
+        manifests = doc.get("manifests") if isinstance(doc, dict) else None
+        if not isinstance(manifests, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("digest"), str) for m in manifests):
+            raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"{self.root}/index.json is not an OCI image index")
+        return manifests
 
     # --- blobs ----------------------------------------------------------------------------------------------
     def blob_path(self, digest: str) -> Path:
