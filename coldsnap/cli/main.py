@@ -40,6 +40,12 @@ def _emit(args, data: Any, human: str | None = None) -> None:
         print(human)
 
 
+def _one_line(text: str, limit: int = 2000) -> str:
+    """An error as one line of bounded length, whatever input it quotes."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
 def _receipt_line(receipt) -> str:
     from coldsnap.flows.receipts import receipt_path
 
@@ -531,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
     except ColdSnapError as e:
         if e.receipt is not None and getattr(args, "json", False):  # a machine caller gets the receipt either way
             _emit(args, e.receipt)
-        print(f"coldsnap: error: {e}", file=sys.stderr)
+        print(f"coldsnap: error: {_one_line(str(e))}", file=sys.stderr)
         return e.exit_code
     except BrokenPipeError:  # e.g. `coldsnap schema | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -542,8 +548,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # a bug: still one line, with the traceback only on request
         if os.environ.get("COLDSNAP_DEBUG"):
             raise
-        print(f"coldsnap: internal error: {type(e).__name__}: {e} (set COLDSNAP_DEBUG=1 for a traceback)",
-              file=sys.stderr)
+        print(f"coldsnap: internal error: {type(e).__name__}: {_one_line(str(e), 500)} (set COLDSNAP_DEBUG=1 for a "
+              "traceback)", file=sys.stderr)
         return EXIT_CODES[ErrorCode.INTERNAL]
 
 
