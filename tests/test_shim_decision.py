@@ -16,6 +16,7 @@ ROOT = "/run/runc"
 ANNOTATED = {"ociVersion": "1.0.2", "annotations": {"io.coldsnap.capsule": "sha256:" + "a" * 64}}
 RESTORED = {"outcome": "restored", "id": "c1", "root": ROOT}
 FELL_BACK = {"outcome": "fell-back", "id": "c1", "root": ROOT}
+RESTORING = {"outcome": "restoring", "id": "c1", "root": ROOT, "owner": {"pid": 1, "start": 0}}
 OTHER_ROOT = {"outcome": "restored", "id": "c1", "root": "/run/other-runc"}
 
 # (argv, the bundle's spec is annotated, the shim's record of c1, expected action)
@@ -30,7 +31,11 @@ TABLE = [
     (["start", "c1"], False, RESTORED, ANSWER_START),
     (["--root", ROOT, "start", "c1"], False, RESTORED, ANSWER_START),
     (["start", "c1"], False, FELL_BACK, PASS_THROUGH),  # a cold container starts under runc
+    (["start", "c1"], False, RESTORING, ANSWER_START),  # its create died mid-restore: the shim deletes it
+    (["delete", "c1"], False, RESTORING, DELETE),
     (["start", "c1"], False, None, PASS_THROUGH),  # not ours
+    (["start", "../c1"], False, RESTORED, PASS_THROUGH),  # an id runc refuses: runc answers
+    (["create", "-b", "/b", "c1/.."], True, None, PASS_THROUGH),
     (["start", "c1"], False, OTHER_ROOT, PASS_THROUGH),  # same id under another runc root: not ours
     (["delete", "c1"], False, RESTORED, DELETE),
     (["delete", "--force", "c1"], False, FELL_BACK, DELETE),  # its record must go too

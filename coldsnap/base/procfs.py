@@ -60,3 +60,17 @@ def session_of(pid: int) -> int | None:
         return os.getsid(pid)
     except ProcessLookupError:
         return None
+
+
+def in_network_namespace(inode: int) -> list[int]:
+    """Every process whose network namespace is the one with this inode (what a workload left behind, whatever
+    its tree looks like now: reparented, its root gone)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.stat(f"/proc/{entry}/ns/net").st_ino == inode:
+                    out.append(int(entry))
+            except OSError:
+                continue
+    return out

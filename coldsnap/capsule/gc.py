@@ -16,6 +16,7 @@ import re
 import time
 from pathlib import Path
 
+from coldsnap.base import journal
 from coldsnap.capsule.registry import acquire_blob_lock, lock_path, release_blob_lock
 from coldsnap.capsule.store import DIGEST_RE, CapsuleStore, parse_reference
 from coldsnap.contracts import ColdSnapError, ErrorCode
@@ -116,6 +117,13 @@ def remove(store: CapsuleStore, ref: str) -> list[str]:
     return gone
 
 
+def in_flight_blobs() -> set[str]:
+    """Blobs an operation that still runs has written or reused for a capsule it has not indexed yet (its
+    journal names them: coldsnap.base.journal)."""
+    return {t["digest"] for j in journal.entries() if j.owner_alive() for t in j.things
+            if t.get("kind") == "blob" and isinstance(t.get("digest"), str)}
+
+
 def _age(st, now: float) -> float:
     return now - max(st.st_mtime, st.st_ctime)  # ctime: a rename/chmod into the store counts as new
 
@@ -169,7 +177,7 @@ def gc(store: CapsuleStore, grace_s: float = DEFAULT_GRACE_S, tmp_max_age_s: flo
     out = {"freed_bytes": 0, "removed_blobs": [], "kept_blobs": 0, "kept_young": 0, "kept_in_flight": 0,
            "tmp_removed": 0, "tmp_freed_bytes": 0, "code_removed": 0}
     with store._locked():
-        live = reachable(store)
+        live = reachable(store) | in_flight_blobs()
         if code_dir is not None:
             _gc_code_files(code_dir, code_files_in_use(store, live), grace_s, now, out)
         if store.blobs.is_dir():

@@ -8,24 +8,27 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Callable
 
 from coldsnap.base.digests import sha256_file
-from coldsnap.capsule.store import CapsuleStore, Descriptor
+from coldsnap.capsule.store import CapsuleStore, Descriptor, reuse
 from coldsnap.contracts import ColdSnapError, ErrorCode, WeightFile
 from coldsnap.contracts import capsule as mt
 
 EMPTY_CONFIG = b"{}"
 
 
-def write_payload(store: CapsuleStore, weights: list[WeightFile]) -> str:
+def write_payload(store: CapsuleStore, weights: list[WeightFile],
+                  keep: Callable[[Descriptor], Descriptor] = lambda d: d) -> str:
     """Add the weight files to the store (hard-linked when on the same filesystem: they are immutable and pinned by
-    digest) and write a payload manifest. Returns its digest (not indexed: capsules reference it)."""
+    digest) and write a payload manifest. Returns its digest (not indexed: capsules reference it). keep(descriptor)
+    is told of every blob written or reused (a capture journals them, so gc spares them until they are indexed)."""
     layers = []
     for wf in weights:
         digest = "sha256:" + wf.sha256
         dest = store.blob_path(digest)
         size = os.path.getsize(wf.path)
-        if not dest.exists():
+        if not reuse(dest):
             tmp = store.root / "tmp" / f"{wf.sha256}.{os.getpid()}.payload"
             try:
                 os.link(wf.path, tmp)
@@ -38,13 +41,14 @@ def write_payload(store: CapsuleStore, weights: list[WeightFile]) -> str:
             os.replace(tmp, dest)
         # The mode travels too: a restored process that maps the file finds it as it was (CRIU checks the mode).
         mode = oct(os.stat(wf.path).st_mode & 0o7777)
-        layers.append(Descriptor(mt.LAYER_WEIGHTS, digest, size,
-                                 {mt.ANNOTATION_TITLE: Path(wf.path).name, mt.ANNOTATION_PATH: wf.path,
-                                  mt.ANNOTATION_MODE: mode}))
-    config = store.put_bytes(EMPTY_CONFIG, "application/vnd.oci.empty.v1+json")
+        layers.append(keep(Descriptor(mt.LAYER_WEIGHTS, digest, size,
+                                      {mt.ANNOTATION_TITLE: Path(wf.path).name, mt.ANNOTATION_PATH: wf.path,
+                                       mt.ANNOTATION_MODE: mode})))
+    config = keep(store.put_bytes(EMPTY_CONFIG, "application/vnd.oci.empty.v1+json"))
     manifest = {"schemaVersion": 2, "mediaType": mt.MANIFEST_MEDIA_TYPE, "artifactType": mt.PAYLOAD_ARTIFACT_TYPE,
                 "config": config.to_json(), "layers": [d.to_json() for d in layers]}
-    return store.put_bytes(json.dumps(manifest, indent=1, sort_keys=True).encode(), mt.MANIFEST_MEDIA_TYPE).digest
+    return keep(store.put_bytes(json.dumps(manifest, indent=1, sort_keys=True).encode(),
+                                mt.MANIFEST_MEDIA_TYPE)).digest
 
 
 def _modes(store: CapsuleStore, payload_digest: str) -> dict[str, int]:

@@ -97,6 +97,18 @@ def parse_reference(ref: str) -> tuple[str | None, str | None]:
     return name, digest or None
 
 
+def reuse(blob: Path) -> bool:
+    """Whether the blob is there already; if so its age starts again, so that gc's grace period protects a blob a
+    new capsule is about to reference. (A blob hard-linked to a weight file keeps its times: touching it would touch
+    the user's file; the journal of the capture that reuses it protects it from gc.)"""
+    try:
+        if blob.stat().st_nlink == 1:
+            os.utime(blob)
+        return True
+    except FileNotFoundError:
+        return False
+
+
 def _tag(entry: dict) -> str | None:
     ann = entry.get("annotations")
     return ann.get(mt.ANNOTATION_REF_NAME) if isinstance(ann, dict) else None
@@ -162,7 +174,7 @@ class CapsuleStore:
     def put_bytes(self, data: bytes, media_type: str, annotations: dict | None = None) -> Descriptor:
         digest = "sha256:" + hashlib.sha256(data).hexdigest()
         dest = self.blob_path(digest)
-        if not dest.exists():
+        if not reuse(dest):
             self._atomic_write(dest, data)
         return Descriptor(media_type, digest, len(data), annotations)
 
@@ -170,8 +182,8 @@ class CapsuleStore:
         """Hash then move/copy into the store; the blob appears under its digest only when complete."""
         digest, size = sha256_file(src)
         dest = self.blob_path(digest)
-        if not dest.exists():
-            tmp = self.root / "tmp" / f"{digest.split(':')[1]}.{os.getpid()}"
+        if not reuse(dest):
+            tmp = (src.parent if move else self.root / "tmp") / f".{digest.split(':')[1]}.{os.getpid()}"
             if move:
                 os.replace(src, tmp) if src.stat().st_dev == tmp.parent.stat().st_dev else shutil.move(src, tmp)
             else:
@@ -202,33 +214,37 @@ class CapsuleStore:
     # --- capsules -------------------------------------------------------------------------------------------
     def write_capsule(self, profile: CapsuleProfile, layers: list[Descriptor], annotations: dict[str, str],
                       tag: str | None = None) -> str:
-        """Write config + manifest and add it to index.json. Layers must already be in the store."""
-        config = self.put_bytes(profile.model_dump_json(indent=1).encode(), mt.CONFIG_MEDIA_TYPE)
-        manifest = {
-            "schemaVersion": 2,
-            "mediaType": mt.MANIFEST_MEDIA_TYPE,
-            "artifactType": mt.ARTIFACT_TYPE,
-            "config": config.to_json(),
-            "layers": [d.to_json() for d in layers],
-            "annotations": {mt.ANNOTATION_CREATED: datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                            **annotations},
-        }
-        mdesc = self.put_bytes(json.dumps(manifest, indent=1, sort_keys=True).encode(), mt.MANIFEST_MEDIA_TYPE)
-        self.add_to_index(mdesc, tag)
+        """Write config + manifest and add it to index.json, under the store's lock (gc, which takes it too, never
+        sees a manifest without its config, nor an unindexed manifest). Layers must already be in the store."""
+        with self._locked():
+            config = self.put_bytes(profile.model_dump_json(indent=1).encode(), mt.CONFIG_MEDIA_TYPE)
+            manifest = {
+                "schemaVersion": 2,
+                "mediaType": mt.MANIFEST_MEDIA_TYPE,
+                "artifactType": mt.ARTIFACT_TYPE,
+                "config": config.to_json(),
+                "layers": [d.to_json() for d in layers],
+                "annotations": {mt.ANNOTATION_CREATED: datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                                **annotations},
+            }
+            mdesc = self.put_bytes(json.dumps(manifest, indent=1, sort_keys=True).encode(), mt.MANIFEST_MEDIA_TYPE)
+            self._index_add(mdesc, tag)
         return mdesc.digest
 
     def add_to_index(self, mdesc: Descriptor, tag: str | None) -> None:
+        with self._locked():
+            self._index_add(mdesc, tag)
+
+    def _index_add(self, mdesc: Descriptor, tag: str | None) -> None:
         entry = {"mediaType": mt.MANIFEST_MEDIA_TYPE, "digest": mdesc.digest, "size": mdesc.size,
                  "artifactType": mt.ARTIFACT_TYPE}
         if tag:
             entry["annotations"] = {mt.ANNOTATION_REF_NAME: tag}
-        with self._locked():
-            manifests = [m for m in self.index() if not (
-                m["digest"] == mdesc.digest and m.get("annotations", {}).get(mt.ANNOTATION_REF_NAME) == tag)]
-            if tag:  # a tag names one capsule: move it
-                manifests = [m for m in manifests if m.get("annotations", {}).get(mt.ANNOTATION_REF_NAME) != tag]
-            manifests.append(entry)
-            self._atomic_write(self.root / "index.json", self._index_bytes(manifests))
+        manifests = [m for m in self.index() if not (m["digest"] == mdesc.digest and _tag(m) == tag)]
+        if tag:  # a tag names one capsule: move it
+            manifests = [m for m in manifests if _tag(m) != tag]
+        manifests.append(entry)
+        self._atomic_write(self.root / "index.json", self._index_bytes(manifests))
 
     def resolve(self, ref: str, allow_unpinned: bool = False) -> str:
         """Reference → manifest digest. Unpinned references (a tag) are refused unless asked for; NAME@sha256:…

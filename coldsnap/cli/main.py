@@ -221,7 +221,7 @@ def cmd_status(args) -> int:
         return f"{r['name']:<24} {state:<18} {r['origin']:<9} pid {r['pid']:<8} {r['url']}"
 
     human = "\n".join(line(r) for r in rows) or "no workloads"
-    _emit(args, {"workloads": rows}, human)
+    _emit(args, {"workloads": rows, "recovered": args.recovered}, human)
     return 0
 
 
@@ -296,7 +296,7 @@ def cmd_gc(args) -> int:
     from coldsnap.base.paths import settings
     from coldsnap.capsule.gc import gc
 
-    r = gc(_store(), grace_s=args.grace, code_dir=settings().code)
+    r = {**gc(_store(), grace_s=args.grace, code_dir=settings().code), "recovered": args.recovered}
     _emit(args, r, f"freed {r['freed_bytes'] / 2**20:.1f} MiB ({len(r['removed_blobs'])} blobs, "
                    f"{r['code_removed']} CUDA code files)")
     return 0
@@ -526,6 +526,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Commands that look at or change this host's workloads, store or runtime state: before them, whatever killed
+# operations left behind is cleaned up (coldsnap.flows.recovery).
+RECOVERS = frozenset({"capture", "restore", "status", "stop", "sleep", "wake", "ls", "rm", "gc", "push", "pull",
+                      "inspect", "demo", "bench"})
+
+
+def _recover(args) -> list[str]:
+    if args.command not in RECOVERS or os.geteuid() != 0:
+        return []
+    from coldsnap.flows.recovery import recover
+
+    return recover(_progress(args))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -533,6 +547,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        args.recovered = _recover(args)
         return args.fn(args)
     except ColdSnapError as e:
         if e.receipt is not None and getattr(args, "json", False):  # a machine caller gets the receipt either way

@@ -89,6 +89,8 @@ class CapsuleProfile(Strict):
         "none: the whole file).")
     criu_options: list[str] = Field(default_factory=list, description="The CRIU options used, replayable by hand.")
     image_digest: str | None = None
+    engine_lease: str | None = Field(default=None, description="The lease file the released engine watches "
+                                     "(coldsnap.engines.lease): a restore holds it until it resumed the engine.")
 
 
 class Qualification(Strict):

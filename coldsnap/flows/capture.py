@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from coldsnap.base.files import private_dir
+from coldsnap.base.journal import Journal
 from coldsnap.base.paths import settings
 from coldsnap.capsule import CapsuleStore, pack_dir
 from coldsnap.capsule.payload import write_payload
@@ -28,9 +29,11 @@ from coldsnap.contracts import (
 from coldsnap.contracts import capsule as mt
 from coldsnap.criu import CriuDriver, CriuOptions, criu_images_open_files, criu_stats, drop_zero_pages
 from coldsnap.engines import get_adapter
+from coldsnap.engines.lease import hold as hold_lease
 from coldsnap.flows.coldstart import start_cold
 from coldsnap.flows.quiesce import wait_no_connections
 from coldsnap.flows.receipts import finish_receipt, receipt_on_failure
+from coldsnap.flows.resources import out_of_room
 from coldsnap.flows.spans import Timeline
 from coldsnap.gpu import codestash
 from coldsnap.gpu import steps as gpu_steps
@@ -72,9 +75,18 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> tuple
     adapter = get_adapter(request.engine.name)
     launch = adapter.prepare(request)
     name = request.lifecycle.name or f"{request.engine.name}-{uuid.uuid4().hex[:6]}"
-    wdir = run_dir(name)
     plan = allocate_plan(name, request.launch.port)
-    images = private_dir(cfg.run / "capture" / uuid.uuid4().hex) / "images"
+    leave_running = request.lifecycle.leave_running
+    # Everything this capture makes is journaled before it exists: a capture killed at any point is undone by
+    # whoever looks next (coldsnap.flows.recovery), and a --leave-running workload is resumed, not lost.
+    journal = Journal.begin("capture", workload=name, leave_running=leave_running, engine=request.engine.name,
+                            weights_mode=launch.weights_mode, plan=plan.model_dump())
+    work = cfg.run / "capture" / uuid.uuid4().hex
+    journal.add("dir", path=str(work))
+    images = private_dir(work) / "images"
+    wdir_entry = journal.add("dir", path=str(cfg.run / "workloads" / name), workload_dir=True)
+    wdir = run_dir(name)
+    lease = hold_lease(wdir / "engine.lease")  # the engine resumes itself if this capture dies (engines.lease)
     cold = None
     workload_kept = False
     shm_names: list[str] = []
@@ -84,7 +96,7 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> tuple
         progress(f"starting the {request.engine.name} engine cold (weights mode {launch.weights_mode})")
         with tl.span("cold-start"):
             cold = start_cold(name, plan, launch.argv, launch.env, launch.cwd, request.validation,
-                              gpu=uses_gpu(request.launch.devices))
+                              gpu=uses_gpu(request.launch.devices), journal=journal)
         pid, probe, first = cold.state.pid, cold.probe, cold.first
         log = Path(cold.state.log)
         progress(f"ready after {cold.ready - cold.started:.1f} s; validated: {first.text!r}")
@@ -96,18 +108,23 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> tuple
         if model is None and hasattr(adapter, "describe_model") and info.get("weights", {}).get("path"):
             model = adapter.describe_model(info["weights"]["path"])
 
+        released_entry = journal.add("released", host=plan.workload_address, port=plan.port,
+                                     engine=request.engine.name, weights_mode=launch.weights_mode)
         with tl.span("release"):
             # native: the weights leave the dump as a file of their own, where the engine can save them (a
             # container's engine would save inside the container's filesystem, so container capture does not ask
             # for that, nor for its CUDA code as files)
             released = adapter.before_capture(plan.workload_address, plan.port, request.policy.kv_discard,
-                                              launch.weights_mode, save_weights=True, code_dir=_code_dir())
+                                              launch.weights_mode, save_weights=True, code_dir=_code_dir(),
+                                              lease=lease.path)
         model = saved_weights_model(adapter, released) or model
         with tl.span("quiesce"):
             wait_no_connections(pid, plan.port)
         # Host /dev/shm names the tree uses (a semaphore's real name among them): removed with the dumped tree.
         shm_names = hostfiles.tree_shm_files(pid)
+        journal.add("files", paths=shm_names, with_workload=True)
 
+        cuda_entry = journal.add("cuda", root=pid)
         with tl.span("gpu-checkpoint"):
             gpu = gpu_steps.checkpoint_tree(pid)
         progress(gpu.summary)
@@ -115,7 +132,7 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> tuple
         if ranks > 1:
             progress(f"{ranks} tensor-parallel ranks in one tree: one dump")
 
-        options = CriuOptions(leave_running=request.lifecycle.leave_running)
+        options = CriuOptions(leave_running=leave_running)
         progress("dumping with CRIU")
         with tl.span("criu-dump"):
             criu.dump(pid, images, options, netns_inode(plan.netns))
@@ -125,12 +142,22 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> tuple
         extra_src = {f.path: hostfiles.snapshot_file(f.path, f, private_dir(images.parent / "extra") / str(i))
                      for i, f in enumerate(extra)}
 
-        if request.lifecycle.leave_running:
+        if leave_running:
             with tl.span("resume"):
                 gpu_steps.restore_tree(gpu)
+                journal.drop(cuda_entry)
                 adapter.after_capture_left_running(plan.workload_address, plan.port, bool(released),
                                                    launch.weights_mode)
+                journal.drop(released_entry)
                 probe.complete(expected=first.text)
+            # From here the workload serves as it did before the capture, whatever happens to the capsule.
+            save_state(WorkloadState(name=name, pid=pid, network=plan.model_dump(), origin="cold",
+                                     run_dir=str(wdir), log=str(log),
+                                     url=f"http://{plan.workload_address}:{plan.port}",
+                                     engine=request.engine.name, weights_mode=launch.weights_mode))
+            workload_kept = True
+            for entry in (*cold.journaled, wdir_entry):
+                journal.drop(entry)
         files = _captured_files(images, wdir) + extra
         profile = capsule_profile(
             "criu-process", request, criu, info, first.text, model=model, weights_mode=launch.weights_mode,
@@ -139,19 +166,15 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> tuple
                                                      "workdir": launch.cwd}),
             engine_version=info.get("version") or launch.engine_version,
             network=plan, files=files, distributed=adapter.distributed(info),
+            engine_lease=lease.path if released else None,
             prefetch_plans=(released or {}).pop("prefetch_plans", None) or {})
-        packed = thin_and_pack(images, wdir, files, profile, request.tag, released, tl, progress, extra_src)
-        if request.lifecycle.leave_running:
-            save_state(WorkloadState(name=name, pid=pid, network=plan.model_dump(), origin="cold",
-                                     run_dir=str(wdir), log=str(log),
-                                     url=f"http://{plan.workload_address}:{plan.port}",
-                                     engine=request.engine.name, weights_mode=launch.weights_mode))
-            workload_kept = True
+        packed = thin_and_pack(images, files, profile, request.tag, released, tl, progress, extra_src,
+                               journal=journal)
         return {
             **packed,
             "tag": request.tag,
             "workload": name,
-            "left_running": request.lifecycle.leave_running,
+            "left_running": leave_running,
             "cold_start_to_ready_s": round(cold.ready - cold.started, 3),
             "cold_time_to_first_token_s": round(cold.time_to_first_token, 3),
             "validated_text": first.text,
@@ -162,6 +185,7 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> tuple
             **({"release": released} if released else {}),
         }, profile
     finally:
+        lease.release()
         if not workload_kept:
             if cold is not None:
                 kill_tree(cold.state.pid)
@@ -170,7 +194,8 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> tuple
                 for path in set(shm_names) | {f.path for f in extra if not codestash.is_code_file(f.path)}:
                     Path(path).unlink(missing_ok=True)
             shutil.rmtree(wdir, ignore_errors=True)
-        shutil.rmtree(images.parent, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+        journal.close()
 
 
 def engine_info(host: str, port: int) -> dict:
@@ -221,17 +246,30 @@ def capsule_profile(driver: str, request: CaptureRequest, criu: CriuDriver, info
     )
 
 
-def thin_and_pack(images: Path, wdir: Path, files: list[CapturedFile], profile: CapsuleProfile, tag: str | None,
+def thin_and_pack(images: Path, files: list[CapturedFile], profile: CapsuleProfile, tag: str | None,
                   released: dict | None, tl: Timeline, progress: Progress,
-                  sources: dict[str, str] | None = None) -> dict:
-    """Drop the dump's zero pages, pack the capsule; returns what the receipt says of it."""
+                  sources: dict[str, str] | None = None, journal: Journal | None = None) -> dict:
+    """Drop the dump's zero pages, pack the capsule; returns what the receipt says of it. Its layers are written in
+    a scratch directory of the store (journaled: a pack killed midway leaves nothing once someone looks), and the
+    blobs it writes or reuses are protected from gc while the capture lives."""
     with tl.span("thin"):
         thinned = drop_zero_pages(images)
     progress(thinned.summary)
-    with tl.span("pack"):
-        progress("packing the capsule")
-        weights_apart = weights_travel_apart(profile, released)
-        digest = write_capsule(images, wdir, files, profile, tag, sources, payload=weights_apart)
+    store = CapsuleStore(settings().store).init()
+    scratch = store.root / "tmp" / f"pack-{uuid.uuid4().hex}"
+    entry = journal.add("dir", path=str(scratch)) if journal else None
+    try:
+        with tl.span("pack"):
+            progress("packing the capsule")
+            weights_apart = weights_travel_apart(profile, released)
+            digest = write_capsule(store, private_dir(scratch), files, images, profile, tag, sources,
+                                   payload=weights_apart, journal=journal)
+    except OSError as e:
+        raise out_of_room(e, scratch, images) from None
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+        if entry:
+            journal.drop(entry)
     size = sum(int(layer["size"]) for layer in json.loads(
         CapsuleStore(settings().store).blob_path(digest).read_text())["layers"])
     progress(f"capsule {digest} ({size / 2**20:.1f} MiB)")
@@ -251,36 +289,39 @@ def weights_travel_apart(profile: CapsuleProfile, released: dict | None) -> bool
     return profile.weights_mode == "recovery" or bool((released or {}).get("saved_weights"))
 
 
-def write_capsule(images: Path, wdir: Path, files: list[CapturedFile], profile: CapsuleProfile,
-                  tag: str | None, sources: dict[str, str] | None = None, payload: bool = False) -> str:
-    store = CapsuleStore(settings().store).init()
-    tmp = private_dir(store.root / "tmp")
+def write_capsule(store: CapsuleStore, scratch: Path, files: list[CapturedFile], images: Path,
+                  profile: CapsuleProfile, tag: str | None, sources: dict[str, str] | None = None,
+                  payload: bool = False, journal: Journal | None = None) -> str:
+    """The capsule's layers packed in scratch (a directory of the store's file system the caller removes), moved
+    into the store as blobs, then its manifest indexed."""
+    def keep(desc):
+        if journal:  # gc spares a blob an in-flight capture wrote or reuses, until it is indexed
+            journal.add("blob", digest=desc.digest)
+        return desc
+
     layers = []
-    criu_tar = tmp / f"criu-{uuid.uuid4().hex}.tar.zst"
+    criu_tar = scratch / "criu.tar.zst"
     pack_dir(images, criu_tar, skip=("dump.log",))
-    layers.append(store.put_file(criu_tar, mt.LAYER_CRIU, {mt.ANNOTATION_TITLE: "criu-images"}, move=True))
+    layers.append(keep(store.put_file(criu_tar, mt.LAYER_CRIU, {mt.ANNOTATION_TITLE: "criu-images"}, move=True)))
     if files:
-        staging = private_dir(tmp / f"files-{uuid.uuid4().hex}")
-        try:
-            for i, f in enumerate(files):
-                # Only the bytes that existed at the dump: restore truncates to this size anyway.
-                # sparse: shm queues are hundreds of MB of holes
-                hostfiles.copy_sparse((sources or {}).get(f.path, f.path), staging / str(i), f.size)
-            files_tar = tmp / f"files-{uuid.uuid4().hex}.tar.zst"
-            pack_dir(staging, files_tar)
-            layers.append(store.put_file(files_tar, mt.LAYER_FILES, {mt.ANNOTATION_TITLE: "captured-files"},
-                                         move=True))
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+        staging = private_dir(scratch / "files")
+        for i, f in enumerate(files):
+            # Only the bytes that existed at the dump: restore truncates to this size anyway.
+            # sparse: shm queues are hundreds of MB of holes
+            hostfiles.copy_sparse((sources or {}).get(f.path, f.path), staging / str(i), f.size)
+        files_tar = scratch / "files.tar.zst"
+        pack_dir(staging, files_tar)
+        layers.append(keep(store.put_file(files_tar, mt.LAYER_FILES, {mt.ANNOTATION_TITLE: "captured-files"},
+                                          move=True)))
     weights_manifest = {"mode": profile.weights_mode,
                         "files": [w.model_dump() for w in (profile.model.weights if profile.model else [])]}
-    layers.append(store.put_bytes(json.dumps(weights_manifest, sort_keys=True).encode(), mt.LAYER_WEIGHTS_MANIFEST,
-                                  {mt.ANNOTATION_TITLE: "weights-manifest"}))
+    layers.append(keep(store.put_bytes(json.dumps(weights_manifest, sort_keys=True).encode(),
+                                       mt.LAYER_WEIGHTS_MANIFEST, {mt.ANNOTATION_TITLE: "weights-manifest"})))
     annotations = {mt.ANNOTATION_ENGINE: profile.engine.name}
     if payload and profile.model and profile.model.weights:
         # The weight files as a content-addressed payload artifact beside the images: restores on a host that lacks
         # them pull it once, and capsules of the same weights share it.
-        annotations[mt.ANNOTATION_PAYLOAD] = write_payload(store, profile.model.weights)
+        annotations[mt.ANNOTATION_PAYLOAD] = write_payload(store, profile.model.weights, keep=keep)
     if profile.model:
         annotations[mt.ANNOTATION_MODEL] = f"{profile.model.id}@{profile.model.revision}"
     return store.write_capsule(profile, layers, annotations, tag)

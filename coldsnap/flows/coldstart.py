@@ -4,8 +4,9 @@ benchmark's vanilla samples share."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from coldsnap.base.journal import Journal, start_time
 from coldsnap.base.procfs import alive
 from coldsnap.contracts import ColdSnapError, ErrorCode, NetworkPlan, Validation
 from coldsnap.net import create_network, destroy_network
@@ -21,6 +22,7 @@ class ColdStart:
     first: ProbeResult
     started: float  # monotonic: when the start was issued
     ready: float  # monotonic: when /health first answered
+    journaled: list[dict] = field(default_factory=list)  # its entries in the caller's journal, to drop at hand-over
 
     @property
     def time_to_first_token(self) -> float:
@@ -28,16 +30,29 @@ class ColdStart:
 
 
 def start_cold(name: str, plan: NetworkPlan, argv: list[str], env: dict[str, str], cwd: str | None,
-               validation: Validation, expected: str | None = None, gpu: bool = False) -> ColdStart:
-    """Network, start, ready, one validated completion. On failure nothing is left running."""
+               validation: Validation, expected: str | None = None, gpu: bool = False,
+               journal: Journal | None = None) -> ColdStart:
+    """Network, start, ready, one validated completion. On failure nothing is left running. With a journal, the
+    network and the workload are recorded in it before they exist (the caller drops them once it owns them)."""
     wdir = run_dir(name)
     log = wdir / "engine.log"
     log.unlink(missing_ok=True)
     pid = None
+    own = journal is None
+    journal = journal or Journal.begin("cold-start", workload=name)
+    network = journal.add("network", plan=plan.model_dump())
     try:
         create_network(plan)
+    except BaseException:  # refused: nothing of ours to clean (the netns, address or veth is someone else's)
+        journal.drop(network)
+        if own:
+            journal.close()
+        raise
+    workload = journal.add("workload", name=name, netns=plan.netns)
+    try:
         started = time.monotonic()
         pid = start_in_namespaces(argv, workload_env(env), plan, log, cwd=cwd, pid_namespace=not gpu)
+        journal.update(workload, pid=pid, start=start_time(pid))
         probe = ValidationProbe(plan.workload_address, plan.port, validation)
         ready = probe.wait_ready(alive=lambda: alive(pid))
         first = probe.complete(expected=expected)
@@ -45,6 +60,10 @@ def start_cold(name: str, plan: NetworkPlan, argv: list[str], env: dict[str, str
         if pid is not None:
             kill_tree(pid)
         destroy_network(plan)
+        journal.drop(workload)
+        journal.drop(network)
+        if own:
+            journal.close()
         if isinstance(e, ColdSnapError) and e.code == ErrorCode.WORKLOAD_FAILED:
             why = last_words(log)
             if why:
@@ -52,7 +71,10 @@ def start_cold(name: str, plan: NetworkPlan, argv: list[str], env: dict[str, str
         raise
     state = WorkloadState(name=name, pid=pid, network=plan.model_dump(), origin="cold", run_dir=str(wdir),
                           log=str(log), url=f"http://{plan.workload_address}:{plan.port}")
-    return ColdStart(state=state, probe=probe, first=first, started=started, ready=ready)
+    if own:  # the caller owns the workload from here (its state file, or it stops it)
+        journal.close()
+    return ColdStart(state=state, probe=probe, first=first, started=started, ready=ready,
+                     journaled=[] if own else [network, workload])
 
 
 def last_words(log) -> str:

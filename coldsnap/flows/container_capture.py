@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from coldsnap.base.files import private_dir
+from coldsnap.base.journal import Journal
 from coldsnap.base.paths import settings
 from coldsnap.contracts import (
     CapsuleProfile,
@@ -110,8 +111,11 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
     target = Target(pid=pid, port=request.launch.port, host=host)
     weights_mode, kv_discard = request.policy.weights_mode, request.policy.kv_discard
     in_flight = request.policy.quiesce == "none"
-    tmp = private_dir(settings().run / "capture" / uuid.uuid4().hex)
-    images, work = tmp / "images", private_dir(tmp / "work")
+    # Journaled: a capture killed after it released the engine leaves the container serving once someone looks.
+    journal = Journal.begin("container-capture", container=cid)
+    tmp = settings().run / "capture" / uuid.uuid4().hex
+    journal.add("dir", path=str(tmp))
+    images, work = private_dir(tmp) / "images", private_dir(tmp / "work")
     held_shm = None
     try:
         progress(f"validating container {cid} at {target.describe()}")
@@ -123,6 +127,9 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
         gpu = gpu_steps.GpuCheckpoint()
         connections = 0
         released: dict = {}
+        release = journal.add("released", container_pid=pid, host=host, port=request.launch.port,
+                              engine=request.engine.name, weights_mode=weights_mode)
+        cuda = journal.add("cuda", root=pid)
         if not in_flight:  # in flight, requests still need their KV cache (and weights): nothing is released
             with tl.span("release"):
                 released = target.call(adapter.before_capture, kv_discard, weights_mode)
@@ -144,6 +151,9 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
         except ColdSnapError:
             _resume(target, adapter, gpu, kv_discard, weights_mode)  # no dump: the container serves on as it was
             raise
+        if not request.lifecycle.leave_running:  # the dump took the container away: nothing left to resume
+            journal.drop(release)
+            journal.drop(cuda)
         # The bound /dev/shm files the dump refers to, copied at their dump-time bytes before anything resumes.
         files, sources = held_shm.captured(images)
         for i, f in enumerate(files):
@@ -152,6 +162,8 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
         if request.lifecycle.leave_running:
             with tl.span("resume"):
                 _resume(target, adapter, gpu, kv_discard, weights_mode)
+                journal.drop(release)
+                journal.drop(cuda)
                 validate(target, request.validation, first.text)
         profile = capsule_profile(
             "criu-runc", request, criu, info, first.text, options=options, engine_version=info.get("version"),
@@ -159,7 +171,8 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
             kv_discarded=kv_discard, launch=request.launch, network=None, cuda_pids=len(gpu.pids),
             gpus_used=gpu.gpu_uuids, files=files,
             image_digest=request.launch.image_digest)
-        packed = thin_and_pack(images, work, files, profile, request.tag, released, tl, progress, sources)
+        packed = thin_and_pack(images, files, profile, request.tag, released, tl, progress, sources,
+                               journal=journal)
         return {**packed, "tag": request.tag, "container": cid,
                 "left_running": request.lifecycle.leave_running, "quiesce": request.policy.quiesce,
                 "connections_in_flight": connections, "validated_text": first.text,
@@ -169,6 +182,7 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
         if held_shm is not None:
             held_shm.close()
         shutil.rmtree(tmp, ignore_errors=True)
+        journal.close()
 
 
 def _resume(target: Target, adapter, gpu, kv_discard: bool, weights_mode: str) -> None:

@@ -30,6 +30,7 @@ from typing import Literal
 from pydantic import ValidationError
 
 from coldsnap.base.files import private_dir
+from coldsnap.base.journal import start_time
 from coldsnap.base.paths import settings
 from coldsnap.capsule import LoadedCapsule
 from coldsnap.contracts import ColdSnapError, ErrorCode, Policy, Receipt, RestoreRequest, Validation
@@ -168,7 +169,12 @@ def restore_at_create(runc: str, parsed: RuncArgv, spec: dict) -> CreateOutcome:
 def _restore(runc: str, parsed: RuncArgv, staged: Staged, spec: dict, creq: ContainerRequest, tl: Timeline) -> dict:
     """criu-restore and hydrate spans; returns what the record needs. spec: the new container's."""
     profile = staged.capsule.profile
-    work = work_dir(parsed.container_id)
+    cid = parsed.container_id
+    # Recorded before runc restores anything: whoever looks next (the next runc call for this id, coldsnap gc)
+    # deletes a container whose restore this shim did not live to validate.
+    records.save(cid, {"outcome": "restoring", "id": cid, "root": parsed.root, "bundle": parsed.bundle,
+                       "runc": runc, "owner": {"pid": os.getpid(), "start": start_time(os.getpid())}})
+    work = work_dir(cid)
     t0 = time.monotonic()  # the restore clock: staging excluded, as for process mode
     # files of a bound /dev/shm the dump refers to: into the new container's before CRIU looks for them
     put_back = hostfiles.put_back_container_shm(staged.files, profile.files, spec)

@@ -11,6 +11,7 @@ from coldsnap import __version__
 from coldsnap.base.files import atomic_write, private_dir
 from coldsnap.base.paths import settings
 from coldsnap.contracts import ColdSnapError, ErrorCode, ErrorInfo, Receipt, sha256_hex
+from coldsnap.flows.resources import out_of_room
 from coldsnap.flows.spans import Timeline
 
 
@@ -57,10 +58,17 @@ def finish_receipt(request, op_id: str, operation: str, tl: Timeline, state: str
 
 @contextmanager
 def receipt_on_failure(request, op_id: str, operation: str, tl: Timeline) -> Iterator[None]:
-    """A ColdSnapError leaving the block gets a receipt (refused or failed) unless it already has one."""
+    """A ColdSnapError leaving the block gets a receipt (refused or failed) unless it already has one; so does a
+    full disk, a quota or the open-files limit, which leave as environment errors (exit 12)."""
     try:
         yield
     except ColdSnapError as e:
         if e.receipt is None:
             finish_receipt(request, op_id, operation, tl, failed_state(e), error=e)
         raise
+    except OSError as e:
+        err = out_of_room(e, Path(e.filename) if getattr(e, "filename", None) else settings().run)
+        if not isinstance(err, ColdSnapError):
+            raise
+        finish_receipt(request, op_id, operation, tl, "failed", error=err)
+        raise err from None

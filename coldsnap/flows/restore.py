@@ -11,12 +11,14 @@ import uuid
 from typing import Callable
 
 from coldsnap.base.files import private_dir
+from coldsnap.base.journal import Journal, start_time
 from coldsnap.base.paths import settings
 from coldsnap.base.procfs import alive, descendants
 from coldsnap.capsule import LoadedCapsule
 from coldsnap.contracts import ColdSnapError, ErrorCode, Receipt, RestoreRequest, Validation
 from coldsnap.criu import CriuDriver, CriuOptions, criu_stats
 from coldsnap.engines import get_adapter
+from coldsnap.engines.lease import hold as hold_lease
 from coldsnap.flows.admission import admit_capsule, load_capsule
 from coldsnap.flows.coldstart import start_cold
 from coldsnap.flows.fallback import may_fall_back
@@ -72,21 +74,35 @@ def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progr
     adapter = get_adapter(profile.engine.name)
     pid = None
     ok = False
+    # Journaled before it exists: a restore killed before its validation leaves nothing running once someone looks.
+    journal = Journal.begin("restore", workload=name, capsule=staged.capsule.digest)
     t0 = time.monotonic()  # the restore clock: staging is excluded, as for a vanilla start
     # The weights go onto the GPU meanwhile, when they can (a process of its own; the engine takes them at resume).
     prefetch_started = gpu_steps.start_prefetch_soon(
         profile, adapter.supports_prefetch and reloads_weights(staged.capsule), request.gpu_map,
         private_dir(settings().run / "prefetch"))
     prefetched = None
+    lease = None
+    network = journal.add("network", plan=plan.model_dump())
     try:
         with tl.span("network"):
-            create_network(plan)
+            try:
+                create_network(plan)
+            except BaseException:  # refused: the network is someone else's, and stays theirs
+                journal.drop(network)
+                raise
+            workload = journal.add("workload", name=name, netns=plan.netns)
             put_back_files(staged)
         progress("restoring with CRIU")
-        work = private_dir(settings().run / "restore-work" / uuid.uuid4().hex)
+        work = settings().run / "restore-work" / uuid.uuid4().hex
+        journal.add("dir", path=str(work))
+        private_dir(work)
+        # the restored engine waits on this lease for its resume, instead of resuming itself
+        lease = hold_lease(profile.engine_lease) if profile.engine_lease else None
         with tl.span("criu-restore"):
             options = CriuOptions()
             pid = criu.restore(staged.images, work, options, netns_path(plan.netns))
+        journal.update(workload, pid=pid, start=start_time(pid))
         criu_account = criu_stats(work, "restore")
         with tl.span("hydrate"):
             gpu = gpu_steps.restore_restored_tree(pid, gpu_pairs=list(request.gpu_map.items()) or None)
@@ -109,7 +125,8 @@ def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progr
                                  url=f"http://{plan.workload_address}:{plan.port}", cuda_pids=gpu.pids,
                                  engine=profile.engine.name, weights_mode=profile.weights_mode))
         ok = True
-        shutil.rmtree(work, ignore_errors=True)
+        journal.drop(workload)  # its state file owns it now
+        journal.drop(network)
         return {"capsule": staged.capsule.digest, "workload": name, "pid": pid,
                 "url": f"http://{plan.workload_address}:{plan.port}",
                 "time_to_first_token_s": round(ttft, 4), "validated_text": res.text,
@@ -120,12 +137,19 @@ def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progr
                 "criu_stats": criu_account,
                 "weights_mode": profile.weights_mode, **({"ranks": ranks} if ranks else {})}
     finally:
+        if lease is not None:
+            lease.release()
         if prefetched is None:  # failed before the first token: reap the prefetchers whatever they did
             gpu_steps.finish_prefetch(prefetch_started())
         if not ok:
             if pid is not None:
                 kill_tree(pid)
-            destroy_network(plan)
+            if network in journal.things:  # ours: created by this restore
+                destroy_network(plan)
+        for t in journal.things:
+            if t["kind"] == "dir":
+                shutil.rmtree(t["path"], ignore_errors=True)
+        journal.close()
 
 
 def _ranks_restored(profile, plan, root_pid: int) -> dict | None:

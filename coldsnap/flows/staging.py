@@ -10,11 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from coldsnap.base.files import private_dir
+from coldsnap.base.journal import Journal
 from coldsnap.base.paths import settings
 from coldsnap.capsule import CapsuleStore, LoadedCapsule, unpack_layer
 from coldsnap.capsule.payload import materialize
 from coldsnap.capsule.pinned import verify_weights
 from coldsnap.contracts import capsule as mt
+from coldsnap.flows.resources import out_of_room
 from coldsnap.gpu import codestash
 from coldsnap.workload import hostfiles
 
@@ -54,7 +56,10 @@ def _unpack(store: CapsuleStore, capsule: LoadedCapsule, root: Path) -> None:
     if done.exists():
         return
     shutil.rmtree(root, ignore_errors=True)
-    tmp = private_dir(root.with_name(root.name + f".tmp{os.getpid()}"))
+    tmp = root.with_name(root.name + f".tmp{os.getpid()}")
+    journal = Journal.begin("stage", capsule=capsule.digest)  # a stager killed midway leaves no temp dir for long
+    journal.add("dir", path=str(tmp))
+    private_dir(tmp)
     try:
         unpack_layer(store.blob_path(capsule.layer(mt.LAYER_CRIU).digest), tmp / "images")
         files_layer = capsule.layer(mt.LAYER_FILES)
@@ -67,9 +72,14 @@ def _unpack(store: CapsuleStore, capsule: LoadedCapsule, root: Path) -> None:
             if not done.exists():  # not a concurrent stager that finished first
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise out_of_room(e, tmp.parent, store.blob_path(capsule.layer(mt.LAYER_CRIU).digest)) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        journal.close()
 
 
 def reloads_weights(capsule: LoadedCapsule) -> bool:

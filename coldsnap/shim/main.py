@@ -20,7 +20,8 @@ ANNOTATION_CAPSULE = "io.coldsnap.capsule"  # == coldsnap.contracts.capsule.ANNO
 
 PASS_THROUGH = "pass-through"  # exec the real runc, argv unchanged
 RESTORE = "restore"  # create/run of an annotated bundle: restore it from the capsule (or fall back cold)
-ANSWER_START = "answer-start"  # start of a container the shim restored: it already runs; run poststart hooks
+ANSWER_START = "answer-start"  # start of a container the shim restored (it already runs: run poststart hooks), or
+#                               whose restore was interrupted (delete it, fail the start)
 DELETE = "delete"  # delete of a container the shim handled: runc deletes it, the shim forgets it
 
 
@@ -61,7 +62,7 @@ def decide(parsed: RuncArgv, spec_of: Callable[[str], dict | None] = annotated_s
         if belongs(record, parsed.root):
             if command == "delete":
                 return DELETE, record
-            if record.get("outcome") == "restored":
+            if record.get("outcome") in ("restored", "restoring"):
                 return ANSWER_START, record
     return PASS_THROUGH, None
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 
+from coldsnap.base.journal import same_process
 from coldsnap.base.procfs import alive
 from coldsnap.oci import records, runclog
 from coldsnap.oci.argv import RuncArgv
@@ -21,6 +22,15 @@ def oci_state(record: dict, spec: dict) -> str:
 
 def start_restored(runc: str, parsed: RuncArgv, record: dict) -> int:
     cid = parsed.container_id
+    if record.get("outcome") == "restoring":  # its create died before the restore was done
+        owner = record.get("owner") or {}
+        if same_process(owner.get("pid"), owner.get("start")):
+            return runclog.fail(parsed, f"coldsnap-runtime: container {cid} is still being restored")
+        subprocess.run([runc, *parsed.global_argv(drop=("log", "log-format")), "delete", "--force", cid],
+                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        records.forget(cid)
+        return runclog.fail(parsed, f"coldsnap-runtime: the restore of container {cid} was interrupted before it "
+                            "was validated; the container was deleted (create it again)")
     if record.get("started"):
         return runclog.fail(parsed, "cannot start an already running container")
     if not alive(record["pid"]):

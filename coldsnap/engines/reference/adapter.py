@@ -87,12 +87,14 @@ class ReferenceAdapter(EngineAdapter):
                            settings=tp.get("settings") or {})
 
     def before_capture(self, host: str, port: int, kv_discard: bool, weights_mode: str,
-                       save_weights: bool = False, code_dir: str | None = None) -> dict:
+                       save_weights: bool = False, code_dir: str | None = None, lease: str | None = None) -> dict:
         # recovery: weights and KV go (the engine reloads the weights from the pinned file after restore). native
         # with save_weights: the engine first saves its weights as they are in memory to a file of its own, which
         # travels beside the images as a content-addressed payload, and reloads from it after restore. native
         # otherwise: the weights stay in the dump, only the KV cache goes.
         stash = {"stash_code": code_dir} if code_dir else {}
+        if lease:
+            stash["lease"] = lease
         if weights_mode == "native" and save_weights:
             return post_json(host, port, "/coldsnap/release", {"weights": True, "save": True, **stash})
         if not kv_discard and weights_mode != "recovery":

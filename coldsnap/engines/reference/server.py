@@ -44,6 +44,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer  # noqa: E40
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
+from coldsnap.engines.lease import watch as lease_watch  # noqa: E402
 from coldsnap.engines.reference import DEFAULT_MODEL_ID, ENGINE_NAME, ENGINE_VERSION  # noqa: E402
 
 MAX_BODY = 1 << 20
@@ -130,10 +131,12 @@ class Engine:
             for tok in self.runner.generate(ids, max_tokens):
                 yield decode([tok])
 
-    def release(self, weights: bool = True, save: bool = False, stash_code: str | None = None) -> dict[str, Any]:
+    def release(self, weights: bool = True, save: bool = False, stash_code: str | None = None,
+                lease: str | None = None) -> dict[str, Any]:
         """save: write the weights as they are in memory next to the weights file first (a new file each time,
         named in the answer's saved_weights), then drop them; resume() reloads from that file.
-        stash_code: a directory for the CUDA device code held in anonymous memory (coldsnap.gpu.codestash)."""
+        stash_code: a directory for the CUDA device code held in anonymous memory (coldsnap.gpu.codestash).
+        lease: the capturer's lease file (coldsnap.engines.lease): resume without being asked once it is let go."""
         save_to = None
         if save:
             src = Path(self.info["weights"]["path"])
@@ -144,7 +147,16 @@ class Engine:
                 out = self.runner.release(weights=weights, save_to=save_to, stash_code=stash_code)
             except ValueError as e:
                 raise BadRequest(str(e), 400, code="unsupported") from None
+            if lease:
+                lease_watch(lease, lambda: self.runner.released, self._resume_unasked)
             return {"released": True, "seconds": time.monotonic() - t, "rss_bytes": _rss_bytes(), **out}
+
+    def _resume_unasked(self) -> None:
+        try:
+            out = self.resume()
+            emit("resumed", why="the capturer let its lease go", seconds=round(out["seconds"], 3))
+        except Exception as e:  # noqa: BLE001 - a watcher thread: say it, the engine answers 503 still
+            emit("resume-failed", error=f"resume after the capturer left failed: {e}")
 
     def resume(self, prefetched: str | dict[str, str] | None = None) -> dict[str, Any]:
         """prefetched: the socket of a coldsnap.gpu.prefetch that holds the weights on the GPU already, or
@@ -272,9 +284,11 @@ class Handler(BaseHTTPRequestHandler):
 
     def release(self) -> None:
         body = self._body(required=False) or {}
-        stash = body.get("stash_code")
+        stash, lease = body.get("stash_code"), body.get("lease")
+        if lease is not None and not isinstance(lease, str):
+            raise BadRequest("lease must be a path", param="lease")
         self._json(200, self.engine.release(weights=bool(body.get("weights", True)), save=bool(body.get("save")),
-                                            stash_code=str(stash) if stash else None))
+                                            stash_code=str(stash) if stash else None, lease=lease))
 
     def resume(self) -> None:
         body = self._body(required=False) or {}

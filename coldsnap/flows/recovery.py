@@ -1,0 +1,176 @@
+"""Recovery: undo what operations killed midway left on this host, from their journals (coldsnap.base.journal), and
+finish what the shim's killed calls left (coldsnap.oci.records). The next coldsnap command, `coldsnap status`,
+`stop` and `gc` run it; an operation whose owner still lives is never touched.
+
+What an interrupted operation leaves, and what becomes of it:
+  workload (capture, restore): every process in its network namespace is killed and reaped, its /dev/shm files
+    removed, its network deleted (unless a live workload claims it) — except the workload of a --leave-running
+    capture, which is brought back as it was (its CUDA state restored, its engine resumed) and kept, with its
+    state file, for `coldsnap status` and `stop`.
+  released (a container capture): the container's engine is resumed; the container is the user's.
+  process (prefetchers), dir and file (capture and restore work, staging temp dirs, partial layers): removed.
+  container (the shim, during `runc restore`): deleted with runc, its record forgotten."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable
+
+from coldsnap.base import journal as journals
+from coldsnap.base.journal import Journal, same_process
+from coldsnap.base.procfs import alive, in_network_namespace
+from coldsnap.contracts import ColdSnapError, NetworkPlan
+from coldsnap.engines import get_adapter
+from coldsnap.gpu import steps as gpu_steps
+from coldsnap.net import destroy_network, netns_inode
+from coldsnap.oci import records
+from coldsnap.workload.state import WorkloadState, list_states, save_state
+from coldsnap.workload.target import Target
+
+Progress = Callable[[str], None]
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+def recover(progress: Progress = _quiet) -> list[str]:
+    """Clean up after every operation whose owner is gone; one sentence per operation cleaned."""
+    done = []
+    for j in journals.entries():
+        if j.owner_alive():
+            continue
+        try:
+            done.append(_undo(j))
+        except Exception as e:  # noqa: BLE001 - one leftover must not block the rest, nor the command that looks
+            done.append(f"{j.kind} {j.about.get('workload') or ''}: could not clean up entirely: {e}")
+        j.close()
+    done += _interrupted_container_restores()
+    for line in done:
+        progress(line)
+    return done
+
+
+# --- workloads -------------------------------------------------------------------------------------------------
+def _kill_network_namespace(netns: str) -> int:
+    """SIGKILL every process in the named network namespace and wait until they are gone; how many there were."""
+    try:
+        inode = netns_inode(netns)
+    except OSError:
+        return 0
+    pids = in_network_namespace(inode)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        for pid in pids:
+            try:
+                os.waitpid(pid, os.WNOHANG)  # ours to reap when this process restored it
+            except ChildProcessError:
+                pass
+        time.sleep(0.02)
+    return len(pids)
+
+
+def _claimed(netns: str, by_other_than: Journal) -> bool:
+    """Whether a live workload's state file or another live operation holds this network namespace."""
+    for ws in list_states():
+        if ws.plan.netns == netns and alive(ws.pid):
+            return True
+
+    def names(t: dict) -> bool:
+        held = (t.get("netns"), (t.get("plan") or {}).get("netns"))
+        return t.get("kind") in ("network", "workload") and netns in held
+
+    return any(j.path != by_other_than.path and j.owner_alive() and any(names(t) for t in j.things)
+               for j in journals.entries())
+
+
+def _keep_left_running(j: Journal) -> bool:
+    """A --leave-running capture's workload must serve on whatever happened to the capture: bring it back (CUDA
+    state, engine) and give it a state file. False when there is nothing alive to keep."""
+    if j.kind != "capture" or not j.about.get("leave_running"):
+        return False
+    workload = next((t for t in j.things if t["kind"] == "workload"), None)
+    if workload is None or not same_process(workload.get("pid"), workload.get("start")):
+        return False
+    plan = NetworkPlan.model_validate(j.about["plan"])
+    for t in j.things:
+        if t["kind"] == "cuda":
+            gpu_steps.restore_restored_tree(workload["pid"])
+        elif t["kind"] == "released":
+            get_adapter(t["engine"]).after_capture_left_running(t["host"], t["port"], True, t["weights_mode"])
+    wdir = next((t["path"] for t in j.things if t.get("workload_dir")), "")
+    save_state(WorkloadState(name=workload["name"], pid=workload["pid"], network=plan.model_dump(), origin="cold",
+                             run_dir=wdir, log=str(Path(wdir) / "engine.log") if wdir else "",
+                             url=f"http://{plan.workload_address}:{plan.port}", engine=j.about.get("engine", ""),
+                             weights_mode=j.about.get("weights_mode", "")))
+    return True
+
+
+def _undo(j: Journal) -> str:
+    kept = _keep_left_running(j)
+    killed = 0
+    for t in reversed(j.things):
+        kind = t.get("kind")
+        if kind == "workload" and not kept and t.get("netns"):
+            if not _claimed(t["netns"], j):
+                killed += _kill_network_namespace(t["netns"])
+        elif kind == "network" and not kept:
+            plan = NetworkPlan.model_validate(t["plan"])
+            if not _claimed(plan.netns, j):
+                destroy_network(plan)
+        elif kind == "files" and not kept:
+            for path in t.get("paths") or []:
+                Path(path).unlink(missing_ok=True)
+        elif kind == "process" and same_process(t.get("pid"), t.get("start")):
+            os.kill(t["pid"], signal.SIGKILL)
+        elif kind == "dir" and not (kept and t.get("workload_dir")):
+            shutil.rmtree(t["path"], ignore_errors=True)
+        elif kind == "file":
+            Path(t["path"]).unlink(missing_ok=True)
+        elif kind == "released" and t.get("container_pid") and alive(t["container_pid"]):
+            target = Target(pid=t["container_pid"], port=t["port"], host=t.get("host"))
+            for cuda in (x for x in j.things if x.get("kind") == "cuda"):
+                gpu_steps.restore_restored_tree(cuda["root"])
+            target.call(get_adapter(t["engine"]).after_capture_left_running, True, t["weights_mode"])
+        elif kind == "container":
+            _delete_container(t["runc"], t["root"], t["id"])
+    what = f"{j.kind} of {j.about.get('workload') or j.about.get('capsule') or j.about.get('container') or '?'}"
+    if kept:
+        return f"{what} was interrupted; its workload serves on (coldsnap status, coldsnap stop)"
+    return f"{what} was interrupted; cleaned up" + (f" ({killed} process(es) stopped)" if killed else "")
+
+
+# --- containers the shim was restoring -------------------------------------------------------------------------
+def _delete_container(runc: str, root: str, container_id: str) -> None:
+    subprocess.run([runc, "--root", root, "delete", "--force", container_id], stdin=subprocess.DEVNULL,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
+    records.forget(container_id)
+
+
+def _interrupted_container_restores() -> list[str]:
+    """Shim records of restores whose shim died before the container was validated: delete those containers."""
+    out = []
+    shim = Path(records.state_dir())
+    for path in sorted(shim.glob("*.json")) if shim.is_dir() else []:
+        record = records.load(path.stem)
+        if not record or record.get("outcome") != "restoring":
+            continue
+        owner = record.get("owner") or {}
+        if same_process(owner.get("pid"), owner.get("start")):
+            continue
+        try:
+            _delete_container(record["runc"], record["root"], record["id"])
+            out.append(f"restore of container {record['id']} was interrupted; the container was deleted")
+        except (OSError, KeyError, subprocess.SubprocessError, ColdSnapError) as e:
+            out.append(f"restore of container {path.stem} was interrupted; could not delete it: {e}")
+    return out
