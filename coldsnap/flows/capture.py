@@ -102,6 +102,7 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> tuple
         progress(f"ready after {cold.ready - cold.started:.1f} s; validated: {first.text!r}")
         with tl.span("validate"):
             probe.complete(expected=first.text)  # determinism: a restore will be held to this text
+        journal.add("validated")  # from here a --leave-running workload is kept whatever happens to the capture
 
         model = request.model or launch.model
         info = engine_info(plan.workload_address, plan.port)

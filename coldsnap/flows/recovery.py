@@ -97,7 +97,7 @@ def _claimed(netns: str, by_other_than: Journal) -> bool:
 def _keep_left_running(j: Journal) -> bool:
     """A --leave-running capture's workload must serve on whatever happened to the capture: bring it back (CUDA
     state, engine) and give it a state file. False when there is nothing alive to keep."""
-    if j.kind != "capture" or not j.about.get("leave_running"):
+    if j.kind != "capture" or not j.about.get("leave_running") or not any(t["kind"] == "validated" for t in j.things):
         return False
     workload = next((t for t in j.things if t["kind"] == "workload"), None)
     if workload is None or not same_process(workload.get("pid"), workload.get("start")):
