@@ -7,6 +7,7 @@ a receipt, nothing partial, the --leave-running workload untouched."""
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -52,19 +53,19 @@ def journals(root: Path) -> list[dict]:
 
 def kill_when(env, args, seen) -> tuple[subprocess.Popen, str]:
     """Start `coldsnap ARGS`, SIGKILL it once seen(stderr so far) is true; returns it and what it printed."""
-    proc = subprocess.Popen([*CLI, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    os.set_blocking(proc.stderr.fileno(), False)
+    proc = subprocess.Popen([*CLI, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    fd = proc.stderr.fileno()
     text = ""
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
-        text += proc.stderr.read() or ""
+        if select.select([fd], [], [], 0.01)[0]:
+            text += os.read(fd, 1 << 16).decode(errors="replace")
         if seen(text):
             proc.send_signal(signal.SIGKILL)
             proc.wait()
             return proc, text
         if proc.poll() is not None:
             raise AssertionError(f"coldsnap {' '.join(args)} ended before the kill point: {text[-2000:]}")
-        time.sleep(0.01)
     proc.kill()
     raise AssertionError(f"never reached the kill point: {text[-2000:]}")
 
