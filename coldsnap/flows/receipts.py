@@ -67,7 +67,8 @@ def receipt_on_failure(request, op_id: str, operation: str, tl: Timeline) -> Ite
             finish_receipt(request, op_id, operation, tl, failed_state(e), error=e)
         raise
     except OSError as e:
-        err = out_of_room(e, Path(e.filename) if getattr(e, "filename", None) else settings().run)
+        written = getattr(e, "filename2", None) or getattr(e, "filename", None)
+        err = out_of_room(e, Path(written).parent if written else settings().run)
         if not isinstance(err, ColdSnapError):
             raise
         finish_receipt(request, op_id, operation, tl, "failed", error=err)

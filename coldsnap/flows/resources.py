@@ -30,15 +30,16 @@ def _free(path: Path) -> int | None:
 
 
 def out_of_room(e: OSError, where: Path, source: Path | None = None) -> Exception:
-    """The ColdSnapError(ENVIRONMENT) for a resource error while writing under `where` (what `source` holds is about
-    what was needed); any other OSError is returned as it is, for the caller to raise."""
+    """The ColdSnapError(ENVIRONMENT) for a resource error while writing under `where` (`source`: what was being
+    written, for the room it needs); any other OSError is returned as it is, for the caller to raise."""
     what = RESOURCE_ERRNOS.get(e.errno)
     if what is None:
         return e
-    path = Path(e.filename) if getattr(e, "filename", None) else where
     if e.errno in (errno.EMFILE, errno.ENFILE):
-        return ColdSnapError(ErrorCode.ENVIRONMENT, f"{what} writing {path} (raise the open-files limit)")
+        return ColdSnapError(ErrorCode.ENVIRONMENT, f"{what} writing under {where} (raise the open-files limit)")
+    if getattr(e, "filename2", None) and e.filename and Path(e.filename).is_file():
+        source = Path(e.filename)  # a copy: its source is what needed the room
     need = f"about {_bytes_in(source) / 2**20:.0f} MiB needed, " if source is not None else ""
     free = _free(where)
     room = f"{free / 2**20:.0f} MiB free" if free is not None else "free space unknown"
-    return ColdSnapError(ErrorCode.ENVIRONMENT, f"{what} on the file system of {path}: {need}{room}")
+    return ColdSnapError(ErrorCode.ENVIRONMENT, f"{what} on the file system of {where}: {need}{room}")
