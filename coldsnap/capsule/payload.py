@@ -19,7 +19,7 @@ EMPTY_CONFIG = b"{}"
 
 
 def write_payload(store: CapsuleStore, weights: list[WeightFile],
-                  keep: Callable[[Descriptor], Descriptor] = lambda d: d) -> str:
+                  keep: Callable[[Descriptor], Descriptor] = lambda d: d, scratch: Path | None = None) -> str:
     """Add the weight files to the store (hard-linked when on the same filesystem: they are immutable and pinned by
     digest) and write a payload manifest. Returns its digest (not indexed: capsules reference it). keep(descriptor)
     is told of every blob written or reused (a capture journals them, so gc spares them until they are indexed)."""
@@ -29,16 +29,19 @@ def write_payload(store: CapsuleStore, weights: list[WeightFile],
         dest = store.blob_path(digest)
         size = os.path.getsize(wf.path)
         if not reuse(dest):
-            tmp = store.root / "tmp" / f"{wf.sha256}.{os.getpid()}.payload"
+            tmp = (scratch or store.root / "tmp") / f".{wf.sha256}.{os.getpid()}.payload"
             try:
-                os.link(wf.path, tmp)
-            except OSError:
-                shutil.copyfile(wf.path, tmp)
-            actual, size = sha256_file(tmp)
-            if actual != digest:
-                tmp.unlink(missing_ok=True)
-                raise ColdSnapError(ErrorCode.INCOMPATIBLE, f"weight file {wf.path} changed: it hashes to {actual}")
-            os.replace(tmp, dest)
+                try:
+                    os.link(wf.path, tmp)
+                except OSError:
+                    shutil.copyfile(wf.path, tmp)
+                actual, size = sha256_file(tmp)
+                if actual != digest:
+                    raise ColdSnapError(ErrorCode.INCOMPATIBLE, f"weight file {wf.path} changed: it hashes to "
+                                        f"{actual}")
+                os.replace(tmp, dest)
+            finally:
+                tmp.unlink(missing_ok=True)  # a partial copy never stays (on a full disk it is all the room)
         # The mode travels too: a restored process that maps the file finds it as it was (CRIU checks the mode).
         mode = oct(os.stat(wf.path).st_mode & 0o7777)
         layers.append(keep(Descriptor(mt.LAYER_WEIGHTS, digest, size,

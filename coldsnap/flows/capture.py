@@ -322,7 +322,7 @@ def write_capsule(store: CapsuleStore, scratch: Path, files: list[CapturedFile],
     if payload and profile.model and profile.model.weights:
         # The weight files as a content-addressed payload artifact beside the images: restores on a host that lacks
         # them pull it once, and capsules of the same weights share it.
-        annotations[mt.ANNOTATION_PAYLOAD] = write_payload(store, profile.model.weights, keep=keep)
+        annotations[mt.ANNOTATION_PAYLOAD] = write_payload(store, profile.model.weights, keep=keep, scratch=scratch)
     if profile.model:
         annotations[mt.ANNOTATION_MODEL] = f"{profile.model.id}@{profile.model.revision}"
     return store.write_capsule(profile, layers, annotations, tag)
