@@ -117,11 +117,25 @@ def remove(store: CapsuleStore, ref: str) -> list[str]:
     return gone
 
 
-def in_flight_blobs() -> set[str]:
-    """Blobs an operation that still runs has written or reused for a capsule it has not indexed yet (its
-    journal names them: coldsnap.base.journal)."""
-    return {t["digest"] for j in journal.entries() if j.owner_alive() for t in j.things
-            if t.get("kind") == "blob" and isinstance(t.get("digest"), str)}
+def in_flight_blobs(but: "journal.Journal | None" = None) -> set[str]:
+    """Blobs an operation that still runs (other than `but`) has written or reused for a capsule it has not indexed
+    yet (its journal names them: coldsnap.base.journal)."""
+    return {t["digest"] for j in journal.entries() if j.owner_alive() and (but is None or j.path != but.path)
+            for t in j.things if t.get("kind") == "blob" and isinstance(t.get("digest"), str)}
+
+
+def discard(store: CapsuleStore, digests: list[str], mine: "journal.Journal | None" = None) -> int:
+    """Remove blobs a failed operation (whose journal is `mine`) wrote, unless a capsule or another operation in
+    flight uses them now (on a full disk they are the room the next attempt needs). Returns the bytes freed."""
+    freed = 0
+    with store._locked():
+        used = reachable(store) | in_flight_blobs(but=mine)
+        for digest in digests:
+            path = store.blob_path(digest)
+            if digest not in used and path.exists():
+                freed += path.stat().st_size
+                path.unlink()
+    return freed
 
 
 def _age(st, now: float) -> float:

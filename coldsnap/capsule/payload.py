@@ -40,6 +40,7 @@ def write_payload(store: CapsuleStore, weights: list[WeightFile],
                     raise ColdSnapError(ErrorCode.INCOMPATIBLE, f"weight file {wf.path} changed: it hashes to "
                                         f"{actual}")
                 os.replace(tmp, dest)
+                store.written.append(digest)
             finally:
                 tmp.unlink(missing_ok=True)  # a partial copy never stays (on a full disk it is all the room)
         # The mode travels too: a restored process that maps the file finds it as it was (CRIU checks the mode).

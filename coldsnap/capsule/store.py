@@ -118,6 +118,7 @@ class CapsuleStore:
     def __init__(self, root: Path):
         self.root = Path(root)
         self.blobs = self.root / "blobs" / "sha256"
+        self.written: list[str] = []  # digests of the blobs this instance wrote (not reused): see discard()
 
     # --- layout ---------------------------------------------------------------------------------------------
     def init(self) -> "CapsuleStore":
@@ -176,6 +177,7 @@ class CapsuleStore:
         dest = self.blob_path(digest)
         if not reuse(dest):
             self._atomic_write(dest, data)
+            self.written.append(digest)
         return Descriptor(media_type, digest, len(data), annotations)
 
     def put_file(self, src: Path, media_type: str, annotations: dict | None = None, move: bool = False) -> Descriptor:
@@ -192,6 +194,7 @@ class CapsuleStore:
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
             os.replace(tmp, dest)
+            self.written.append(digest)
         elif move:
             src.unlink()
         return Descriptor(media_type, digest, size, annotations)

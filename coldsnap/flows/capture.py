@@ -16,6 +16,7 @@ from coldsnap.base.files import private_dir
 from coldsnap.base.journal import Journal
 from coldsnap.base.paths import settings
 from coldsnap.capsule import CapsuleStore, pack_dir
+from coldsnap.capsule.gc import discard
 from coldsnap.capsule.payload import write_payload
 from coldsnap.contracts import (
     CapsuleProfile,
@@ -265,8 +266,11 @@ def thin_and_pack(images: Path, files: list[CapturedFile], profile: CapsuleProfi
             weights_apart = weights_travel_apart(profile, released)
             digest = write_capsule(store, private_dir(scratch), files, images, profile, tag, sources,
                                    payload=weights_apart, journal=journal)
-    except OSError as e:
-        raise out_of_room(e, scratch, images) from None
+    except BaseException as e:
+        discard(store, store.written, journal)  # what this capture wrote and nothing else uses: room for the next try
+        if isinstance(e, OSError):
+            raise out_of_room(e, scratch, images) from None
+        raise
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
         if entry:
