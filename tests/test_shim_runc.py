@@ -350,3 +350,39 @@ def test_a_failed_capture_leaves_the_container_serving_and_no_capsule(lab, tmp_p
     assert complete(netns) == text  # resumed: KV back, serving as before
     assert not list((settings().run / "capture").iterdir())
     runc(lab.runc_root, "delete", "-f", cid)
+
+
+@pytest.mark.parametrize("looker", ["start", "gc"])
+def test_a_shim_killed_during_runc_restore_leaves_no_unvalidated_container(lab, captured, looker):
+    import signal
+    import sys
+    import time
+
+    bundle, _ = lab.bundle(f"killed-{looker}", annotations={mt.ANNOTATION_CAPSULE: captured["result"].capsule})
+    cid = unique("killed")
+    with open(os.devnull, "rb") as null, open(lab.base / f"{cid}.err", "w") as err:
+        shim = subprocess.Popen([str(RUNTIME), "--root", str(lab.runc_root), "create", "--bundle", str(bundle), cid],
+                                stdin=null, stdout=err, stderr=err)
+
+    def restoring() -> bool:  # synchronised on the shim's own progress: its record, then runc restore running
+        rec = json.loads(shim_record(cid).read_text()) if shim_record(cid).exists() else {}
+        runs = subprocess.run(["pgrep", "-f", f"restore --detach .* {cid}$"], capture_output=True).returncode == 0
+        return rec.get("outcome") == "restoring" and runs
+
+    wait_for(restoring, 120, "the shim to start runc restore")
+    shim.send_signal(signal.SIGKILL)
+    shim.wait()
+    wait_for(lambda: subprocess.run(["pgrep", "-f", f"restore --detach .* {cid}$"]).returncode != 0, 120,
+             "runc restore to finish on its own")
+    assert json.loads(shim_record(cid).read_text())["outcome"] == "restoring"  # what the next look finds
+    if looker == "start":  # the caller's next call for this id
+        r = lab.shim("start", cid)
+        assert r.returncode == 1 and "interrupted" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    else:  # coldsnap gc (or any coldsnap command that looks)
+        r = subprocess.run([sys.executable, "-m", "coldsnap.cli", "gc", "--json"], capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0 and any(cid in line for line in json.loads(r.stdout)["recovered"]), r.stdout
+    deadline = time.monotonic() + 30
+    while state(lab.runc_root, cid) is not None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert state(lab.runc_root, cid) is None and not shim_record(cid).exists()  # nothing unvalidated runs
