@@ -179,3 +179,29 @@ def test_unpack_refuses_escaping_members(tmp_path):
         unpack_layer(evil, tmp_path / "dest")
     assert e.value.code == ErrorCode.CAPSULE_CORRUPT
     assert not (tmp_path / "escaped").exists()
+
+
+def test_gc_spares_blobs_a_live_capture_wrote_or_reuses_and_refreshes_their_age(store, tmp_path):
+    from coldsnap.base.journal import Journal
+    from coldsnap.capsule.gc import discard, gc
+
+    written = store.put_bytes(b"a layer a capture in flight just wrote", "x")
+    reused = store.put_bytes(b"a layer it reuses", "y")
+    old = time.time() - 7200
+    os.utime(store.blob_path(reused.digest), (old, old))
+    journal = Journal.begin("capture", workload="gc-race")  # this test process is the capture, alive
+    journal.add("blob", digest=written.digest)
+    assert store.put_bytes(b"a layer it reuses", "y").digest == reused.digest  # reuse: its age starts again
+    assert time.time() - store.blob_path(reused.digest).stat().st_mtime < 60
+    out = gc(store, grace_s=0)  # even with no grace period
+    assert store.has_blob(written.digest) and written.digest not in out["removed_blobs"]
+    journal.close()  # the capture failed and is gone: its blobs are garbage now
+    assert written.digest in gc(store, grace_s=0)["removed_blobs"]
+    # a failed capture removes what it wrote itself, unless something else uses it
+    mine = Journal.begin("capture", workload="discard")
+    kept = make_capsule(store, tmp_path)
+    orphan = store.put_bytes(b"only the failed capture wrote this", "z")
+    layer = store.load(kept).layers[0]
+    assert discard(store, [orphan.digest, layer.digest], mine) == orphan.size
+    assert not store.has_blob(orphan.digest) and store.has_blob(layer.digest)
+    mine.close()
