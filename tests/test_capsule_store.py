@@ -205,3 +205,39 @@ def test_gc_spares_blobs_a_live_capture_wrote_or_reuses_and_refreshes_their_age(
     assert discard(store, [orphan.digest, layer.digest], mine) == orphan.size
     assert not store.has_blob(orphan.digest) and store.has_blob(layer.digest)
     mine.close()
+
+
+def _stage_fake(digest: str, nbytes: int, used_at: float) -> None:
+    from coldsnap.capsule import staged
+
+    d = staged.path_of(digest)
+    (d / "images").mkdir(parents=True)
+    (d / "images" / "pages-1.img").write_bytes(os.urandom(nbytes))
+    (d / ".complete").write_text(digest)
+    os.utime(d / ".complete", (used_at, used_at))
+
+
+def test_staging_is_bounded_listed_and_freed_by_rm_and_gc(store, tmp_path, monkeypatch):
+    from coldsnap.capsule import staged
+    from coldsnap.capsule.gc import gc, list_capsules, remove
+
+    monkeypatch.setenv("COLDSNAP_STAGED", str(tmp_path / "staged"))
+    other = make_capsule(store, tmp_path, payload=b"other images")
+    store.write_capsule(profile(), store.load(other).layers, {}, tag="other")
+    other = store.resolve("other", allow_unpinned=True)
+    kept = make_capsule(store, tmp_path)  # tagged demo
+    gone = "sha256:" + "e" * 64  # staged, but no index entry names it
+    now = time.time()
+    _stage_fake(kept, 300_000, now - 100)
+    _stage_fake(other, 200_000, now - 200)
+    _stage_fake(gone, 100_000, now - 300)
+    rows = {r["digest"]: r for r in list_capsules(store)}
+    assert rows[kept]["staged_bytes"] >= 300_000 and rows[other]["staged_bytes"] >= 200_000
+    out = gc(store)  # the unindexed capsule's images go; the cap (a quarter of the disk) keeps the others
+    assert out["staged_removed"] == [gone] and out["staged_freed_bytes"] >= 100_000
+    assert not staged.path_of(gone).exists() and staged.path_of(kept).exists()
+    monkeypatch.setenv("COLDSNAP_STAGED_MAX_GIB", str(400_000 / 2**30))  # room for one: the least recent goes
+    assert gc(store)["staged_removed"] == [other]
+    assert staged.path_of(kept).exists() and not staged.path_of(other).exists()
+    remove(store, "demo")  # rm: untagged and no other entry names it: its staged images go at once
+    assert not staged.path_of(kept).exists()

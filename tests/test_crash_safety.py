@@ -117,7 +117,7 @@ def assert_host_clean(root: Path, env, keep: set[str] = frozenset()):
     assert not capture_work.exists() or list(capture_work.iterdir()) == []
     tmp = root / "home" / "store" / "tmp"
     assert not tmp.exists() or [p for p in tmp.iterdir() if not p.name.endswith(".lock")] == []
-    staged = root / "run" / "staged"
+    staged = root / "home" / "staged"
     assert not staged.exists() or [p.name for p in staged.iterdir() if ".tmp" in p.name] == []
     # the store is valid: every indexed capsule loads and verifies
     for row in json.loads(_run(env, "ls", "--json").stdout)["capsules"]:
@@ -173,7 +173,7 @@ def capsule(home):
 @pytest.mark.parametrize("phase", ["staging", "criu", "validation"])
 def test_a_restore_killed_before_its_validation_leaves_nothing_running(home, capsule, phase):
     root, env = home
-    staged = root / "run" / "staged" / capsule.split(":")[1]
+    staged = root / "home" / "staged" / capsule.split(":")[1]
     if phase == "staging":
         subprocess.run(["rm", "-rf", str(staged)])
 

@@ -97,7 +97,7 @@ class Lab:
             self.remove(cid)
         for ns in self.netns:
             ns.delete()
-        for big in (self.base / "run" / "staged", self.base / "home" / "store"):  # GBs of images; receipts stay
+        for big in (self.base / "home" / "staged", self.base / "home" / "store"):  # GBs of images; receipts stay
             shutil.rmtree(big, ignore_errors=True)
 
 

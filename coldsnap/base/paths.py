@@ -13,6 +13,7 @@ class Settings:
     store: Path  # local capsule store (OCI image layout)
     run: Path  # per-workload run directories (logs, pidfiles, state)
     receipts: Path
+    staged: Path  # capsules unpacked for restore, one directory per capsule digest (coldsnap.flows.staging)
     criu_prefix: Path
     criu_binary: str | None  # explicit CRIU entry point; wins over the prefix
 
@@ -39,6 +40,7 @@ def settings() -> Settings:
         store=Path(os.environ.get("COLDSNAP_STORE", home / "store")),
         run=Path(os.environ.get("COLDSNAP_RUN", "/run/coldsnap")),
         receipts=Path(os.environ.get("COLDSNAP_RECEIPTS", home / "receipts")),
+        staged=Path(os.environ.get("COLDSNAP_STAGED", home / "staged")),
         criu_prefix=Path(os.environ.get("COLDSNAP_CRIU_PREFIX", home / "criu")),
         criu_binary=os.environ.get("COLDSNAP_CRIU") or None,
     )

@@ -122,7 +122,7 @@ def run_bench(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
     v, rr = _stats(vanilla), _stats(restored)
     from coldsnap.bench import bandwidth
 
-    staged = settings().run / "staged" / cap.capsule.split(":")[1] / "images"
+    staged = settings().staged / cap.capsule.split(":")[1] / "images"
     pages = max(staged.glob("pages-*.img"), key=lambda p: p.stat().st_size, default=None) if staged.exists() else None
     weight_files = [w.path for w in (cap.profile.model.weights if cap.profile.model else []) if os.path.exists(w.path)]
     weights_bytes = sum(os.path.getsize(p) for p in weight_files)

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from coldsnap.base import journal
+from coldsnap.capsule import staged
 from coldsnap.capsule.registry import acquire_blob_lock, lock_path, release_blob_lock
 from coldsnap.capsule.store import DIGEST_RE, CapsuleStore, parse_reference
 from coldsnap.contracts import ColdSnapError, ErrorCode
@@ -76,13 +77,17 @@ def reachable(store: CapsuleStore) -> set[str]:
 
 
 def list_capsules(store: CapsuleStore) -> list[dict]:
-    """One row per index.json entry: digest, tag, created, engine, size (bytes of manifest+config+layers)."""
+    """One row per capsule in index.json: digest, tag, created, engine, size (bytes of manifest+config+layers),
+    complete (every blob present) and staged_bytes (its unpacked images, 0 when not staged)."""
     rows = []
+    unpacked = {e.digest: e.bytes for e in staged.entries()}
     for entry in store.index():
         digest = entry.get("digest")
         manifest = _json_blob(store, digest) if digest else None
+        if manifest is not None and manifest.get("artifactType") != mt.ARTIFACT_TYPE:
+            continue  # another tool's artifact in the layout (a signature, an image): not a capsule
         row = {"digest": digest, "tag": _tag(entry), "created": None, "engine": None, "size": None,
-               "complete": False}
+               "complete": False, "staged_bytes": unpacked.get(digest, 0)}
         if manifest:
             ann = manifest.get("annotations") or {}
             row["created"] = ann.get(mt.ANNOTATION_CREATED)
@@ -113,7 +118,10 @@ def remove(store: CapsuleStore, ref: str) -> list[str]:
         gone = [e["digest"] for e in entries if hit(e)]
         if not gone:
             raise ColdSnapError(ErrorCode.CAPSULE_NOT_FOUND, f"no capsule {ref!r} in the store {store.root}")
-        store._atomic_write(store.root / "index.json", store._index_bytes([e for e in entries if not hit(e)]))
+        left = [e for e in entries if not hit(e)]
+        store._atomic_write(store.root / "index.json", store._index_bytes(left))
+    for digest in set(gone) - {e["digest"] for e in left}:  # its unpacked images go with it (blobs: at gc)
+        staged.remove(digest)
     return gone
 
 
@@ -189,9 +197,18 @@ def gc(store: CapsuleStore, grace_s: float = DEFAULT_GRACE_S, tmp_max_age_s: flo
     freed bytes."""
     now = time.time()
     out = {"freed_bytes": 0, "removed_blobs": [], "kept_blobs": 0, "kept_young": 0, "kept_in_flight": 0,
-           "tmp_removed": 0, "tmp_freed_bytes": 0, "code_removed": 0}
+           "tmp_removed": 0, "tmp_freed_bytes": 0, "code_removed": 0, "staged_removed": [], "staged_freed_bytes": 0}
     with store._locked():
         live = reachable(store) | in_flight_blobs()
+        indexed = {m["digest"] for m in store.index()}
+        for entry in staged.entries():  # unpacked capsules no index entry names any more
+            if entry.digest not in indexed and (freed := staged.remove(entry.digest)):
+                out["staged_removed"].append(entry.digest)
+                out["staged_freed_bytes"] += freed
+        before = {e.digest: e.bytes for e in staged.entries()}
+        for digest in staged.evict():
+            out["staged_removed"].append(digest)
+            out["staged_freed_bytes"] += before.get(digest, 0)
         if code_dir is not None:
             _gc_code_files(code_dir, code_files_in_use(store, live), grace_s, now, out)
         if store.blobs.is_dir():
@@ -241,5 +258,5 @@ def gc(store: CapsuleStore, grace_s: float = DEFAULT_GRACE_S, tmp_max_age_s: flo
                 path.unlink(missing_ok=True)
                 out["tmp_removed"] += 1
                 out["tmp_freed_bytes"] += st.st_size
-    out["freed_bytes"] += out["tmp_freed_bytes"]
+    out["freed_bytes"] += out["tmp_freed_bytes"] + out["staged_freed_bytes"]
     return out

@@ -279,7 +279,8 @@ def cmd_ls(args) -> int:
 
     rows = list_capsules(_store())
     human = "\n".join(f"{r['digest']}  {r.get('tag') or '-':<28} {r.get('engine') or '-':<10} "
-                       f"{(r.get('size') or 0) / 2**20:9.1f} MiB  {r.get('created') or ''}" for r in rows)
+                       f"{(r.get('size') or 0) / 2**20:9.1f} MiB  staged {r['staged_bytes'] / 2**20:8.1f} MiB  "
+                       f"{r.get('created') or ''}" for r in rows)
     _emit(args, {"capsules": rows}, human or "no capsules")
     return 0
 

@@ -53,20 +53,48 @@ def as_bool(value) -> bool:
     return bool(value)
 
 
+TINY = "tiny"  # model=tiny: ColdSnap's generated tiny Llama (engines.tinymodel), made on first use
+
+
 def resolve_model(opts: dict, python: Path) -> tuple[Path, str]:
-    """(model dir, served name) from the options. A missing or empty directory gets the tiny model (made locally,
-    deterministic); a directory with other contents must be a Hugging Face model (config.json)."""
+    """(model dir, served name) from the options: model=DIR, a Hugging Face model directory (config.json), or
+    model=tiny for the tiny model made locally (deterministic, at $COLDSNAP_TINY_MODEL). Nothing else: a mistyped
+    path is an error, never a generated model served in its place."""
     model_opt = opts.pop("model", None)
-    model_dir = Path(str(model_opt)) if model_opt else default_model_dir()
-    if not model_dir.is_absolute():
-        raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"model directory must be absolute: {model_dir}")
-    if not (model_dir / "config.json").exists():
-        if model_dir.exists() and any(model_dir.iterdir()):
+    if model_opt is None:
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, "this engine needs a model: --engine-opt model=DIR (a Hugging "
+                            f"Face model directory) or model={TINY} (ColdSnap's generated tiny model)")
+    if str(model_opt) == TINY:
+        model_dir = default_model_dir()
+        if not tinymodel.is_complete(model_dir):
+            tinymodel.ensure(model_dir, str(python))
+    else:
+        model_dir = Path(str(model_opt))
+        if not model_dir.is_absolute():
+            raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"model directory must be absolute: {model_dir}")
+        if not model_dir.is_dir():
+            raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"model directory {model_dir} does not exist "
+                                f"(model={TINY} for ColdSnap's generated tiny model)")
+        if not (model_dir / "config.json").exists():
             raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"model directory {model_dir} has no config.json")
-        tinymodel.ensure(model_dir, str(python))
     served = str(opts.pop("served_model_name", None) or
                  (tinymodel.MODEL_ID if tinymodel.is_complete(model_dir) else model_dir.name))
     return model_dir, served
+
+
+def context_length(model_dir: Path) -> int | None:
+    """The longest sequence the model was made for, from its config.json (None when it does not say)."""
+    import json
+
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for key in ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length"):
+        value = config.get(key) if isinstance(config, dict) else None
+        if type(value) is int and value > 0:
+            return value
+    return None
 
 
 def seccomp_prefix() -> list[str]:

@@ -33,7 +33,15 @@ from __future__ import annotations
 from coldsnap.contracts import CaptureRequest, ColdSnapError, ErrorCode
 from coldsnap.engines import tinymodel
 from coldsnap.engines.base import EngineAdapter, PreparedLaunch, option_flags
-from coldsnap.engines.venv_engine import as_bool, base_env, cpu_engine_setup, dist_version, host_mounts, seccomp_prefix
+from coldsnap.engines.venv_engine import (
+    as_bool,
+    base_env,
+    context_length,
+    cpu_engine_setup,
+    dist_version,
+    host_mounts,
+    seccomp_prefix,
+)
 
 DEFAULT_VENV = "/var/lib/coldsnap/venvs/vllm"
 KEEP_ALIVE_S = 7 * 24 * 3600
@@ -50,7 +58,8 @@ class VllmAdapter(EngineAdapter):
         if kv_gib < 1:
             raise ColdSnapError(ErrorCode.INVALID_REQUEST, "kv_cache_gib must be at least 1")
         dtype = str(opts.pop("dtype", "float32"))
-        max_len = int(opts.pop("max_model_len", 1024))
+        # the model's own context length unless asked for less (or more): vLLM refuses a longer one than it has
+        max_len = opts.pop("max_model_len", None) or context_length(model_dir)
         seed = int(opts.pop("seed", 0))
         eager = as_bool(opts.pop("enforce_eager", False))
         argv = request.launch.command or [
@@ -58,7 +67,7 @@ class VllmAdapter(EngineAdapter):
             str(python), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model_dir), "--served-model-name", served,
             "--host", "0.0.0.0", "--port", str(request.launch.port),
-            "--dtype", dtype, "--max-model-len", str(max_len), "--seed", str(seed),
+            "--dtype", dtype, *(["--max-model-len", str(int(max_len))] if max_len else []), "--seed", str(seed),
             "--disable-uvicorn-access-log",
             *(["--enforce-eager"] if eager else []),
             *option_flags(opts),

@@ -1,6 +1,7 @@
 """stage: verify every blob digest of an admitted capsule, check its pinned weights (materialising a weights
-payload), unpack its CRIU images and files once per capsule digest under <run>/staged/, and put back the CUDA code
-files its processes map. Shared by process and container restores; `restore --prepare-only` stops here."""
+payload), unpack its CRIU images and files once per capsule digest in the staging area (coldsnap.capsule.staged),
+and put back the CUDA code files its processes map. Shared by process and container restores; `restore
+--prepare-only` stops here."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from coldsnap.base.files import private_dir
 from coldsnap.base.journal import Journal
 from coldsnap.base.paths import settings
 from coldsnap.capsule import CapsuleStore, LoadedCapsule, unpack_layer
+from coldsnap.capsule import staged as staged_area
 from coldsnap.capsule.payload import materialize
 from coldsnap.capsule.pinned import verify_weights
 from coldsnap.contracts import capsule as mt
@@ -39,11 +41,14 @@ def stage(capsule: LoadedCapsule) -> Staged:
         if payload:
             materialize(store, payload, profile.model.weights)
         verify_weights(profile.model.weights)
-    root = private_dir(settings().run / "staged") / capsule.digest.split(":")[1]
+    private_dir(staged_area.root())
+    root = staged_area.path_of(capsule.digest)
     try:
         _unpack(store, capsule, root)
     except OSError:  # a concurrent restore of the same capsule removed or published the directory under us
         _unpack(store, capsule, root)
+    staged_area.used(capsule.digest)
+    staged_area.evict(keep=frozenset({capsule.digest}))  # the area stays within its cap
     files = root / "files"
     staged = Staged(capsule=capsule, images=root / "images", files=files if files.exists() else None)
     put_back_files(staged, only_code=True)  # big, and the same for every restore: here, off the restore's clock

@@ -58,6 +58,6 @@ if [ "${SLEEP:-0}" = 1 ]; then
 fi
 python3 packaging/device/summary.py
 if [ "${ACCOUNT:-0}" = 1 ]; then  # where the capsule's CRIU pages are
-  python3 -m coldsnap.criu.account /tmp/coldsnap-run/staged/${D#sha256:}/images --top 10 --zeros
+  python3 -m coldsnap.criu.account $COLDSNAP_HOME/staged/${D#sha256:}/images --top 10 --zeros
 fi
 cp -r /tmp/coldsnap/receipts "$OUT/" 2>/dev/null; tar czf "$OUT/receipts.tgz" -C /tmp/coldsnap receipts 2>/dev/null; rm -rf "$OUT/receipts"

@@ -63,8 +63,8 @@ for step in $STEPS; do
     # Where each capsule's CRIU pages are, per process (python -m coldsnap.criu.account).
     for j in "$OUT"/*.json; do
       D=$(python3 -c "import json;print(json.load(open('$j')).get('capsule',{}).get('digest','').split(':')[-1])" 2>/dev/null)
-      [ -n "$D" ] && [ -d /tmp/coldsnap-run/staged/$D/images ] || continue
-      echo "== $(basename $j)"; python3 -m coldsnap.criu.account /tmp/coldsnap-run/staged/$D/images --top 8 --zeros
+      [ -n "$D" ] && [ -d $COLDSNAP_HOME/staged/$D/images ] || continue
+      echo "== $(basename $j)"; python3 -m coldsnap.criu.account $COLDSNAP_HOME/staged/$D/images --top 8 --zeros
     done ;;
   esac
 done
