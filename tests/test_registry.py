@@ -406,3 +406,45 @@ def test_gc_removes_cuda_code_files_nothing_uses(src, tmp_path):
         held.close()
     assert res["code_removed"] == 1 and res["freed_bytes"] >= len(b"orphan" * 5000)
     assert sorted(p.name for p in code.iterdir()) == sorted([files["listed"].name, files["mapped"].name, "notes.txt"])
+
+
+def test_store_hygiene(registry, src, dst, tmp_path):  # noqa: F811
+    from coldsnap.capsule.payload import write_payload
+    from coldsnap.capsule.store import Descriptor
+    from coldsnap.contracts import WeightFile
+
+    # (a) pulling by digest a capsule that is already indexed (under a tag) lists it once
+    digest, (layer,) = make_capsule(src, tmp_path, [random_layer(src, tmp_path, MIB)])
+    push(src, digest, f"{registry}/coldsnap/hygiene:v1", insecure=True)
+    pull(src, f"{registry}/coldsnap/hygiene@{digest}", insecure=True)
+    assert [m["digest"] for m in src.index()].count(digest) == 1
+    # (b) a pull refused as corrupt leaves no blob behind, not even the weights payload it fetched first
+    weights = tmp_path / "w.safetensors"
+    weights.write_bytes(os.urandom(MIB))
+    wf = WeightFile(path=str(weights), sha256=hashlib.sha256(weights.read_bytes()).hexdigest())
+    payload = write_payload(src, [wf])
+    with_payload, (player,) = make_capsule(src, tmp_path, [random_layer(src, tmp_path, MIB)], tag="p",
+                                           annotations={mt.ANNOTATION_PAYLOAD: payload})
+    push(src, with_payload, f"{registry}/coldsnap/hygiene-payload:v1", insecure=True)
+    registry_blob_file(registry, player.digest).write_bytes(os.urandom(player.size))
+    with pytest.raises(ColdSnapError) as e:
+        pull(dst, f"{registry}/coldsnap/hygiene-payload@{with_payload}", insecure=True)
+    assert e.value.code == ErrorCode.CAPSULE_CORRUPT
+    assert store_files(dst) == ([], []) and dst.index() == []
+    # (c) a tag that names an OCI image index is answered for what it is
+    index = {"schemaVersion": 2, "mediaType": mt.INDEX_MEDIA_TYPE, "manifests": [
+        {"mediaType": mt.MANIFEST_MEDIA_TYPE, "digest": digest, "size": src.blob_path(digest).stat().st_size}]}
+    assert requests.put(f"http://{registry}/v2/coldsnap/hygiene/manifests/idx", data=json.dumps(index),
+                        headers={"Content-Type": mt.INDEX_MEDIA_TYPE}).status_code == 201
+    with pytest.raises(ColdSnapError) as e:
+        pull(dst, f"{registry}/coldsnap/hygiene:idx", insecure=True, allow_unpinned=True)
+    assert e.value.code == ErrorCode.CAPSULE_CORRUPT and "image index" in e.value.message and digest in e.value.message
+    # (d) `ls` lists capsules only: another tool's artifact in the layout (a signature) is no row
+    sig = src.put_bytes(json.dumps({"schemaVersion": 2, "mediaType": mt.MANIFEST_MEDIA_TYPE,
+                                    "artifactType": "application/vnd.dev.cosign.artifact.sig.v1+json",
+                                    "config": {"mediaType": "application/vnd.oci.empty.v1+json", "size": 2,
+                                               "digest": "sha256:" + "4" * 64}, "layers": []}).encode(),
+                        mt.MANIFEST_MEDIA_TYPE)
+    src.add_to_index(Descriptor(mt.MANIFEST_MEDIA_TYPE, sig.digest, sig.size), "sha256-sig")
+    assert sig.digest not in {r["digest"] for r in capsule_gc.list_capsules(src)}
+    assert digest in {r["digest"] for r in capsule_gc.list_capsules(src)}

@@ -37,6 +37,7 @@ from coldsnap.base.files import fsync_dir as _fsync_dir
 from coldsnap.capsule.store import DIGEST_RE, CapsuleStore, Descriptor
 from coldsnap.contracts import ColdSnapError, ErrorCode
 from coldsnap.contracts import capsule as mt
+from coldsnap.contracts.parse import strict_json
 
 UPLOAD_CHUNK = 16 << 20  # PATCH size of a chunked upload
 READ_CHUNK = 1 << 20  # download read/hash/write granularity
@@ -178,13 +179,15 @@ class _Client:
         r = self._send(method, url, headers=headers, data=data, stream=stream)
         if r.status_code in ok:
             return r
+        said = _errors(r)  # what the registry said, before the body goes
         r.close()
         if r.status_code in (401, 403):
             raise self._denied(r)
         if r.status_code == 404 and not_found:
-            raise ColdSnapError(not_found, f"{what}: not found in registry {self.ref.host}")
+            raise ColdSnapError(not_found, f"{what}: not found in registry {self.ref.host}"
+                                + (f" (it said {said})" if said else ""))
         raise ColdSnapError(ErrorCode.REGISTRY, f"{what}: registry {self.ref.host} answered {r.status_code} "
-                            f"{_errors(r)}".rstrip())
+                            f"{said}".rstrip())
 
     def location(self, r: requests.Response) -> str:
         loc = r.headers.get("Location")
@@ -381,6 +384,7 @@ class PullResult(str):
     resumed_bytes: int
     seconds: float
     tag: str | None
+    manifest_written: str | None  # the manifest blob, when this pull wrote it (not there before)
 
     def as_dict(self) -> dict:
         return {"digest": str(self), "tag": self.tag, "bytes_transferred": self.bytes_transferred,
@@ -523,8 +527,9 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"registry reference {ref!r} needs a :TAG or @digest")
     store.init()
     client = _Client(remote, insecure)
+    # An index is accepted too, so that a tag naming one is answered for what it is, not as "not found".
     r = client.request("GET", f"{client.base}/manifests/{remote.digest or remote.tag}", ok=(200,),
-                       what=f"capsule {remote}", headers={"Accept": mt.MANIFEST_MEDIA_TYPE},
+                       what=f"capsule {remote}", headers={"Accept": f"{mt.MANIFEST_MEDIA_TYPE}, {mt.INDEX_MEDIA_TYPE}"},
                        not_found=ErrorCode.CAPSULE_NOT_FOUND, stream=True)
     with r:
         raw = r.raw.read(MANIFEST_LIMIT + 1, decode_content=True)
@@ -534,10 +539,14 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
     expected = remote.digest or r.headers.get("Docker-Content-Digest") or digest
     if digest != expected:
         raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"manifest of {remote} hashes to {digest}, expected {expected}")
-    try:
-        manifest = json.loads(raw)
-    except ValueError:
-        raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"manifest {digest} of {remote} is not JSON") from None
+    manifest = strict_json(raw, f"manifest {digest} of {remote}", code=ErrorCode.CAPSULE_CORRUPT)
+    if not isinstance(manifest, dict):
+        raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"manifest {digest} of {remote} is not a JSON object")
+    if manifest.get("mediaType") == mt.INDEX_MEDIA_TYPE or "manifests" in manifest:
+        listed = [m.get("digest") for m in manifest.get("manifests") or [] if isinstance(m, dict)]
+        raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"{remote} names an OCI image index of {len(listed)} "
+                            f"manifest(s) ({', '.join(str(d) for d in listed[:3])}{'…' if len(listed) > 3 else ''}), "
+                            "not a capsule: pull a capsule by its own digest")
     if manifest.get("artifactType") != artifact_type:
         raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"{remote} is not a ColdSnap "
                             f"{'capsule' if artifact_type == mt.ARTIFACT_TYPE else 'payload'} "
@@ -547,6 +556,19 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
     if payload:  # shared weights first: only their missing blobs move
         payload_result = pull(store, f"{remote.host}/{remote.repository}@{payload}", insecure, True, progress,
                               artifact_type=mt.PAYLOAD_ARTIFACT_TYPE)
+    try:
+        return _pull_capsule(store, client, remote, raw, digest, manifest, artifact_type, progress, payload_result,
+                             t0)
+    except ColdSnapError as e:
+        if e.code == ErrorCode.CAPSULE_CORRUPT and payload_result is not None:  # a refused pull keeps nothing
+            from coldsnap.capsule.gc import discard
+
+            discard(store, [d for d in (*payload_result.blobs_fetched, payload_result.manifest_written) if d])
+        raise
+
+
+def _pull_capsule(store: CapsuleStore, client: "_Client", remote: RemoteRef, raw: bytes, digest: str, manifest: dict,
+                  artifact_type: str, progress, payload_result, t0: float) -> PullResult:
     descs = _descriptors(manifest, digest)
     tag = f"{remote.name}:{remote.tag}" if remote.tag else None
 
@@ -575,8 +597,11 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
             os.replace(p, store.blob_path(d.digest))
         if staged:
             _fsync_dir(store.blobs)
+        had_manifest = store.has_blob(digest)
         mdesc = store.put_bytes(raw, manifest.get("mediaType", mt.MANIFEST_MEDIA_TYPE))
-        if artifact_type == mt.ARTIFACT_TYPE:  # payloads are reached through their capsules, not listed
+        indexed = any(m.get("digest") == digest for m in store.index())
+        # payloads are reached through their capsules, not listed; a capsule pulled again by digest is listed once
+        if artifact_type == mt.ARTIFACT_TYPE and (tag or not indexed):
             store.add_to_index(mdesc, tag)
     result = PullResult(digest)
     result.payload_bytes = payload_result.bytes_transferred if payload_result else 0
@@ -586,4 +611,5 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
     result.resumed_bytes = resumed
     result.seconds = round(time.monotonic() - t0, 3)
     result.tag = tag
+    result.manifest_written = None if had_manifest else digest
     return result
