@@ -235,26 +235,51 @@ def _corrupt(captured) -> str:
     return store.write_capsule(cap.profile, layers, {})
 
 
-@pytest.mark.parametrize("case", ["incompatible", "corrupt", "restore-fails"])
+def _unstageable(captured) -> tuple[str, Path, Path]:
+    """The captured capsule, staged, with one of its CRIU images moved away: CRIU itself fails to restore it."""
+    from coldsnap.flows.admission import load_capsule
+    from coldsnap.flows.staging import stage
+
+    staged = stage(load_capsule(captured["result"].capsule, False))
+    image = next(staged.images.glob("pstree.img"))
+    aside = image.with_name("pstree.img.aside")
+    image.rename(aside)
+    return captured["result"].capsule, image, aside
+
+
+@pytest.mark.parametrize("case", ["incompatible", "corrupt", "mounts-differ", "restore-fails"])
 def test_refused_or_failed_restore_falls_back_to_a_cold_start(lab, captured, case):
-    digest = {"incompatible": lambda: _variant(captured, kernel="0.0.0-elsewhere"),
-              "corrupt": lambda: _corrupt(captured),
-              "restore-fails": lambda: captured["result"].capsule}[case]()
-    # restore-fails: the bundle lacks a bind mount the dump had, so CRIU cannot rebuild the mount tree
+    moved = None
+    if case == "restore-fails":
+        digest, *moved = _unstageable(captured)
+    else:
+        digest = {"incompatible": lambda: _variant(captured, kernel="0.0.0-elsewhere"),
+                  "corrupt": lambda: _corrupt(captured),
+                  "mounts-differ": lambda: captured["result"].capsule}[case]()
+    # mounts-differ: the bundle lacks the /models bind the captured container had: refused before CRIU runs
     bundle, netns = lab.bundle(f"fallback-{case}", annotations={mt.ANNOTATION_CAPSULE: digest},
-                               models=case != "restore-fails")
+                               models=case != "mounts-differ")
     cid = unique(f"fb-{case}")
     log = lab.base / f"{cid}.log"
-    r = lab.shim("create", "--bundle", str(bundle), cid, log=log)
+    try:
+        r = lab.shim("create", "--bundle", str(bundle), cid, log=log)
+    finally:
+        if moved:
+            moved[1].rename(moved[0])
     assert r.returncode == 0, r.stderr
     assert state(lab.runc_root, cid)["status"] == "created"  # a plain runc create: cold
     rec = receipt(cid)
     assert rec["state"] == "fell-back" and rec["result"]["started"] == "cold"
     want = {"incompatible": "incompatible: capsule refused on this host: kernel",
-            "corrupt": "capsule-corrupt", "restore-fails": "criu-failed"}[case]
+            "corrupt": "capsule-corrupt", "restore-fails": "criu-failed",
+            "mounts-differ": "incompatible: capsule refused on this host: /models was mounted (bind) at capture and "
+                             "is not in this container"}[case]
     assert rec["result"]["fallback_reason"].startswith(want), rec["result"]["fallback_reason"]
+    kept_log = settings().receipts / f"{cid}.restore.log"
     if case == "restore-fails":  # CRIU's log outlives the container, beside its receipt
-        assert "mnt: No mapping" in (settings().receipts / f"{cid}.restore.log").read_text()
+        assert "pstree" in kept_log.read_text()
+    if case == "mounts-differ":  # refused before CRIU ran at all
+        assert not kept_log.exists() and "criu-restore" not in [s["name"] for s in rec["spans"]]
     line = json.loads(log.read_text().splitlines()[-1])
     assert line["level"] == "warning" and "cold" in line["msg"] and line["time"]
     assert lab.shim("start", cid).returncode == 0

@@ -155,7 +155,8 @@ def cmd_capture(args) -> int:
         from coldsnap.flows.container_capture import capture_container
 
         res = capture_container(args.container, args.runc_root, args.bundle, engine=args.engine or "reference",
-                                image_digest=args.image_digest, weights_mode=args.weights_mode or "native",
+                                image_digest=args.image_digest, image=args.image,
+                                weights_mode=args.weights_mode or "native",
                                 leave_running=args.leave_running, tag=args.tag, quiesce=args.quiesce or "drain",
                                 progress=_progress(args))
     else:
@@ -330,11 +331,16 @@ def cmd_pull(args) -> int:
 def cmd_inspect(args) -> int:
     from coldsnap.base.paths import settings
     from coldsnap.capsule import CapsuleStore
+    from coldsnap.host.run_args import ENGINES, run_args
+    from coldsnap.host.runtimes import default_runtime_path
 
     store = CapsuleStore(settings().store)
     cap = store.load(store.resolve(args.ref, allow_unpinned=args.allow_unpinned))
-    print(json.dumps({"digest": cap.digest, "manifest": cap.manifest,
-                      "profile": cap.profile.model_dump(mode="json", exclude={"launch": {"env"}})}, indent=1))
+    out = {"digest": cap.digest, "manifest": cap.manifest,
+           "profile": cap.profile.model_dump(mode="json", exclude={"launch": {"env"}})}
+    if cap.profile.container is not None:  # how to restore it, as `coldsnap run-args` prints it
+        out["run_args"] = {e: run_args(cap.profile, cap.digest, e, default_runtime_path()).line() for e in ENGINES}
+    print(json.dumps(out, indent=1))
     return 0
 
 
@@ -349,6 +355,22 @@ def _bench_options(args, **fixed):
     for key, value in fixed.items():
         setattr(opts, key, value)
     return opts
+
+
+def cmd_run_args(args) -> int:
+    from coldsnap.base.paths import settings
+    from coldsnap.capsule import CapsuleStore
+    from coldsnap.host.run_args import run_args
+    from coldsnap.host.runtimes import default_runtime_path
+
+    store = CapsuleStore(settings().store)
+    digest = store.resolve(args.capsule, allow_unpinned=args.allow_unpinned)
+    r = run_args(store.load(digest).profile, digest, args.engine, args.runtime_path or default_runtime_path(),
+                 name=args.name, image=args.image)
+    for note in r.notes:
+        _progress(args)(f"note: {note}")
+    _emit(args, {"engine": r.engine, "argv": r.argv, "command": r.line(), "notes": r.notes}, r.line())
+    return 0
 
 
 def cmd_bench(args) -> int:
@@ -435,6 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "docker: <exec-root>/runtime-runc/moby; containerd: /run/containerd/runc/<namespace>)")
     sp.add_argument("--bundle", help="the container's bundle (default: from runc state)")
     sp.add_argument("--image-digest", help="bind the capsule to this image digest (sha256:…)")
+    sp.add_argument("--image", help="with --container: the image it runs, as its engine names it (for run-args)")
     sp.add_argument("--quiesce", choices=["drain", "none"],
                     help="with --container: drain (default) waits until no client is connected; none captures with "
                     "requests in flight (their connections travel in the capsule; the network namespace stays locked "
@@ -503,6 +526,16 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("ref")
     sp.add_argument("--allow-unpinned", action="store_true")
     sp.add_argument("--json", action="store_true", help="accepted for symmetry; output is always JSON")
+
+    sp = add("run-args", cmd_run_args, "print the podman, docker or ctr command that restores a container capsule "
+             "(the captured container's binds, tmpfs, /dev/shm size, network, working directory and command)")
+    sp.add_argument("capsule", help="a container capsule: sha256:… or NAME@sha256:…")
+    sp.add_argument("--for", dest="engine", required=True, choices=["podman", "docker", "ctr"])
+    sp.add_argument("--name", help="the restored container's name (ctr: its id)")
+    sp.add_argument("--image", help="the image to run (default: the one the capture recorded)")
+    sp.add_argument("--runtime-path", help="path of coldsnap-runtime (default: the installed one)")
+    sp.add_argument("--allow-unpinned", action="store_true", help="accept a tag instead of a digest")
+    sp.add_argument("--json", action="store_true", help="print {engine, argv, command, notes} as JSON")
 
     sp = add("demo", cmd_demo, "capture the reference engine on CPU, restore it, print cold vs restored")
     sp.add_argument("--samples", "-n", type=int, default=3)

@@ -63,6 +63,31 @@ class CapturedFile(Strict):
     mode: int
 
 
+class ContainerMount(Strict):
+    destination: str
+    type: str = "bind"
+    source: str | None = None
+    options: list[str] = Field(default_factory=list)
+
+
+class ContainerLaunch(Strict):
+    """The container a criu-runc capsule was captured from, as its config.json (and the host) said: what a restoring
+    container must repeat (coldsnap run-args prints it as podman, docker or ctr options)."""
+
+    image: str | None = Field(default=None, description="The image the container ran, as its engine names it.")
+    image_digest: str | None = None
+    args: list[str] = Field(default_factory=list)
+    cwd: str | None = None
+    env_names: list[str] = Field(default_factory=list, description="Names only: values can be secrets.")
+    mounts: list[ContainerMount] = Field(default_factory=list)
+    namespaces: list[str] = Field(default_factory=list, description="The namespace types the container had.")
+    network: Literal["own", "path", "host"] = Field(
+        default="own", description="own: a network namespace the runtime made; path: one named by path (a pod's, "
+        "podman's or docker's network); host: the host's.")
+    network_path: str | None = None
+    shm_size: int | None = Field(default=None, description="Bytes of the container's /dev/shm, when it had one.")
+
+
 class CapsuleProfile(Strict):
     format: Literal[1] = FORMAT_VERSION
     kind: Literal["coldsnap.capsule.profile"] = "coldsnap.capsule.profile"
@@ -89,6 +114,7 @@ class CapsuleProfile(Strict):
         "none: the whole file).")
     criu_options: list[str] = Field(default_factory=list, description="The CRIU options used, replayable by hand.")
     image_digest: str | None = None
+    container: ContainerLaunch | None = Field(default=None, description="Containers: how the container ran.")
     engine_lease: str | None = Field(default=None, description="The lease file the released engine watches "
                                      "(coldsnap.engines.lease): a restore holds it until it resumed the engine.")
 

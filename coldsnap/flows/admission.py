@@ -3,11 +3,12 @@ with this host; admit or refuse with reasons. One implementation for process and
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from coldsnap.base.paths import settings
 from coldsnap.capsule import CapsuleStore, LoadedCapsule
-from coldsnap.contracts import ColdSnapError, Distributed, ErrorCode, HostProfile, Policy
+from coldsnap.contracts import ColdSnapError, ContainerLaunch, Distributed, ErrorCode, HostProfile, Policy
 from coldsnap.criu import CriuDriver
 from coldsnap.host.profile import host_profile
 
@@ -80,10 +81,29 @@ def load_capsule(ref: str, allow_unpinned: bool) -> LoadedCapsule:
     return store.load(store.resolve(ref, allow_unpinned=allow_unpinned))
 
 
-def admit_capsule(capsule: LoadedCapsule, policy: Policy, driver: str, image_digest: str | None = None) -> Admission:
+def container_differences(captured: ContainerLaunch, spec: dict) -> list[str]:
+    """What the new container lacks that the captured one had, first difference first: CRIU rebuilds the captured
+    mount tree and namespaces, and cannot where a mount or a namespace is missing ("No mapping for … mountpoint")."""
+    from coldsnap.oci.spec import netns_path
+
+    mounts = {os.path.normpath(str(m.get("destination", ""))) for m in spec.get("mounts") or [] if isinstance(m, dict)}
+    out = [f"{m.destination} was mounted ({m.type}) at capture and is not in this container"
+           for m in captured.mounts if m.destination not in mounts]
+    types = {ns.get("type") for ns in (spec.get("linux") or {}).get("namespaces") or [] if isinstance(ns, dict)}
+    out += [f"the captured container had its own {t} namespace and this one has none"
+            for t in captured.namespaces if t not in types]
+    network = "host" if "network" not in types else ("path" if netns_path(spec) else "own")
+    if network != captured.network and "host" in (network, captured.network):
+        out.append(f"the captured container ran on the {captured.network} network and this one on the {network} one")
+    return out
+
+
+def admit_capsule(capsule: LoadedCapsule, policy: Policy, driver: str, image_digest: str | None = None,
+                  spec: dict | None = None) -> Admission:
     """Whether this host may restore the capsule with `driver` (criu-process for a process restore, criu-runc for a
-    container): the capsule's snapshot driver, the container image it was captured from (when both name one),
-    then its host profile against this host's."""
+    container): the capsule's snapshot driver, the container image it was captured from (when both name one), the
+    new container's mounts and namespaces against the captured ones (spec: its config.json), then the capsule's
+    host profile against this host's."""
     profile = capsule.profile
     if profile.snapshot_driver != driver:
         return Admission(admitted=False, differences=[
@@ -92,5 +112,9 @@ def admit_capsule(capsule: LoadedCapsule, policy: Policy, driver: str, image_dig
     if image_digest and profile.image_digest and image_digest != profile.image_digest:
         return Admission(admitted=False, differences=[
             f"container image {image_digest} differs from the captured image {profile.image_digest}"])
+    if spec is not None and profile.container is not None:
+        differences = container_differences(profile.container, spec)
+        if differences:
+            return Admission(admitted=False, differences=differences[:1])
     here = host_profile(CriuDriver().version())
     return admit(profile.host, here, policy.compatibility, profile.distributed)

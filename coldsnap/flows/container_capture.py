@@ -11,6 +11,7 @@ network namespace from the dump until a restore into it unlocks it (see containe
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import uuid
@@ -24,6 +25,8 @@ from coldsnap.contracts import (
     CapsuleProfile,
     CaptureRequest,
     ColdSnapError,
+    ContainerLaunch,
+    ContainerMount,
     Engine,
     ErrorCode,
     Launch,
@@ -42,7 +45,7 @@ from coldsnap.flows.quiesce import open_connections, wait_no_connections
 from coldsnap.flows.receipts import finish_receipt, receipt_on_failure
 from coldsnap.flows.spans import Timeline
 from coldsnap.gpu import steps as gpu_steps
-from coldsnap.oci.spec import coldsnap_annotations, load_spec
+from coldsnap.oci.spec import coldsnap_annotations, load_spec, netns_path
 from coldsnap.workload import hostfiles
 from coldsnap.workload.target import Target, validate
 
@@ -67,14 +70,51 @@ def container_state(runc: str, runc_root: str | Path, container_id: str) -> dict
     return state
 
 
+def container_launch(spec: dict, image: str | None, image_digest: str | None) -> ContainerLaunch:
+    """How the container runs, from its config.json: what a container restoring its capsule must repeat."""
+    proc = spec.get("process") or {}
+    mounts = [ContainerMount(destination=os.path.normpath(str(m["destination"])), type=str(m.get("type") or "bind"),
+                             source=m.get("source"), options=[str(o) for o in m.get("options") or []])
+              for m in spec.get("mounts") or [] if isinstance(m, dict) and m.get("destination")]
+    namespaces = (spec.get("linux") or {}).get("namespaces") or []
+    types = sorted({str(ns.get("type")) for ns in namespaces if isinstance(ns, dict) and ns.get("type")})
+    path = netns_path(spec)
+    network = "host" if "network" not in types else ("path" if path else "own")
+    shm = None
+    for m in reversed(mounts):
+        if m.destination == "/dev/shm":
+            size = next((o.split("=", 1)[1] for o in m.options if o.startswith("size=")), None)
+            if size is not None:
+                shm = _bytes(size)
+            elif m.source and os.path.isdir(m.source):  # bound from a tmpfs the engine made (podman, docker)
+                st = os.statvfs(m.source)
+                shm = st.f_blocks * st.f_frsize
+            break
+    return ContainerLaunch(image=image, image_digest=image_digest, args=[str(a) for a in proc.get("args") or []],
+                           cwd=proc.get("cwd"), env_names=sorted({str(e).split("=", 1)[0] for e in proc.get("env")
+                                                                  or []}),
+                           mounts=mounts, namespaces=types, network=network, network_path=path, shm_size=shm)
+
+
+def _bytes(size: str) -> int | None:
+    """A tmpfs size option (65536k, 64m, 1g, bytes) in bytes."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    try:
+        return int(size[:-1]) * units[size[-1].lower()] if size[-1:].lower() in units else int(size)
+    except ValueError:
+        return None
+
+
 def capture_container(container_id: str, runc_root: str | Path = "/run/runc", bundle: str | Path | None = None, *,
                       engine: str = "reference", port: int | None = None, validation: Validation | None = None,
-                      image_digest: str | None = None, weights_mode: str = "native", kv_discard: bool = True,
-                      leave_running: bool = False, model: Model | None = None, tag: str | None = None,
-                      runc: str = "runc", quiesce: str = "drain", progress: Progress = _quiet) -> CaptureResult:
+                      image_digest: str | None = None, image: str | None = None, weights_mode: str = "native",
+                      kv_discard: bool = True, leave_running: bool = False, model: Model | None = None,
+                      tag: str | None = None, runc: str = "runc", quiesce: str = "drain",
+                      progress: Progress = _quiet) -> CaptureResult:
     """Capture the running container into a capsule (snapshot_driver criu-runc). weights_mode says how the
     engine in the container holds its weights (native: in the images; recovery: file-backed, reloaded).
-    quiesce: "drain" (wait for no client connection) or "none" (capture with requests in flight)."""
+    quiesce: "drain" (wait for no client connection) or "none" (capture with requests in flight). image: the image
+    the container runs, as its engine names it (recorded for `coldsnap run-args`)."""
     if quiesce not in QUIESCE_MODES:
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"quiesce must be one of {', '.join(QUIESCE_MODES)} "
                             f"(got {quiesce!r})")
@@ -95,17 +135,19 @@ def capture_container(container_id: str, runc_root: str | Path = "/run/runc", bu
         validation=validation or Validation(), lifecycle=Lifecycle(leave_running=leave_running))
     if weights_mode not in ("native", "recovery"):
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, "weights_mode must be native or recovery for a container")
+    launch = container_launch(spec, image, request.launch.image_digest)
     tl = Timeline()
     op_id = f"capture-{container_id[:24]}-{uuid.uuid4().hex[:8]}"
     with receipt_on_failure(request, op_id, "capture", tl):
         result, profile = _capture(request, container_id, runc_root, int(state["pid"]), val_ann.get("host"), runc,
-                                   tl, progress, shm_source=hostfiles.bound_shm_source(spec))
+                                   tl, progress, shm_source=hostfiles.bound_shm_source(spec), launch=launch)
     receipt = finish_receipt(request, op_id, "capture", tl, "succeeded", result=result)
     return CaptureResult(capsule=result["capsule"], profile=profile, receipt=receipt)
 
 
 def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str | None, runc: str, tl: Timeline,
-             progress: Progress, shm_source: str | None = None) -> tuple[dict, CapsuleProfile]:
+             progress: Progress, shm_source: str | None = None,
+             launch: ContainerLaunch | None = None) -> tuple[dict, CapsuleProfile]:
     criu = CriuDriver()
     adapter = get_adapter(request.engine.name)
     target = Target(pid=pid, port=request.launch.port, host=host)
@@ -170,7 +212,7 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
             model=saved_weights_model(adapter, released) or request.model, weights_mode=weights_mode,
             kv_discarded=kv_discard, launch=request.launch, network=None, cuda_pids=len(gpu.pids),
             gpus_used=gpu.gpu_uuids, files=files,
-            image_digest=request.launch.image_digest)
+            image_digest=request.launch.image_digest, container=launch)
         packed = thin_and_pack(images, files, profile, request.tag, released, tl, progress, sources,
                                journal=journal)
         return {**packed, "tag": request.tag, "container": cid,

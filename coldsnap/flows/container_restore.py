@@ -143,7 +143,7 @@ def restore_at_create(runc: str, parsed: RuncArgv, spec: dict) -> CreateOutcome:
                                 "or run --detach)")
         with tl.span("admit"):
             capsule = load_capsule(creq.request.capsule, creq.request.policy.allow_unpinned)
-            verdict = admit_capsule(capsule, creq.request.policy, "criu-runc", creq.image_digest)
+            verdict = admit_capsule(capsule, creq.request.policy, "criu-runc", creq.image_digest, spec)
         if not verdict.admitted:
             raise verdict.refusal()
         with tl.span("stage"):
