@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -185,15 +186,24 @@ def test_podman_restores_an_engine_container_with_the_same_completions(podman, p
         f"the {engine} container stopped: {podman('logs', name, check=False).stderr[-800:]}"
     before = completions(ns.address, 8000, model)
     assert len(set(before)) > 1, before  # not degenerate
-    res = capture_container(podman.inspect(name)["Id"], "/run/runc", engine=engine, tag=f"podman-{engine}")
+    res = capture_container(podman.inspect(name)["Id"], "/run/runc", engine=engine, tag=f"podman-{engine}",
+                            image=IMAGE)
     assert res.receipt.state == "succeeded" and res.profile.engine.name == engine
     assert res.profile.snapshot_driver == "criu-runc" and res.profile.launch.command == launch.argv
     wait_for(lambda: podman.inspect(name)["State"]["Status"] == "exited", 30, "podman to see the capture's stop")
     podman("rm", name)
 
+    # The restore runs exactly what `coldsnap run-args` prints (podman's private storage options put in front, and
+    # this VM's ulimits, which podman's defaults exceed: host set-up, not restore options).
     restored = unique(f"{engine}-restored")
-    r = run_launch(podman, restored, launch, ns.name, "--annotation", f"{mt.ANNOTATION_CAPSULE}={res.capsule}",
-                   "--hooks-dir", str(podman.hooks_dir))
+    printed = subprocess.run([sys.executable, "-m", "coldsnap.cli", "run-args", res.capsule, "--for", "podman",
+                              "--name", restored, "--runtime-path", str(podman.runtime), "--json"],
+                             capture_output=True, text=True, timeout=120)
+    assert printed.returncode == 0, printed.stderr
+    argv = json.loads(printed.stdout)["argv"]
+    assert argv[:3] == ["podman", "run", "-d"] and f"{mt.ANNOTATION_CAPSULE}={res.capsule}" in argv
+    assert argv[-len(launch.argv):] == launch.argv and IMAGE in argv
+    r = podman(*argv[1:3], *LIMITS, *argv[3:], check=False)
     assert r.returncode == 0, r.stderr
     info = podman.inspect(restored)
     rec = receipt(info["Id"])

@@ -21,6 +21,7 @@ ENGINES = ("podman", "docker", "ctr")
 ENGINE_MADE = frozenset({"/proc", "/dev", "/dev/pts", "/dev/mqueue", "/dev/shm", "/sys", "/sys/fs/cgroup",
                          "/etc/hosts", "/etc/hostname", "/etc/resolv.conf", "/run/.containerenv"})
 IMAGE = "IMAGE"  # where the capture did not record the image
+TMPFS_KEYS = ("size", "mode", "uid", "gid", "nr_inodes")  # the tmpfs options every engine takes back
 
 
 @dataclass
@@ -55,7 +56,7 @@ def run_args(profile: CapsuleProfile, digest: str, engine: str, runtime: str, na
     image = image or launch.image or IMAGE
     notes = [] if image != IMAGE else ["the capture did not record the image: replace IMAGE (capture --image)"]
     binds = [(m.source, m.destination, _readonly(m.options)) for m in _user_mounts(launch) if m.type == "bind"]
-    tmpfs = [(m.destination, [o for o in m.options if o not in ("nosuid", "nodev", "noexec")])
+    tmpfs = [(m.destination, [o for o in m.options if o in ("rw", "ro") or o.split("=", 1)[0] in TMPFS_KEYS])
              for m in _user_mounts(launch) if m.type == "tmpfs"]
     if engine == "ctr":
         argv = ["ctr", "run", "-d", "--runc-binary", runtime, "--annotation", f"{mt.ANNOTATION_CAPSULE}={digest}"]
