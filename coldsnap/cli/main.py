@@ -429,15 +429,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = add("schema", cmd_schema, "print the JSON Schema of a contract (all when NAME is omitted)")
     sp.add_argument("name", nargs="?", help=f"one of: {', '.join(SCHEMAS)}")
-    sp = add("validate-request", cmd_validate_request, "check a request document; exit 2 with the field on error")
+    sp.add_argument("--json", action="store_true", help="accepted for symmetry; output is always JSON")
+    sp = add("validate-request", cmd_validate_request, "check a request document; prints `valid OPERATION` (--json: "
+                                                       "{valid, operation}), or exits 2 with the field at fault")
     sp.add_argument("file", help="request file, or - for standard input")
     sp.add_argument("--json", action="store_true")
-    sp = add("doctor", cmd_doctor, "check this host: CRIU, pycriu, runtimes, capabilities, GPUs")
+    sp = add("doctor", cmd_doctor, "check this host (CRIU, pycriu, runtimes, cgroups, capabilities, GPUs); prints "
+                                   "one row per check with a fix for each that fails (--json: the checks); exits 12 "
+                                   "when one fails")
     sp.add_argument("--json", action="store_true", help="machine-readable output")
-    sp = add("capabilities", cmd_capabilities, "what this ColdSnap supports (JSON)")
+    sp = add("capabilities", cmd_capabilities, "print what this ColdSnap supports and what it is qualified for, "
+                                               "each claim with its result file (JSON)")
     sp.add_argument("--json", action="store_true", help="accepted for symmetry; output is always JSON")
 
-    sp = add("capture", cmd_capture, "start a workload, validate it, capture it into a capsule")
+    sp = add("capture", cmd_capture, "start a workload (or take a running container), validate it, capture it into "
+                                     "a capsule; prints the capsule digest and the receipt's path (--json: the "
+                                     "receipt, also on failure)")
     sp.add_argument("--request", help="capture request file (JSON), or - for stdin")
     sp.add_argument("--engine", choices=ENGINE_NAMES, help="engine (default: reference)")
     sp.add_argument("--tag", help="name the capsule in the local store")
@@ -464,7 +471,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "until the restore)")
     sp.add_argument("--json", action="store_true", help="print the receipt as JSON, no progress")
 
-    sp = add("restore", cmd_restore, "restore a workload from a capsule (falls back to a cold start if refused)")
+    sp = add("restore", cmd_restore, "restore a workload from a capsule (or start it cold when refused, unless "
+                                     "--no-fallback); prints where it serves and the receipt's path (--json: the "
+                                     "receipt, also on failure)")
     sp.add_argument("--capsule", help="capsule reference pinned by digest: sha256:… or NAME@sha256:…")
     sp.add_argument("--request", help="restore request file (JSON)")
     sp.add_argument("--prepare-only", action="store_true", help="admit, verify and stage only; touch no workload")
@@ -475,10 +484,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="restore onto another GPU of the same kind: GPU UUID pairs (repeatable)")
     sp.add_argument("--json", action="store_true")
 
-    sp = add("status", cmd_status, "workloads on this host (active/sleeping)")
+    sp = add("status", cmd_status, "list the workloads on this host, active or sleeping, after cleaning up what "
+                                   "interrupted operations left; prints one row each (--json: {workloads, "
+                                   "recovered})")
     sp.add_argument("name", nargs="?")
     sp.add_argument("--json", action="store_true")
-    sp = add("stop", cmd_stop, "stop a workload and remove its network namespace")
+    sp = add("stop", cmd_stop, "stop a workload: its processes, network namespace and state; prints `stopped NAME` "
+                               "(--json: {stopped})")
     sp.add_argument("name")
     sp.add_argument("--json", action="store_true")
     sp = add("runtime", cmd_runtime, "register coldsnap-runtime with docker, containerd (+ a Kubernetes "
@@ -492,32 +504,39 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--runtime-path", help="path of coldsnap-runtime (default: the installed one)")
     sp.add_argument("--runtime-class", help="containerd: where to write the RuntimeClass manifest")
     sp.add_argument("--json", action="store_true")
-    sp = add("sleep", cmd_sleep, "release a workload's GPU memory in place (CUDA checkpoint); process kept")
+    sp = add("sleep", cmd_sleep, "release a workload's GPU memory in place (CUDA checkpoint), its process kept; "
+                                 "prints the mode and the receipt's path (--json: the receipt)")
     sp.add_argument("--mode", choices=("auto", "engine", "cuda"), default="auto",
                     help="engine: the engine drops its weights and KV first and reloads them at wake (recovery "
                     "weights); cuda: all GPU memory moves to host memory and back; auto (default): engine when it can")
     sp.add_argument("name")
     sp.add_argument("--json", action="store_true")
-    sp = add("wake", cmd_wake, "bring a sleeping workload's GPU state back and validate it")
+    sp = add("wake", cmd_wake, "bring a sleeping workload's GPU state back and validate it; prints the time to its "
+                               "first token and the receipt's path (--json: the receipt)")
     sp.add_argument("name")
     sp.add_argument("--json", action="store_true")
-    sp = add("ls", cmd_ls, "capsules in the local store")
+    sp = add("ls", cmd_ls, "list the capsules in the local store: digest, tag, engine, size, staged bytes, created "
+                           "(--json: {capsules})")
     sp.add_argument("--json", action="store_true")
-    sp = add("rm", cmd_rm, "remove a capsule from the local index (blobs stay until gc)")
+    sp = add("rm", cmd_rm, "remove a capsule from the local index and its staged images (blobs go at the next gc); "
+                           "prints the digests untagged (--json: {removed})")
     sp.add_argument("ref")
     sp.add_argument("--json", action="store_true")
-    sp = add("gc", cmd_gc, "delete blobs no capsule references, and CUDA code files (coldsnap.gpu.codestash) no "
+    sp = add("gc", cmd_gc, "delete blobs no capsule references, staged images of capsules gone or beyond the staging "
+                           "cap, and CUDA code files (coldsnap.gpu.codestash) no "
                            "capsule lists and no process maps")
     sp.add_argument("--grace", type=float, default=600,
                     help="keep unreferenced blobs and code files younger than this (s)")
     sp.add_argument("--json", action="store_true")
-    sp = add("push", cmd_push, "push a capsule (and its weights payload) to an OCI registry")
+    sp = add("push", cmd_push, "push a capsule (and its weights payload) to an OCI registry; prints the reference "
+                               "pushed (--json: what moved)")
     sp.add_argument("capsule", help="local capsule: sha256:… or NAME@sha256:…")
     sp.add_argument("ref", help="HOST[:PORT]/REPO:TAG")
     sp.add_argument("--insecure", action="store_true", help="plain HTTP (a local registry)")
     sp.add_argument("--allow-unpinned", action="store_true")
     sp.add_argument("--json", action="store_true")
-    sp = add("pull", cmd_pull, "pull a capsule (only missing blobs; resumes interrupted pulls)")
+    sp = add("pull", cmd_pull, "pull a capsule (only missing blobs; resumes interrupted pulls); prints its digest "
+                               "and what moved (--json: the same)")
     sp.add_argument("ref", help="HOST[:PORT]/REPO@sha256:… (or :TAG with --allow-unpinned)")
     sp.add_argument("--insecure", action="store_true", help="plain HTTP (a local registry)")
     sp.add_argument("--allow-unpinned", action="store_true")
@@ -537,12 +556,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--allow-unpinned", action="store_true", help="accept a tag instead of a digest")
     sp.add_argument("--json", action="store_true", help="print {engine, argv, command, notes} as JSON")
 
-    sp = add("demo", cmd_demo, "capture the reference engine on CPU, restore it, print cold vs restored")
+    sp = add("demo", cmd_demo, "capture the reference engine on CPU, restore it, and print cold vs restored side by "
+                               "side (--json: the result)")
     sp.add_argument("--samples", "-n", type=int, default=3)
     sp.add_argument("--out", help="where the JSON and PNG go (default: COLDSNAP_HOME/demo)")
     sp.add_argument("--json", action="store_true")
 
-    sp = add("bench", cmd_bench, "vanilla start vs restore, N samples each; JSON + PNG under bench/results/")
+    sp = add("bench", cmd_bench, "vanilla start vs restore, N samples each, against the same-run physical limit; "
+                                 "writes JSON + PNG under --out and prints the table (--json: the result)")
     sp.add_argument("--engine", default="reference", choices=ENGINE_NAMES)
     sp.add_argument("--samples", "-n", type=int, default=5, help="restore samples (and vanilla, unless given)")
     sp.add_argument("--vanilla-samples", type=int, help="vanilla samples when they cost too much to match --samples")
