@@ -84,7 +84,7 @@ def test_admission_names_the_first_mount_or_namespace_the_container_lacks():
     host_net = {**SPEC, "linux": {"namespaces": [{"type": "pid"}, {"type": "mount"}]}}
     assert container_differences(captured, host_net) == [
         "the captured container had its own network namespace and this one has none",
-        "the captured container ran on the path network and this one on the host one"]
+        "the captured container ran in a named network namespace and this one in the host's network"]
 
 
 README = Path(__file__).resolve().parents[1] / "README.md"

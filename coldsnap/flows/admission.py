@@ -93,8 +93,9 @@ def container_differences(captured: ContainerLaunch, spec: dict) -> list[str]:
     out += [f"the captured container had its own {t} namespace and this one has none"
             for t in captured.namespaces if t not in types]
     network = "host" if "network" not in types else ("path" if netns_path(spec) else "own")
+    where = {"host": "the host's network", "own": "a network namespace of its own", "path": "a named network namespace"}
     if network != captured.network and "host" in (network, captured.network):
-        out.append(f"the captured container ran on the {captured.network} network and this one on the {network} one")
+        out.append(f"the captured container ran in {where[captured.network]} and this one in {where[network]}")
     return out
 
 
