@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 import pytest
 from conftest import CRIU_PREFIX, needs_root_criu
 
-from coldsnap.contracts import CaptureRequest, Policy, RestoreRequest
+from coldsnap.contracts import CaptureRequest, ColdSnapError, ErrorCode, Policy, RestoreRequest
 from coldsnap.engines import get_adapter, seccomp, tinymodel
 
 REPO = Path(__file__).resolve().parents[1]
@@ -301,3 +301,44 @@ def test_vllm_cold_capture_restore_identical(engine_home):
     assert any(p.startswith("/dev/shm/psm_") for p in out["carried"]), out["carried"]
     for res in out["restores"]:
         assert res["time_to_first_token_s"] < cap.receipt.result["cold_time_to_first_token_s"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_vllm_serves_a_model_with_a_short_context_with_no_option_given(engine_home, tmp_path):
+    """The context length comes from the model's own config (here 320 tokens), not from a fixed default."""
+    import shutil
+
+    from coldsnap.flows.coldstart import start_cold
+    from coldsnap.net import allocate_plan, destroy_network
+    from coldsnap.workload.process import kill_tree
+
+    ensure_engine("vllm", VLLM_VENV)
+    short = tmp_path / "tiny-320"
+    shutil.copytree(FIXTURE_MODEL, short)
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 320}))
+    req = CaptureRequest(operation="capture", engine={"name": "vllm", "options": {
+        "venv": VLLM_VENV, "model": str(short), "enforce_eager": True}}, lifecycle={"name": "pyt-vllm-320"})
+    launch = get_adapter("vllm").prepare(req)
+    assert launch.argv[launch.argv.index("--max-model-len") + 1] == "320"
+    plan = allocate_plan("pyt-vllm-320", req.launch.port)
+    cold = start_cold("pyt-vllm-320", plan, launch.argv, launch.env, launch.cwd, req.validation)
+    try:
+        assert cold.first.text  # it serves
+        assert len(completions(plan.workload_address, plan.port, launch.model.id, PROMPTS[:2])) == 2
+    finally:
+        kill_tree(cold.state.pid)
+        destroy_network(plan)
+
+
+def test_a_model_that_does_not_exist_is_an_error_not_a_tiny_model(tmp_path, coldsnap_home):
+    venv, _ = fake_venv_and_model(tmp_path)
+    for model, why in ((str(tmp_path / "no-such-model"), "does not exist"), (None, "needs a model"),
+                       ("relative/dir", "absolute")):
+        options = {"venv": str(venv), **({"model": model} if model else {})}
+        with pytest.raises(ColdSnapError, match=why) as e:
+            get_adapter("vllm").prepare(CaptureRequest(operation="capture",
+                                                       engine={"name": "vllm", "options": options}))
+        assert e.value.code == ErrorCode.INVALID_REQUEST
+    assert not (tmp_path / "no-such-model").exists()  # nothing was made in its place
