@@ -24,7 +24,8 @@ def pack_dir(src: Path, dest: Path, level: int = 1, skip: tuple[str, ...] = ()) 
                 tar.add(entry, arcname=entry.name)
 
 
-MAX_RATIO = 1000  # zero pages are dropped before packing: a layer that expands more than this is a bomb
+MAX_RATIO = 1000  # zeros become holes; a layer whose other bytes expand more than this is a bomb
+MAX_FILE = 1 << 40  # no file of a capsule is a terabyte
 SLACK = 64 << 20
 CHUNK = 1 << 20
 
@@ -40,14 +41,16 @@ def _member_path(dest: Path, name: str) -> Path:
 
 
 def unpack_layer(layer: Path, dest: Path) -> int:
-    """Extract a tar.zst layer into dest; returns the bytes written. Only regular files and directories, each inside
-    dest (no absolute paths, no `..`, no links, no devices), and no more bytes than MAX_RATIO times the layer's size
-    nor than dest's file system has free. Anything else: ColdSnapError(CAPSULE_CORRUPT), one line; what was
-    written stays under dest for the caller to remove."""
+    """Extract a tar.zst layer into dest; returns the bytes it took on disk. Only regular files and directories, each
+    inside dest (no absolute paths, no `..`, no links, no devices). Runs of zeros become holes (a layer's /dev/shm
+    queues are mostly holes; so is a bomb of zeros), and the data written may not exceed MAX_RATIO times the layer's
+    size nor dest's free space. Anything else: ColdSnapError(CAPSULE_CORRUPT), one line; what was written stays
+    under dest for the caller to remove."""
     dest.mkdir(parents=True, exist_ok=True, mode=0o700)
     st = os.statvfs(dest)
     budget = min(MAX_RATIO * os.path.getsize(layer) + SLACK, st.f_bavail * st.f_frsize)
     written = 0
+    zeros = bytes(CHUNK)
     dctx = zstandard.ZstdDecompressor()
     try:
         with open(layer, "rb") as raw, dctx.stream_reader(raw) as zr, tarfile.open(fileobj=zr, mode="r|") as tar:
@@ -59,9 +62,9 @@ def unpack_layer(layer: Path, dest: Path) -> int:
                 if not member.isfile():
                     raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"layer member {short(member.name)} is not a "
                                         "regular file or a directory")
-                if written + member.size > budget:
-                    raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"layer {layer.name[:19]}… expands beyond "
-                                        f"{budget} bytes (at {short(member.name)}): refused")
+                if member.size > MAX_FILE:
+                    raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"layer member {short(member.name)} claims "
+                                        f"{member.size} bytes: refused")
                 target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
                 src = tar.extractfile(member)
                 fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -72,9 +75,16 @@ def unpack_layer(layer: Path, dest: Path) -> int:
                         if not chunk:
                             raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"layer member {short(member.name)} is "
                                                 "truncated")
-                        out.write(chunk)
                         left -= len(chunk)
-                written += member.size
+                        if chunk == zeros[:len(chunk)]:
+                            out.seek(len(chunk), os.SEEK_CUR)  # a hole
+                            continue
+                        written += len(chunk)
+                        if written > budget:
+                            raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"layer {layer.name[:19]}… expands "
+                                                f"beyond {budget} bytes of data (at {short(member.name)}): refused")
+                        out.write(chunk)
+                    out.truncate(member.size)  # trailing holes
     except FileExistsError as e:
         raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"layer names {short(e.filename)} twice") from None
     except (tarfile.TarError, zstandard.ZstdError, EOFError) as e:
