@@ -165,7 +165,7 @@ class EngineContainer:
 
 
 def check_capture(res, engine: str, launch, quiesce: str) -> None:
-    rec = res.receipt
+    rec = res.receipt.model_dump(mode="json")
     assert rec["state"] == "succeeded" and rec["operation"] == "capture", rec.get("error")
     p = res.profile
     assert p.snapshot_driver == "criu-runc" and p.engine.name == engine and p.weights_mode == "native"

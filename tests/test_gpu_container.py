@@ -134,7 +134,7 @@ def test_container_captured_and_restored_through_the_shim(lab, device):
                          prompts=PROMPTS)
 
     captured = capture_container(cid, root, engine="reference", weights_mode="recovery", tag=f"{device}-container")
-    rec = captured.receipt
+    rec = captured.receipt.model_dump(mode="json")
     assert rec["state"] == "succeeded", rec.get("error")
     # On a GPU, the container's CUDA state was checkpointed by host PID.
     assert (rec["result"]["cuda_processes"] >= 1) == (device == "cuda")

@@ -37,11 +37,25 @@ def test_busy_network_is_refused(plan):
     with pytest.raises(ColdSnapError) as e:
         create_network(plan)
     assert e.value.code == ErrorCode.RESOURCE_BUSY
-    with pytest.raises(ColdSnapError) as e:
-        allocate_plan("pytest-net", 8123)
-    assert e.value.code == ErrorCode.RESOURCE_BUSY
+    # the same name again (another COLDSNAP_HOME's workload, say) gets a namespace and a slot of its own
+    again = allocate_plan("pytest-net", 8123)
+    assert again.netns == f"{plan.netns}-2" and again.host_address != plan.host_address
+    assert again.host_veth != plan.host_veth
     other = allocate_plan("pytest-other", 8123)
     assert other.host_address != plan.host_address
+
+
+def test_a_refused_create_removes_nothing_it_did_not_make(plan):
+    """Two creates of one plan at once: the loser must not delete the winner's namespace or veth."""
+    from coldsnap.net import netns_inode
+
+    create_network(plan)
+    inode = netns_inode(plan.netns)
+    for _ in range(3):
+        with pytest.raises(ColdSnapError) as e:
+            create_network(plan)
+        assert e.value.code == ErrorCode.RESOURCE_BUSY
+    assert netns_inode(plan.netns) == inode and plan.host_veth in _host_links()
 
 
 def test_workload_runs_as_namespace_init_reachable_from_host(plan, tmp_path):

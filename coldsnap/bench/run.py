@@ -22,7 +22,7 @@ from coldsnap.engines import get_adapter
 from coldsnap.flows.capture import capture
 from coldsnap.flows.coldstart import start_cold
 from coldsnap.flows.restore import restore
-from coldsnap.net import allocate_plan, destroy_network
+from coldsnap.net import destroy_network
 from coldsnap.workload.process import kill_tree, stop_workload, uses_gpu
 from coldsnap.workload.state import load_state
 
@@ -169,14 +169,13 @@ def drop_page_cache() -> None:
 
 
 def _vanilla_once(name: str, req: CaptureRequest, launch, expected: str | None) -> float:
-    plan = allocate_plan(name, req.launch.port)
-    cold = start_cold(name, plan, launch.argv, launch.env, launch.cwd, req.validation, expected=expected,
+    cold = start_cold(name, req.launch.port, launch.argv, launch.env, launch.cwd, req.validation, expected=expected,
                       gpu=uses_gpu(req.launch.devices))
     try:
         return cold.time_to_first_token
     finally:
         kill_tree(cold.state.pid)
-        destroy_network(plan)
+        destroy_network(cold.state.plan)
 
 
 def _chart(data: dict, path: Path) -> None:

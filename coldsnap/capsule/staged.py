@@ -6,8 +6,11 @@ A directory an operation in flight uses (its journal names the capsule) is never
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +54,19 @@ def entries() -> list[StagedCapsule]:
         if path.is_dir() and marker.exists() and len(path.name) == 64:
             out.append(StagedCapsule("sha256:" + path.name, path, _size(path), marker.stat().st_mtime))
     return out
+
+
+@contextmanager
+def restoring(digest: str) -> Iterator[None]:
+    """One restore of this capsule at a time in the block (putting its files back for CRIU, CRIU reading them)."""
+    path = root() / f".{digest.split(':', 1)[1]}.restore.lock"
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def used(digest: str) -> None:

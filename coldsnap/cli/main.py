@@ -174,7 +174,7 @@ def cmd_capture(args) -> int:
 
 
 def cmd_restore(args) -> int:
-    from coldsnap.contracts import Policy, RestoreRequest
+    from coldsnap.contracts import Lifecycle, Policy, RestoreRequest
     from coldsnap.flows.restore import restore
 
     if args.request:
@@ -188,7 +188,7 @@ def cmd_restore(args) -> int:
         if len(gpu_map) != len(args.gpu_map or []):
             raise ColdSnapError(ErrorCode.INVALID_REQUEST, "--gpu-map expects CAPTURED_UUID=LOCAL_UUID")
         req = RestoreRequest(operation="prepare" if args.prepare_only else "restore", capsule=args.capsule,
-                             gpu_map=gpu_map,
+                             gpu_map=gpu_map, lifecycle=Lifecycle(name=args.name),
                              policy=Policy(fallback_to_cold=not args.no_fallback, allow_unpinned=args.allow_unpinned,
                                            compatibility="relaxed" if args.relaxed else "strict"))
     r = restore(req, progress=_progress(args))
@@ -476,6 +476,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "receipt, also on failure)")
     sp.add_argument("--capsule", help="capsule reference pinned by digest: sha256:… or NAME@sha256:…")
     sp.add_argument("--request", help="restore request file (JSON)")
+    sp.add_argument("--name", help="the restored workload's name (default: the captured one's); each restore of a "
+                    "capsule under its own name runs beside the others, on a network of its own")
     sp.add_argument("--prepare-only", action="store_true", help="admit, verify and stage only; touch no workload")
     sp.add_argument("--no-fallback", action="store_true", help="fail instead of starting cold")
     sp.add_argument("--allow-unpinned", action="store_true", help="accept a tag instead of a digest")

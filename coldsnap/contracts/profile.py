@@ -103,6 +103,8 @@ class CapsuleProfile(Strict):
     validation: Validation
     expected_text: str = Field(description="The validated completion at capture; restores must reproduce it.")
     network: NetworkPlan | None = Field(default=None, description="Process mode: the netns plan. Containers: None.")
+    workload_name: str | None = Field(default=None, description="Process mode: the captured workload's name, the "
+                                      "default name of a restore.")
     files: list[CapturedFile] = Field(default_factory=list)
     cuda_pids: int = 0
     gpus_used: list[str] = Field(default_factory=list, description="UUIDs of the GPUs the CUDA processes used, "

@@ -39,10 +39,10 @@ from coldsnap.flows.spans import Timeline
 from coldsnap.gpu import codestash
 from coldsnap.gpu import steps as gpu_steps
 from coldsnap.host.profile import host_profile
-from coldsnap.net import allocate_plan, destroy_network, netns_inode
+from coldsnap.net import destroy_network, netns_inode
 from coldsnap.workload import hostfiles
 from coldsnap.workload.process import kill_tree, uses_gpu
-from coldsnap.workload.state import WorkloadState, run_dir, save_state
+from coldsnap.workload.state import WorkloadState, refuse_running, run_dir, save_state
 
 Progress = Callable[[str], None]
 
@@ -76,12 +76,12 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> tuple
     adapter = get_adapter(request.engine.name)
     launch = adapter.prepare(request)
     name = request.lifecycle.name or f"{request.engine.name}-{uuid.uuid4().hex[:6]}"
-    plan = allocate_plan(name, request.launch.port)
+    refuse_running(name)
     leave_running = request.lifecycle.leave_running
     # Everything this capture makes is journaled before it exists: a capture killed at any point is undone by
     # whoever looks next (coldsnap.flows.recovery), and a --leave-running workload is resumed, not lost.
     journal = Journal.begin("capture", workload=name, leave_running=leave_running, engine=request.engine.name,
-                            weights_mode=launch.weights_mode, plan=plan.model_dump())
+                            weights_mode=launch.weights_mode)
     work = cfg.run / "capture" / uuid.uuid4().hex
     journal.add("dir", path=str(work))
     images = private_dir(work) / "images"
@@ -93,12 +93,13 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> tuple
     shm_names: list[str] = []
     extra: list[CapturedFile] = []
     try:
-        progress(f"network {plan.netns}: {plan.workload_address}:{plan.port} (host side {plan.host_address})")
         progress(f"starting the {request.engine.name} engine cold (weights mode {launch.weights_mode})")
         with tl.span("cold-start"):
-            cold = start_cold(name, plan, launch.argv, launch.env, launch.cwd, request.validation,
+            cold = start_cold(name, request.launch.port, launch.argv, launch.env, launch.cwd, request.validation,
                               gpu=uses_gpu(request.launch.devices), journal=journal)
-        pid, probe, first = cold.state.pid, cold.probe, cold.first
+        pid, probe, first, plan = cold.state.pid, cold.probe, cold.first, cold.state.plan
+        journal.about["plan"] = plan.model_dump()
+        progress(f"network {plan.netns}: {plan.workload_address}:{plan.port} (host side {plan.host_address})")
         log = Path(cold.state.log)
         progress(f"ready after {cold.ready - cold.started:.1f} s; validated: {first.text!r}")
         with tl.span("validate"):
@@ -167,7 +168,7 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> tuple
             launch=request.launch.model_copy(update={"command": launch.argv, "env": launch.env,
                                                      "workdir": launch.cwd}),
             engine_version=info.get("version") or launch.engine_version,
-            network=plan, files=files, distributed=adapter.distributed(info),
+            network=plan, workload_name=name, files=files, distributed=adapter.distributed(info),
             engine_lease=lease.path if released else None,
             prefetch_plans=(released or {}).pop("prefetch_plans", None) or {})
         packed = thin_and_pack(images, files, profile, request.tag, released, tl, progress, extra_src,
@@ -176,6 +177,7 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> tuple
             **packed,
             "tag": request.tag,
             "workload": name,
+            "pid": pid,
             "left_running": leave_running,
             "cold_start_to_ready_s": round(cold.ready - cold.started, 3),
             "cold_time_to_first_token_s": round(cold.time_to_first_token, 3),
@@ -191,7 +193,7 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> tuple
         if not workload_kept:
             if cold is not None:
                 kill_tree(cold.state.pid)
-                destroy_network(plan)
+                destroy_network(cold.state.plan)
                 # the dumped tree's, orphaned now; CUDA code files are shared by content and stay
                 for path in set(shm_names) | {f.path for f in extra if not codestash.is_code_file(f.path)}:
                     Path(path).unlink(missing_ok=True)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from coldsnap.base.journal import Journal, start_time
 from coldsnap.base.procfs import alive
 from coldsnap.contracts import ColdSnapError, ErrorCode, NetworkPlan, Validation
-from coldsnap.net import create_network, destroy_network
+from coldsnap.net import create_network, destroy_network, new_network
 from coldsnap.workload.probe import ProbeResult, ValidationProbe
 from coldsnap.workload.process import kill_tree, start_in_namespaces, workload_env
 from coldsnap.workload.state import WorkloadState, run_dir
@@ -29,22 +29,34 @@ class ColdStart:
         return self.first.first_token_s - self.started
 
 
-def start_cold(name: str, plan: NetworkPlan, argv: list[str], env: dict[str, str], cwd: str | None,
+def start_cold(name: str, plan: NetworkPlan | int, argv: list[str], env: dict[str, str], cwd: str | None,
                validation: Validation, expected: str | None = None, gpu: bool = False,
                journal: Journal | None = None) -> ColdStart:
-    """Network, start, ready, one validated completion. On failure nothing is left running. With a journal, the
-    network and the workload are recorded in it before they exist (the caller drops them once it owns them)."""
+    """Network, start, ready, one validated completion. On failure nothing is left running. plan: the network to
+    create, or the port the workload serves on (a free network is chosen, ColdStart.state.network says which). With
+    a journal, the network and the workload are recorded in it before they exist (the caller drops them once it owns
+    them)."""
     wdir = run_dir(name)
     log = wdir / "engine.log"
     log.unlink(missing_ok=True)
     pid = None
     own = journal is None
     journal = journal or Journal.begin("cold-start", workload=name)
-    network = journal.add("network", plan=plan.model_dump())
+    network = None
+
+    def record(chosen: NetworkPlan) -> None:
+        nonlocal network
+        network = journal.add("network", plan=chosen.model_dump())
+
     try:
-        create_network(plan)
+        if isinstance(plan, NetworkPlan):
+            record(plan)
+            create_network(plan)
+        else:
+            plan = new_network(name, plan, before=record)
     except BaseException:  # refused: nothing of ours to clean (the netns, address or veth is someone else's)
-        journal.drop(network)
+        if network is not None:
+            journal.drop(network)
         if own:
             journal.close()
         raise

@@ -15,6 +15,7 @@ from coldsnap.base.journal import Journal, start_time
 from coldsnap.base.paths import settings
 from coldsnap.base.procfs import alive, descendants
 from coldsnap.capsule import LoadedCapsule
+from coldsnap.capsule import staged as staged_area
 from coldsnap.contracts import ColdSnapError, ErrorCode, Receipt, RestoreRequest, Validation
 from coldsnap.criu import CriuDriver, CriuOptions, criu_stats
 from coldsnap.engines import get_adapter
@@ -26,10 +27,10 @@ from coldsnap.flows.receipts import finish_receipt, receipt_on_failure
 from coldsnap.flows.spans import Timeline
 from coldsnap.flows.staging import Staged, put_back_files, reloads_weights, stage
 from coldsnap.gpu import steps as gpu_steps
-from coldsnap.net import create_network, destroy_network, netns_path
+from coldsnap.net import destroy_network, netns_path, new_network
 from coldsnap.workload.probe import ValidationProbe
 from coldsnap.workload.process import kill_tree, uses_gpu
-from coldsnap.workload.state import WorkloadState, run_dir, save_state
+from coldsnap.workload.state import WorkloadState, refuse_running, run_dir, save_state
 
 Progress = Callable[[str], None]
 
@@ -65,10 +66,16 @@ def restore(request: RestoreRequest, progress: Progress = _quiet) -> Receipt:
         return finish_receipt(request, op_id, op, tl, "succeeded", result=result)
 
 
+def workload_name(request: RestoreRequest, profile) -> str:
+    """--name, else the captured workload's name."""
+    return (request.lifecycle.name or profile.workload_name
+            or profile.network.netns.removeprefix("coldsnap-"))
+
+
 def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progress: Progress) -> dict:
     profile = staged.capsule.profile
-    plan = profile.network
-    name = plan.netns.removeprefix("coldsnap-")
+    name = workload_name(request, profile)
+    refuse_running(name)  # before anything is made: a refusal touches nothing
     validation = _validation(request, profile)
     criu = CriuDriver()
     adapter = get_adapter(profile.engine.name)
@@ -83,23 +90,29 @@ def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progr
         private_dir(settings().run / "prefetch"))
     prefetched = None
     lease = None
-    network = journal.add("network", plan=plan.model_dump())
+    network = None
+    plan = None
+
+    def record(chosen) -> None:
+        nonlocal network
+        network = journal.add("network", plan=chosen.model_dump())
+
     try:
         with tl.span("network"):
-            try:
-                create_network(plan)
-            except BaseException:  # refused: the network is someone else's, and stays theirs
-                journal.drop(network)
-                raise
+            # A network of its own, whatever the capture's was: the engine listens on 0.0.0.0, its own connections
+            # go over loopback, and N restores of one capsule each get a namespace and addresses of their own.
+            plan = new_network(name, profile.network.port, before=record)
             workload = journal.add("workload", name=name, netns=plan.netns)
-            put_back_files(staged)
         progress("restoring with CRIU")
         work = settings().run / "restore-work" / uuid.uuid4().hex
         journal.add("dir", path=str(work))
         private_dir(work)
         # the restored engine waits on this lease for its resume, instead of resuming itself
         lease = hold_lease(profile.engine_lease) if profile.engine_lease else None
-        with tl.span("criu-restore"):
+        with tl.span("criu-restore"), staged_area.restoring(staged.capsule.digest):
+            # one restore of a capsule at a time puts back its files and hands them to CRIU: each gets its own
+            # copies (replaced, not rewritten, so an earlier restore keeps the ones it has)
+            put_back_files(staged)
             options = CriuOptions()
             pid = criu.restore(staged.images, work, options, netns_path(plan.netns))
         journal.update(workload, pid=pid, start=start_time(pid))
@@ -144,7 +157,7 @@ def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progr
         if not ok:
             if pid is not None:
                 kill_tree(pid)
-            if network in journal.things:  # ours: created by this restore
+            if network is not None and network in journal.things:  # ours: created by this restore
                 destroy_network(plan)
         for t in journal.things:
             if t["kind"] == "dir":
@@ -189,10 +202,9 @@ def _fall_back(request: RestoreRequest, capsule: LoadedCapsule, tl: Timeline, op
 
 
 def cold_start(profile, request: RestoreRequest, progress: Progress) -> dict:
-    """Start the captured workload's launch cold, in the same network plan, and validate it."""
-    plan = profile.network
-    name = plan.netns.removeprefix("coldsnap-")
-    cold = start_cold(name, plan, profile.launch.command, profile.launch.env, profile.launch.workdir,
+    """Start the captured workload's launch cold, on a network of its own, and validate it."""
+    name = workload_name(request, profile)
+    cold = start_cold(name, profile.network.port, profile.launch.command, profile.launch.env, profile.launch.workdir,
                       _validation(request, profile), expected=profile.expected_text,
                       gpu=uses_gpu(profile.launch.devices))
     cold.state.engine, cold.state.weights_mode = profile.engine.name, profile.weights_mode

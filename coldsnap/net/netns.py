@@ -1,14 +1,20 @@
 """pyroute2-backed network namespaces. Addresses are fixed at capture and recreated exactly at restore,
-because restored sockets remember the addresses they were bound and connected to.
+because restored sockets remember the addresses they were bound and connected to (a restore under another
+workload name takes a slot of its own: a listening socket does not care).
 
 Addresses come from the link-local range 169.254.237.0/24 in /30 slots: host side .4N+1, workload side .4N+2.
-Traffic never leaves the machine: the host end of the veth is the only peer.
+Traffic never leaves the machine: the host end of the veth is the only peer. Namespaces, addresses and veths are
+host-global, whatever COLDSNAP_HOME or COLDSNAP_RUN say: every ColdSnap on the host chooses and creates them under
+one lock (/run/coldsnap-net.lock), and a refusal removes nothing it did not make.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from pyroute2 import IPRoute, NetNS, netns
@@ -18,6 +24,17 @@ from coldsnap.contracts import ColdSnapError, ErrorCode, NetworkPlan
 BASE = "169.254.237."
 MAX_SLOTS = 63
 NETNS_DIR = Path("/run/netns")
+HOST_LOCK = Path("/run/coldsnap-net.lock")
+
+
+@contextmanager
+def _host_lock() -> Iterator[None]:
+    fd = os.open(HOST_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def netns_path(name: str) -> str:
@@ -50,23 +67,44 @@ def plan_for_slot(name: str, slot: int, port: int) -> NetworkPlan:
     )
 
 
-def allocate_plan(name: str, port: int) -> NetworkPlan:
-    """The first slot whose addresses, veth and netns are all free."""
-    addresses, links = _host_addresses(), _host_links()
-    names = set(netns.listnetns())
-    if f"coldsnap-{name}" in names:
-        raise ColdSnapError(ErrorCode.RESOURCE_BUSY,
-                            f"network namespace coldsnap-{name} exists: workload {name!r} is running "
-                            f"(stop it with `coldsnap stop {name}`)")
+def _free_plan(name: str, port: int) -> NetworkPlan:
+    """The first network namespace name for this workload (coldsnap-NAME, then coldsnap-NAME-2, …: two homes may
+    use one name) and the first slot whose addresses and veth are free on this host."""
+    addresses, links, names = _host_addresses(), _host_links(), set(netns.listnetns())
+    netns_name = next(n for n in (f"coldsnap-{name}", *(f"coldsnap-{name}-{i}" for i in range(2, 1000)))
+                      if n not in names)
     for slot in range(MAX_SLOTS):
-        plan = plan_for_slot(name, slot, port)
+        plan = plan_for_slot(name, slot, port).model_copy(update={"netns": netns_name})
         if plan.host_address not in addresses and plan.host_veth not in links:
             return plan
     raise ColdSnapError(ErrorCode.RESOURCE_BUSY, f"all {MAX_SLOTS} workload network slots are in use")
 
 
+def allocate_plan(name: str, port: int) -> NetworkPlan:
+    """A plan that is free now (another ColdSnap may take it before it exists: new_network chooses and creates
+    under the host lock)."""
+    with _host_lock():
+        return _free_plan(name, port)
+
+
+def new_network(name: str, port: int, before: Callable[[NetworkPlan], None] = lambda plan: None) -> NetworkPlan:
+    """Choose a free plan and create it, under the host lock; before(plan) runs between the two (a journal records
+    the plan there, before it exists)."""
+    with _host_lock():
+        plan = _free_plan(name, port)
+        before(plan)
+        _create(plan)
+        return plan
+
+
 def create_network(plan: NetworkPlan) -> None:
-    """Create netns + veth exactly as planned; refuse (RESOURCE_BUSY) if any part is taken."""
+    """Create netns + veth exactly as planned (a restore's captured plan), under the host lock; refuse
+    (RESOURCE_BUSY) if any part is taken, and then touch nothing."""
+    with _host_lock():
+        _create(plan)
+
+
+def _create(plan: NetworkPlan) -> None:
     if plan.netns in netns.listnetns():
         raise ColdSnapError(ErrorCode.RESOURCE_BUSY, f"network namespace {plan.netns} already exists "
                             f"(is the workload still running? `coldsnap stop` it first)")
@@ -75,10 +113,12 @@ def create_network(plan: NetworkPlan) -> None:
     if plan.host_veth in _host_links():
         raise ColdSnapError(ErrorCode.RESOURCE_BUSY, f"interface {plan.host_veth} already exists on this host")
     netns.create(plan.netns)
+    veth_made = False
     try:
         with IPRoute() as ipr:
             ipr.link("add", ifname=plan.host_veth, kind="veth",
                      peer={"ifname": plan.workload_veth, "net_ns_fd": plan.netns})
+            veth_made = True
             idx = ipr.link_lookup(ifname=plan.host_veth)[0]
             ipr.addr("add", index=idx, address=plan.host_address, prefixlen=plan.prefix_len)
             ipr.link("set", index=idx, state="up")
@@ -90,7 +130,8 @@ def create_network(plan: NetworkPlan) -> None:
             ns.link("set", index=idx, state="up")
             ns.route("add", dst="default", gateway=plan.host_address)
     except Exception as e:
-        destroy_network(plan)
+        # only what this call made: a veth of that name that existed already is someone else's
+        destroy_network(plan if veth_made else plan.model_copy(update={"host_veth": ""}))
         if isinstance(e, OSError) and e.errno == errno.EEXIST:
             raise ColdSnapError(ErrorCode.RESOURCE_BUSY, f"network for {plan.netns} is in use: {e}") from None
         raise ColdSnapError(ErrorCode.ENVIRONMENT, f"could not create network {plan.netns}: {e}") from None
@@ -100,7 +141,7 @@ def destroy_network(plan: NetworkPlan) -> None:
     """Remove veth and netns; idempotent (a missing part is not an error)."""
     try:
         with IPRoute() as ipr:
-            idx = ipr.link_lookup(ifname=plan.host_veth)
+            idx = ipr.link_lookup(ifname=plan.host_veth) if plan.host_veth else []
             if idx:
                 ipr.link("del", index=idx[0])
     except Exception:

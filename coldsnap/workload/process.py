@@ -13,7 +13,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from coldsnap.base.procfs import alive, descendants, read_children, session_of
+from coldsnap.base.procfs import descendants, read_children, session_of
 from coldsnap.contracts import ColdSnapError, ErrorCode, NetworkPlan
 from coldsnap.net import destroy_network, netns_path
 from coldsnap.workload.state import WorkloadState
@@ -82,10 +82,11 @@ def inner_pid(pid: int) -> int | None:
     return None
 
 
-def kill_tree(pid: int, timeout: float = 10.0) -> None:
-    """SIGKILL the workload's root and every descendant (for a PID-namespace init the kernel does the rest), then
-    remove the host /dev/shm files it used and the UNIX socket files it bound (a SIGKILLed engine leaves its queues,
-    semaphores and ZMQ ipc sockets behind)."""
+def kill_tree(pid: int, timeout: float = 30.0) -> None:
+    """SIGKILL the workload's root and every descendant (for a PID-namespace init the kernel does the rest), wait
+    until each is gone and reaped (a zombie still holds its PID, and a restore into the host PID namespace needs the
+    same PIDs again), then remove the host /dev/shm files it used and the UNIX socket files it bound (a SIGKILLed
+    engine leaves its queues, semaphores and ZMQ ipc sockets behind)."""
     from coldsnap.workload.hostfiles import remove_socket_files, tree_shm_files, tree_socket_files
 
     shm = tree_shm_files(pid)
@@ -103,12 +104,12 @@ def kill_tree(pid: int, timeout: float = 10.0) -> None:
     # again, and a GPU process can take a while to exit (driver teardown).
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            wpid, _ = os.waitpid(pid, os.WNOHANG)  # ours if we restored it (rst_sibling): reap it
-            root_gone = wpid == pid
-        except ChildProcessError:
-            root_gone = not alive(pid)  # gone, or a zombie someone else must reap
-        if root_gone and not any(os.path.exists(f"/proc/{p}") for p in tree[1:]):
+        for p in tree:
+            try:
+                os.waitpid(p, os.WNOHANG)  # ours if we started or restored it (rst_sibling): reap it
+            except ChildProcessError:
+                pass  # someone else's to reap (init reaps an orphan within a second or two)
+        if not any(os.path.exists(f"/proc/{p}") for p in tree):
             break
         time.sleep(0.01)
     for path in shm:

@@ -58,3 +58,18 @@ def list_states() -> list[WorkloadState]:
         except (ValueError, TypeError):
             continue
     return out
+
+
+def refuse_running(name: str) -> None:
+    """A workload of this name that runs in this home (its state file and process): a second one would take its
+    run directory and state."""
+    from coldsnap.base.procfs import alive
+
+    path = settings().run / "workloads" / name / "state.json"
+    try:
+        ws = WorkloadState(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return
+    if alive(ws.pid):
+        raise ColdSnapError(ErrorCode.RESOURCE_BUSY, f"workload {name!r} is running (pid {ws.pid}): stop it "
+                            f"(coldsnap stop {name}) or choose another --name")

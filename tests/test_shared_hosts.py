@@ -1,0 +1,145 @@
+"""Shared hosts, for real (reference engine on CPU, real CRIU): restores that do not care which PIDs the host uses,
+20 restore/stop cycles in a row, 4 restores of one capsule at once (each its own name, network namespace and
+addresses), a restore refused because its workload runs (touching nothing of it), and two captures of one name
+under two homes at once, each pinning its own weights."""
+
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+from conftest import CRIU_PREFIX, needs_root_criu
+
+pytestmark = pytest.mark.slow
+
+CLI = [sys.executable, "-m", "coldsnap.cli"]
+CAPTURE = ["capture", "--engine-opt", "compile=false"]
+
+
+def home_env(root):
+    env = {**os.environ, "COLDSNAP_HOME": str(root / "home"), "COLDSNAP_RUN": str(root / "run"),
+           "COLDSNAP_CRIU_PREFIX": CRIU_PREFIX}
+    env.pop("COLDSNAP_STORE", None)
+    return env
+
+
+def cli(env, *args, timeout=900):
+    return subprocess.run([*CLI, *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def serving(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def netns() -> set[str]:
+    r = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    return {ln.split()[0] for ln in r.stdout.splitlines() if ln.strip()}
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory):
+    needs_root_criu()
+    root = tmp_path_factory.mktemp("shared")
+    env = home_env(root)
+    r = cli(env, *CAPTURE, "--name", "shared-src", "--json")
+    assert r.returncode == 0, r.stderr
+    capsule = json.loads(r.stdout)["result"]["capsule"]
+    yield env, capsule, json.loads(r.stdout)
+    for w in json.loads(cli(env, "status", "--json").stdout)["workloads"]:
+        cli(env, "stop", w["name"])
+
+
+def restored(env, capsule, *extra) -> dict:
+    r = cli(env, "restore", "--capsule", capsule, "--no-fallback", "--json", *extra)
+    assert r.returncode == 0, r.stderr
+    receipt = json.loads(r.stdout)
+    assert receipt["state"] == "succeeded", receipt
+    return receipt
+
+
+def test_a_restore_does_not_care_which_host_pids_are_taken(host):
+    env, capsule, captured = host
+    # hold, in the host PID namespace, the PIDs the captured tree had (its root's and a few after it)
+    taken = []
+    with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+        f.write(str(captured["result"]["pid"] - 1))
+    for _ in range(4):
+        taken.append(subprocess.Popen(["sleep", "300"]))
+    held = captured["result"]["pid"]
+    assert any(p.pid == held for p in taken) or os.path.exists(f"/proc/{held}")
+    try:
+        receipt = restored(env, capsule)
+        assert cli(env, "stop", receipt["result"]["workload"]).returncode == 0
+    finally:
+        for p in taken:
+            p.kill()
+            p.wait()
+
+
+def test_twenty_restore_stop_cycles(host):
+    env, capsule, _ = host
+    before = netns()
+    for i in range(20):
+        receipt = restored(env, capsule)
+        stop = cli(env, "stop", receipt["result"]["workload"])
+        assert stop.returncode == 0, f"cycle {i + 1}: {stop.stderr}"
+    assert netns() == before  # nothing left behind
+
+
+def test_four_restores_of_one_capsule_at_once(host):
+    env, capsule, captured = host
+    names = [f"shared-r{i}" for i in range(1, 5)]
+    with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
+        receipts = list(pool.map(lambda n: restored(env, capsule, "--name", n), names))
+    try:
+        results = [r["result"] for r in receipts]
+        assert [r["workload"] for r in results] == names
+        assert len({r["url"] for r in results}) == 4  # an address of its own each
+        assert all(r["validated_text"] == captured["result"]["validated_text"] for r in results)
+        assert all(serving(r["url"]) for r in results)
+        status = {w["name"]: w for w in json.loads(cli(env, "status", "--json").stdout)["workloads"]}
+        assert set(names) <= set(status) and all(status[n]["state"] == "active" for n in names)
+    finally:
+        for n in names:
+            assert cli(env, "stop", n).returncode == 0
+    assert not any(ns.startswith("coldsnap-shared-r") for ns in netns())
+
+
+def test_a_restore_of_a_running_workload_is_refused_and_touches_nothing(host):
+    env, capsule, _ = host
+    first = restored(env, capsule)["result"]
+    try:
+        before = netns()
+        r = cli(env, "restore", "--capsule", capsule, "--json")
+        assert r.returncode == 6 and "is running" in r.stderr, r.stderr
+        assert json.loads(r.stdout)["state"] == "failed"
+        assert netns() == before and serving(first["url"])  # its network and the workload are untouched
+    finally:
+        cli(env, "stop", first["workload"])
+
+
+def test_two_captures_of_one_name_under_two_homes_at_once(tmp_path):
+    needs_root_criu()
+    homes = [tmp_path / "a", tmp_path / "b"]
+
+    def capture(root):
+        return cli(home_env(root), *CAPTURE, "--name", "same-name", "--json")
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(capture, homes))
+    assert all(r.returncode == 0 for r in results), [r.stderr[-500:] for r in results]
+    for root, r in zip(homes, results):
+        digest = json.loads(r.stdout)["result"]["capsule"]
+        profile = json.loads(cli(home_env(root), "inspect", digest).stdout)["profile"]
+        weights = profile["model"]["weights"][0]["path"]
+        assert weights.startswith(str(root / "home")), weights  # its own weights, not the other job's
+        r2 = cli(home_env(root), "restore", "--capsule", digest, "--no-fallback", "--json")
+        assert r2.returncode == 0 and json.loads(r2.stdout)["state"] == "succeeded", r2.stderr
+        cli(home_env(root), "stop", json.loads(r2.stdout)["result"]["workload"])
