@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -89,6 +92,22 @@ def first_error_line(log: Path) -> str:
     return "no error line in the log"
 
 
+DUMP_LOCK = "/run/coldsnap-criu-dump.lock"
+
+
+@contextmanager
+def _one_dump_at_a_time() -> Iterator[None]:
+    """CRIU's parasite mounts the dumped task's /proc at a fixed directory of its mount namespace: two dumps of
+    PID-namespace inits (both pid 1) in the host's mount namespace at once collide there ("Can't create a directory
+    (-17)"). Dumps on this host take turns; restores and everything else around a dump run side by side."""
+    fd = os.open(DUMP_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 class CriuDriver:
     def __init__(self, binary: str | None = None):
         self.binary = binary or settings().criu
@@ -133,7 +152,8 @@ class CriuDriver:
                 client.opts.external.append(e)
             t0 = time.monotonic()
             try:
-                client.dump()
+                with _one_dump_at_a_time():
+                    client.dump()
             except self.pycriu.CRIUException as e:
                 raise ColdSnapError(
                     ErrorCode.CRIU_FAILED,
