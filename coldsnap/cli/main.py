@@ -387,6 +387,12 @@ def cmd_bench(args) -> int:
                           f"wrote {args.out}/registry_bench.json and .png")
         return 0
     opts = _bench_options(args)
+    if args.replicas:
+        from coldsnap.bench.replicas import run_replicas
+
+        result = run_replicas(opts, args.replicas, progress=_progress(args))
+        _emit(args, result.data, result.summary)
+        return 0
     if opts.via:
         from coldsnap.bench.via import run_via_bench
 
@@ -575,6 +581,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--engine-opt", action="append", metavar="KEY=VALUE", help="engine option, repeatable")
     sp.add_argument("--name", help="result file stem (default ENGINE-DEVICE-MODE)")
     sp.add_argument("--drop-caches", action="store_true", help="drop the page cache before every sample")
+    sp.add_argument("--replicas", type=int, metavar="N", help="N restores of one capsule issued at once vs N vanilla "
+                    "starts at once, for 1 … N (ENGINE-DEVICE-replicas)")
     sp.add_argument("--registry", action="store_true", help="benchmark push/pull through a local registry instead")
     sp.add_argument("--size-mib", type=int, default=2048, help="capsule size for --registry")
     sp.add_argument("--via", choices=["podman", "docker"], help="the reference engine in a container: `podman|docker "
