@@ -301,6 +301,29 @@ def test_vllm_cold_capture_restore_identical(engine_home):
     assert any(p.startswith("/dev/shm/psm_") for p in out["carried"]), out["carried"]
     for res in out["restores"]:
         assert res["time_to_first_token_s"] < cap.receipt.result["cold_time_to_first_token_s"]
+    # Two restores of the capsule at once, side by side, each its own workload: both serve the same completions
+    # (each with its own copies of the /dev/shm queues and semaphore the capsule carries).
+    import concurrent.futures
+
+    from coldsnap.flows.restore import restore
+    from coldsnap.workload.process import stop_workload
+    from coldsnap.workload.state import load_state
+
+    def one(name):
+        return restore(RestoreRequest(operation="restore", capsule=cap.capsule, lifecycle={"name": name},
+                                      policy=Policy(fallback_to_cold=False)))
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        pair = list(pool.map(one, ["pyt-vllm-a", "pyt-vllm-b"]))
+    try:
+        assert [r.state for r in pair] == ["succeeded", "succeeded"]
+        urls = [urlsplit(r.result["url"]) for r in pair]
+        assert urls[0] != urls[1]
+        for url in urls:
+            assert completions(url.hostname, url.port, cap.profile.model.id) == out["before"]
+    finally:
+        for r in pair:
+            stop_workload(load_state(r.result["workload"]))
 
 
 @pytest.mark.slow
