@@ -34,6 +34,13 @@ if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; 
         || { log "venv is incomplete"; exit 1; }
     echo "$want" >"$stamp"
 fi
+# coldsnap-runc: the runtime's front door in C (packaging/launcher), so that a pass-through call starts no Python.
+launcher="$VENV/bin/coldsnap-runc"
+if [ ! -x "$launcher" ] || [ packaging/launcher/coldsnap-runc.c -nt "$launcher" ]; then
+    command -v cc >/dev/null || { log "installing gcc (for coldsnap-runc)"; apt-get update -qq && \
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends gcc libc6-dev; }
+    cc -O2 -Wall -o "$launcher.tmp" packaging/launcher/coldsnap-runc.c && mv "$launcher.tmp" "$launcher"
+fi
 # pycriu comes with the provisioned CRIU (it must match the criu binary): put it on the venv's path.
 site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 echo "$CRIU_PREFIX/pycriu" >"$site/coldsnap-pycriu.pth"

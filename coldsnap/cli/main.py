@@ -387,6 +387,12 @@ def cmd_bench(args) -> int:
                           f"wrote {args.out}/registry_bench.json and .png")
         return 0
     opts = _bench_options(args)
+    if args.passthrough:
+        from coldsnap.bench.passthrough import run_passthrough
+
+        result = run_passthrough(opts, reps=args.samples if args.samples != 5 else 20, progress=_progress(args))
+        _emit(args, result.data, result.summary)
+        return 0
     if args.replicas:
         from coldsnap.bench.replicas import run_replicas
 
@@ -583,6 +589,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--drop-caches", action="store_true", help="drop the page cache before every sample")
     sp.add_argument("--replicas", type=int, metavar="N", help="N restores of one capsule issued at once vs N vanilla "
                     "starts at once, for 1 … N (ENGINE-DEVICE-replicas)")
+    sp.add_argument("--passthrough", action="store_true", help="what coldsnap-runtime adds to a runc call it passes "
+                    "through: runc vs coldsnap-runc vs the Python script, best of --samples (default 20) each")
     sp.add_argument("--registry", action="store_true", help="benchmark push/pull through a local registry instead")
     sp.add_argument("--size-mib", type=int, default=2048, help="capsule size for --registry")
     sp.add_argument("--via", choices=["podman", "docker"], help="the reference engine in a container: `podman|docker "

@@ -48,7 +48,16 @@ class Configured:
 
 
 def default_runtime_path() -> str:
-    return shutil.which("coldsnap-runtime") or str(Path(sys.prefix) / "bin" / "coldsnap-runtime")
+    """coldsnap-runc (the C front door: a pass-through call starts no Python) where it is installed, else the
+    coldsnap-runtime script."""
+    for name in ("coldsnap-runc", "coldsnap-runtime"):
+        beside = Path(sys.prefix) / "bin" / name
+        if beside.exists():
+            return str(beside)
+        found = shutil.which(name)
+        if found:
+            return found
+    return str(Path(sys.prefix) / "bin" / "coldsnap-runtime")
 
 
 # --- docker ------------------------------------------------------------------------------------------------------

@@ -9,6 +9,36 @@ from __future__ import annotations
 import json
 import os
 
+# Host-global markers, one per container the shim keeps a record of (wherever COLDSNAP_RUN puts the records): the
+# coldsnap-runc launcher sends `start` and `delete` of a marked container to the shim, all others straight to runc.
+# A marker is named <FNV-1a 64 of the runc root's real path>-<id> (ids are unique per root, not per host).
+MARKERS = "/run/coldsnap-shim"
+
+
+def root_key(root: str) -> str:
+    h = 0xCBF29CE484222325
+    for byte in os.path.realpath(root).encode():
+        h = ((h ^ byte) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return f"{h:016x}"
+
+
+def marker_path(root: str, container_id: str) -> str:
+    return os.path.join(MARKERS, f"{root_key(root)}-{container_id}")
+
+
+def _mark(root: str | None, container_id: str, present: bool) -> None:
+    if not root:
+        return
+    path = marker_path(root, container_id)
+    try:
+        if present:
+            os.makedirs(MARKERS, mode=0o700, exist_ok=True)
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+        else:
+            os.unlink(path)
+    except OSError:
+        pass  # a missing marker only sends the call through the shim's slower door
+
 
 def state_dir() -> str:
     return os.path.join(os.environ.get("COLDSNAP_RUN", "/run/coldsnap"), "shim")
@@ -44,16 +74,19 @@ def save(container_id: str, data: dict) -> str:
 
     path = state_path(container_id)
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    _mark(data.get("root"), container_id, True)  # first: a marker without a record only costs a call the shim's start
     atomic_write(path, json.dumps(data, indent=1).encode("utf-8"))
     return path
 
 
 def remove(container_id: str | None) -> None:
     if container_id:
+        record = load(container_id) or {}
         try:
             os.unlink(state_path(container_id))
         except (ValueError, FileNotFoundError):
             pass
+        _mark(record.get("root"), container_id, False)
 
 
 def belongs(data: dict | None, root: str) -> bool:

@@ -13,7 +13,7 @@ import os
 import sys
 
 RUNTIME_CONFIG = "/etc/coldsnap/runtime.json"
-WRAPPER_NAMES = ("coldsnap-runtime",)
+WRAPPER_NAMES = ("coldsnap-runtime", "coldsnap-runc")
 
 
 class RuncNotFound(Exception):
