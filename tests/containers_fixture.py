@@ -369,43 +369,7 @@ def private_coldsnap(base: Path):
         yield mp
 
 
-def oci_archive(rootfs: Path, out: Path, name: str) -> Path:
-    """An OCI image archive (oci-layout, index.json, blobs/) of rootfs as one uncompressed layer, named `name`
-    (io.containerd.image.name), for `ctr images import`. Built here: no registry, no other engine needed."""
-    import hashlib
-    import io
-    import tarfile
+def oci_archive(rootfs: Path, out: Path, name: str, cmd: list[str] | None = None) -> Path:
+    from coldsnap.bench.rootfs import oci_archive as make
 
-    def blob(tar: tarfile.TarFile, data: bytes) -> str:
-        digest = hashlib.sha256(data).hexdigest()
-        info = tarfile.TarInfo(f"blobs/sha256/{digest}")
-        info.size = len(data)
-        tar.addfile(info, io.BytesIO(data))
-        return digest
-
-    layer = io.BytesIO()
-    with tarfile.open(fileobj=layer, mode="w") as lt:
-        lt.add(rootfs, arcname=".")
-    layer_bytes = layer.getvalue()
-    with tarfile.open(out, "w") as tar:
-        layer_digest = blob(tar, layer_bytes)
-        config = json.dumps({"architecture": "amd64", "os": "linux", "config": {"Cmd": ["/bin/sh"]},
-                             "rootfs": {"type": "layers", "diff_ids": [f"sha256:{layer_digest}"]}}).encode()
-        config_digest = blob(tar, config)
-        manifest = json.dumps({
-            "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
-            "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": f"sha256:{config_digest}",
-                       "size": len(config)},
-            "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": f"sha256:{layer_digest}",
-                        "size": len(layer_bytes)}]}).encode()
-        manifest_digest = blob(tar, manifest)
-        index = {"schemaVersion": 2, "manifests": [{
-            "mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": f"sha256:{manifest_digest}",
-            "size": len(manifest), "annotations": {"io.containerd.image.name": name,
-                                                   "org.opencontainers.image.ref.name": name.rsplit(":", 1)[-1]}}]}
-        for fname, data in (("oci-layout", json.dumps({"imageLayoutVersion": "1.0.0"}).encode()),
-                            ("index.json", json.dumps(index).encode())):
-            info = tarfile.TarInfo(fname)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return out
+    return make(rootfs, out, name, cmd)

@@ -77,6 +77,11 @@ def test_only_a_bundle_that_names_a_capsule_is_restored(tmp_path):
                  "[1, 2]"):
         assert annotated_spec(bundle(spec)) is None, spec
     assert annotated_spec(str(tmp_path / "missing")) is None  # runc reports a missing bundle itself
+    # A pod's pause container carries the pod's annotations (containerd's pod_annotations, CRI-O): never restored.
+    for mark in ({"io.kubernetes.cri.container-type": "sandbox"}, {"io.kubernetes.cri-o.ContainerType": "sandbox"}):
+        assert annotated_spec(bundle({"annotations": {**ANNOTATED["annotations"], **mark}})) is None, mark
+    container = {"io.kubernetes.cri.container-type": "container"}
+    assert annotated_spec(bundle({"annotations": {**ANNOTATED["annotations"], **container}})) is not None
 
 
 # The pass-through path runs on every runc call of a node: it may import only these stdlib-only modules of ours.

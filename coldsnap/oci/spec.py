@@ -98,6 +98,15 @@ ENV_ANNOTATIONS = {
 }
 
 
+# Kubernetes pods: the sandbox (pause) container gets the pod's annotations too; it is never restored.
+SANDBOX_MARKS = {"io.kubernetes.cri.container-type": "sandbox", "io.kubernetes.cri-o.ContainerType": "sandbox"}
+
+
+def is_pod_sandbox(spec: dict) -> bool:
+    ann = annotations_of(spec)
+    return any(ann.get(key) == value for key, value in SANDBOX_MARKS.items())
+
+
 def coldsnap_annotations(spec: dict) -> dict[str, str]:
     """The spec's annotations, completed with io.coldsnap.* settings given as COLDSNAP_* process env vars."""
     ann = annotations_of(spec)

@@ -27,14 +27,14 @@ DELETE = "delete"  # delete of a container the shim handled: runc deletes it, th
 
 def annotated_spec(bundle: str) -> dict | None:
     """The bundle's spec when it asks for a capsule; None (pass through) when it does not or cannot be read."""
-    from coldsnap.oci.spec import coldsnap_annotations, load_spec, runc_refuses
+    from coldsnap.oci.spec import coldsnap_annotations, is_pod_sandbox, load_spec, runc_refuses
 
     try:
         spec = load_spec(bundle)
     except (OSError, ValueError, RecursionError):
         return None  # runc reports an unreadable bundle better than we would
-    if runc_refuses(spec):
-        return None  # and a malformed one
+    if runc_refuses(spec) or is_pod_sandbox(spec):
+        return None  # and a malformed one; a pod's pause container is started as it is, always
     return spec if coldsnap_annotations(spec).get(ANNOTATION_CAPSULE, "").strip() else None
 
 

@@ -4,6 +4,11 @@
 #
 #   setup.sh install [base|podman|containerd|docker|all]...   idempotent; only missing packages are installed
 #   setup.sh start-containerd DIR   containerd with its own root/state/socket under DIR; prints its pid
+#   setup.sh start-containerd-cri DIR   the same with containerd's CRI plugin serving (a kubelet's containerd): the
+#                                   runtime class "coldsnap" registered by `coldsnap runtime configure --runtime
+#                                   containerd` alone, CNI (Debian's plugins, a bridge with addresses from
+#                                   $CRI_SUBNET, default 10.77.0.0/24) and the sandbox (pause) image $PAUSE_IMAGE
+#                                   under DIR
 #   setup.sh stop-containerd DIR
 #   setup.sh start-dockerd DIR      dockerd with DIR/daemon.json (from daemon.json here: data-root, exec-root,
 #                                   pidfile, socket under DIR; runtime "coldsnap" = the venv's coldsnap-runtime)
@@ -23,7 +28,7 @@ log() { echo "containers: $*" >&2; }
 # command:package pairs per component
 BASE="runc:runc iptables:iptables nft:nftables busybox:busybox-static nsenter:util-linux curl:curl"
 PODMAN="podman:podman catatonit:catatonit"
-CONTAINERD="containerd:containerd ctr:containerd"
+CONTAINERD="containerd:containerd ctr:containerd /usr/lib/cni/bridge:containernetworking-plugins"
 DOCKER="dockerd:docker.io"
 
 have() {
@@ -67,20 +72,40 @@ wait_socket() {  # path seconds
     log "no socket at $1 after $2 s"; return 1
 }
 
-start_containerd() {
-    local dir=$1
+start_containerd() {  # DIR [cri]
+    local dir=$1 cri=${2:-}
     mkdir -p "$dir"
     if [ -f "$dir/containerd.pid" ] && kill -0 "$(cat "$dir/containerd.pid")" 2>/dev/null; then cat "$dir/containerd.pid"; return; fi
     containerd config default >"$dir/config.toml.tmp"
     sed -i -e "s|^root = .*|root = \"$dir/root\"|" -e "s|^state = .*|state = \"$dir/state\"|" \
         -e "s|address = \"/run/containerd/containerd.sock\"|address = \"$dir/containerd.sock\"|" \
-        -e "s|address = \"/run/containerd/debug.sock\"|address = \"$dir/debug.sock\"|" \
-        -e "s|^\(\s*\)disabled_plugins = .*|\1disabled_plugins = [\"io.containerd.grpc.v1.cri\"]|" "$dir/config.toml.tmp"
+        -e "s|address = \"/run/containerd/debug.sock\"|address = \"$dir/debug.sock\"|" "$dir/config.toml.tmp"
+    if [ -z "$cri" ]; then
+        sed -i -e "s|^\(\s*\)disabled_plugins = .*|\1disabled_plugins = [\"io.containerd.grpc.v1.cri\"]|" "$dir/config.toml.tmp"
+    else
+        cri_config "$dir"
+    fi
     mv "$dir/config.toml.tmp" "$dir/config.toml"
     setsid containerd --config "$dir/config.toml" >"$dir/containerd.log" 2>&1 </dev/null &
     echo $! >"$dir/containerd.pid"
     wait_socket "$dir/containerd.sock" 30
     cat "$dir/containerd.pid"
+}
+
+cri_config() {  # DIR: CRI settings of a private node, then the runtime class as a user adds it
+    local dir=$1 subnet=${CRI_SUBNET:-10.77.0.0/24} bridge=${CRI_BRIDGE:-cscri0}
+    mkdir -p "$dir/cni/net.d" "$dir/cni/ipam" "$dir/pods"
+    sed -i -e "s|sandbox_image = .*|sandbox_image = \"${PAUSE_IMAGE:-localhost/coldsnap-pause:1}\"|" \
+        -e "s|bin_dir = \"/opt/cni/bin\"|bin_dir = \"/usr/lib/cni\"|" \
+        -e "s|conf_dir = \"/etc/cni/net.d\"|conf_dir = \"$dir/cni/net.d\"|" \
+        -e "s|restrict_oom_score_adj = false|restrict_oom_score_adj = true|" "$dir/config.toml.tmp"
+    # restrict_oom_score_adj: the sandbox asks for -998, which a host that is itself a container may not grant
+    cat >"$dir/cni/net.d/10-coldsnap.conflist" <<CNI
+{"cniVersion": "1.0.0", "name": "coldsnap-$bridge",
+ "plugins": [{"type": "bridge", "bridge": "$bridge", "isGateway": true, "ipMasq": false, "hairpinMode": true,
+              "ipam": {"type": "host-local", "ranges": [[{"subnet": "$subnet"}]], "dataDir": "$dir/cni/ipam"}}]}
+CNI
+    "$VENV/bin/coldsnap" runtime configure --runtime containerd --config "$dir/config.toml.tmp" >/dev/null
 }
 
 stop_pidfile() {  # pidfile seconds
@@ -134,9 +159,10 @@ cmd=${1:-install}; shift || true
 case "$cmd" in
     install) install "$@" ;;
     start-containerd) start_containerd "$1" ;;
+    start-containerd-cri) start_containerd "$1" cri ;;
     stop-containerd) stop_pidfile "$1/containerd.pid" 20 ;;
     start-dockerd) start_dockerd "$1" ;;
     stop-dockerd) stop_pidfile "$1/dockerd.pid" 30 ;;
     install-launchers) install_launchers "$@" ;;
-    *) sed -n '2,16p' "$0"; exit 2 ;;
+    *) sed -n '2,/^set -e/p' "$0" | sed '$d'; exit 2 ;;
 esac

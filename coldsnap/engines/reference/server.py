@@ -297,7 +297,9 @@ class Handler(BaseHTTPRequestHandler):
                 isinstance(prefetched, dict) and all(isinstance(v, str) for v in prefetched.values()))):
             raise BadRequest("prefetched must be a prefetcher's socket path, or {GPU UUID: socket path}",
                              param="prefetched")
-        self._json(200, self.engine.resume(prefetched))
+        out = self.engine.resume(prefetched)
+        emit("resumed", why="asked (after a restore)", seconds=round(out["seconds"], 3), pid=os.getpid())
+        self._json(200, out)
 
     def completions(self) -> None:
         e = self.engine
