@@ -141,6 +141,11 @@ def test_an_annotated_pod_restores_inside_start_container_validated(lab, capture
     # The pod's address and port, as the pod network gave them: the restored server listens there.
     ip = lab.node.pod_ip(pod)
     assert healthy_at(ip) and completion_at(ip) == captured["text"]
+    # In the pod's network and IPC namespaces, the pause container's (the pod IP's).
+    pid, pause = (int(json.loads((Path(cri_bench.RUNC_ROOT) / c / "state.json").read_text())["init_process_pid"])
+                  for c in (cid, pod.id))
+    for ns in ("net", "ipc"):
+        assert os.readlink(f"/proc/{pid}/ns/{ns}") == os.readlink(f"/proc/{pause}/ns/{ns}"), ns
     # The pause container was started as it is (it carries the pod's annotation too).
     assert receipt_of(pod.id) is None and not shim_record(pod.id).exists()
     # ExecSync into the restored container; its log (kubectl logs) shows the restored process's output.
@@ -195,6 +200,7 @@ def test_no_fallback_fails_start_container_with_a_reason(lab, captured):
     # What `kubectl describe pod` shows under Events: the runtime's own words, ColdSnap's reason in them.
     details = err.value.details()
     assert "coldsnap-runtime: capsule-corrupt" in details, details
+    print(f"\n[observed] StartContainer error: {details}")
     cid = next(c.id for c in lab.node.runtime.ListContainers(cri_bench.cri.ListContainersRequest()).containers
                if c.pod_sandbox_id == pod.id)
     assert lab.node.status(cid).state != cri_bench.cri.CONTAINER_RUNNING
