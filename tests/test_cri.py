@@ -42,10 +42,14 @@ IMAGE = "localhost/coldsnap-cri-test:1"
 COLDSNAP = Path(sys.prefix) / "bin" / "coldsnap"
 
 
+CONTAINERD2 = Path("/var/lib/coldsnap/containerd2")  # packaging/containers/containerd2.sh: Debian sid's 2.x
+CONTAINERD2_SH = Path(__file__).resolve().parents[1] / "packaging" / "containers" / "containerd2.sh"
+
+
 class Lab:
-    def __init__(self, base: Path):
+    def __init__(self, base: Path, containerd: str | None):
         self.base = base
-        self.node = cri_bench.Node(base)
+        self.node = cri_bench.Node(base, containerd=containerd)
         self.models = base / "models"
         self.models.mkdir()
 
@@ -62,15 +66,22 @@ class Lab:
         return pod, cid, self.node.start_container(cid)
 
 
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory):
+@pytest.fixture(scope="module", params=["1.6", "2.1"], ids=["containerd-1.6", "containerd-2.1"])
+def lab(request, tmp_path_factory):
+    """A node on Debian's containerd 1.6 (the host's package), or on Debian sid's 2.1 unpacked into a prefix."""
     needs_root()
     ensure("containerd")
-    base = tmp_path_factory.mktemp("cri")
-    lab = Lab(base)
+    containerd = None
+    if request.param == "2.1":
+        r = subprocess.run([str(CONTAINERD2_SH), str(CONTAINERD2)], capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, f"containerd2.sh: {r.stderr[-800:]}"
+        containerd = str(CONTAINERD2 / "bin" / "containerd")
+    base = tmp_path_factory.mktemp(f"cri-{request.param}")
+    lab = Lab(base, containerd)
     with private_coldsnap(base):
         try:
             lab.node.start(dict(os.environ))
+            assert lab.node.version().startswith(("v" + request.param, request.param)), lab.node.version()
             lab.node.import_image(make_rootfs(base / "rootfs"), name=IMAGE)
             yield lab
         finally:
@@ -209,6 +220,7 @@ def test_no_fallback_fails_start_container_with_a_reason(lab, captured):
     lab.node.remove_pod(pod)
 
 
+@pytest.mark.parametrize("lab", ["2.1"], indirect=True, ids=["containerd-2.1"])  # the one current Kubernetes uses
 def test_a_vllm_pod_is_restored_with_the_same_completions(lab):
     """vLLM (CPU) in a pod: its adapter's container launch as CRI mounts (the engine venv and the model read-only,
     emptyDirs for /tmp and $HOME, a Memory emptyDir for /dev/shm), captured, then restored in a new pod."""

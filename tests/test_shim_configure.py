@@ -2,6 +2,7 @@
 dry-run, idempotent. Files only (no daemon needed); containerd's own default config is used when installed."""
 
 import json
+import os
 import shutil
 import stat
 import subprocess
@@ -62,20 +63,37 @@ def _containerd_default() -> str:
     return 'version = 2\n\n[plugins."io.containerd.grpc.v1.cri".containerd]\n  default_runtime_name = "runc"\n'
 
 
-def test_containerd_runtime_binary_name_and_runtime_class(tmp_path):
+CONTAINERD2 = "/var/lib/coldsnap/containerd2/bin/containerd"  # packaging/containers/containerd2.sh
+V3_SAMPLE = ("version = 3\n\n[plugins]\n  [plugins.'io.containerd.cri.v1.runtime']\n"
+             "    [plugins.'io.containerd.cri.v1.runtime'.containerd]\n      default_runtime_name = 'runc'\n"
+             "      [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]\n"
+             "        runtime_type = 'io.containerd.runc.v2'\n")
+
+
+def _containerd2_default() -> str:
+    """containerd 2.x's default config (version 3, single-quoted keys): from the provisioned binary when there is
+    one, else a sample of its shape."""
+    if os.access(CONTAINERD2, os.X_OK):
+        return subprocess.run([CONTAINERD2, "config", "default"], capture_output=True, text=True, check=True).stdout
+    return V3_SAMPLE
+
+
+@pytest.mark.parametrize("version,plugin", [(2, "io.containerd.grpc.v1.cri"), (3, "io.containerd.cri.v1.runtime")])
+def test_containerd_runtime_binary_name_and_runtime_class(tmp_path, version, plugin):
     path = tmp_path / "config.toml"
-    path.write_text(_containerd_default())
+    path.write_text(_containerd_default() if version == 2 else _containerd2_default())
     before = tomllib.loads(path.read_text())
+    assert before["version"] == version
     rc_path = tmp_path / "runtimeclass.yaml"
     res, printed = run("containerd", path, set_default=True, runtime_class_path=rc_path)
     after = tomllib.loads(path.read_text())
-    cri = after["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]
+    cri = after["plugins"][plugin]["containerd"]
     assert cri["runtimes"]["coldsnap"]["runtime_type"] == "io.containerd.runc.v2"
     assert cri["runtimes"]["coldsnap"]["options"]["BinaryName"] == RT
     assert cri["runtimes"]["coldsnap"]["pod_annotations"] == ["io.coldsnap.*"]
     assert cri["default_runtime_name"] == "coldsnap"
     # everything else as it was
-    before_cri = before["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]
+    before_cri = before["plugins"][plugin]["containerd"]
     for key, value in before_cri.items():
         if key not in ("default_runtime_name", "runtimes"):
             assert cri[key] == value
@@ -83,6 +101,15 @@ def test_containerd_runtime_binary_name_and_runtime_class(tmp_path):
     assert {k: v for k, v in after.items() if k != "plugins"} == {k: v for k, v in before.items() if k != "plugins"}
     assert rc_path.read_text() == RUNTIME_CLASS and "kind: RuntimeClass" in printed and "handler: coldsnap" in printed
     assert not run("containerd", path, set_default=True)[0].changed  # idempotent
+
+
+def test_containerd_config_version_1_is_refused_untouched(tmp_path):
+    path = tmp_path / "config.toml"
+    old = '[plugins.cri.containerd]\n  snapshotter = "overlayfs"\n'  # version 1: no version key
+    path.write_text(old)
+    with pytest.raises(ColdSnapError) as e:
+        run("containerd", path)
+    assert e.value.code == ErrorCode.ENVIRONMENT and "config migrate" in e.value.message and path.read_text() == old
 
 
 def test_podman_engine_runtimes(tmp_path):

@@ -49,13 +49,15 @@ class Node:
     """containerd (CRI) under base/containerd, the pause image imported; kubelet-like calls on it. subnet_octet
     picks the pods' addresses (10.77.N.0/24) and the bridge's name (cscriN)."""
 
-    def __init__(self, base: Path, subnet_octet: int | None = None):
+    def __init__(self, base: Path, subnet_octet: int | None = None, containerd: str | None = None):
         subnet_octet = subnet_octet if subnet_octet is not None else 20 + os.getpid() % 200
         self.base = base
+        self.containerd = containerd or "containerd"  # the binary; its own ctr beside it
+        self.ctr_binary = str(Path(containerd).with_name("ctr")) if containerd else "ctr"
         self.dir = base / "containerd"
         self.socket = self.dir / "containerd.sock"
         self.env = {"CRI_SUBNET": f"10.77.{subnet_octet}.0/24", "CRI_BRIDGE": f"cscri{subnet_octet}",
-                    "PAUSE_IMAGE": PAUSE_IMAGE}
+                    "PAUSE_IMAGE": PAUSE_IMAGE, "CONTAINERD": self.containerd}
         self.bridge = self.env["CRI_BRIDGE"]
         self.pods: list[str] = []
         self.memory_dirs: list[Path] = []
@@ -91,9 +93,12 @@ class Node:
         # what the private node leaves on the host: its bridge
         subprocess.run(["ip", "link", "delete", self.bridge], capture_output=True)
 
+    def version(self) -> str:
+        return self.runtime.Version(cri.VersionRequest(), timeout=10).runtime_version
+
     def ctr(self, *args: str) -> subprocess.CompletedProcess:
-        r = subprocess.run(["ctr", "-a", str(self.socket), "-n", NAMESPACE, *args], capture_output=True, text=True,
-                           timeout=300, stdin=subprocess.DEVNULL)
+        r = subprocess.run([self.ctr_binary, "-a", str(self.socket), "-n", NAMESPACE, *args], capture_output=True,
+                           text=True, timeout=300, stdin=subprocess.DEVNULL)
         if r.returncode != 0:
             raise ColdSnapError(ErrorCode.RUNTIME, f"ctr {' '.join(args[:2])}: {r.stderr.strip()[-800:]}")
         return r

@@ -4,7 +4,10 @@ register coldsnap-runtime with a container engine, the way `nvidia-ctk runtime c
   docker      daemon.json: "runtimes": {"coldsnap": {"path": …}} (+ "default-runtime": "coldsnap")
   containerd  config.toml: a runc-v2 runtime "coldsnap" whose options.BinaryName is coldsnap-runtime, passing
               io.coldsnap.* pod/container annotations through CRI (+ default_runtime_name); and a Kubernetes
-              RuntimeClass "coldsnap" (printed; written where runtime_class_path says)
+              RuntimeClass "coldsnap" (printed; written where runtime_class_path says). Config version 2
+              (containerd 1.x: the io.containerd.grpc.v1.cri plugin) or 3 (containerd 2.x:
+              io.containerd.cri.v1.runtime), as the file says, or as the installed containerd writes when the file
+              is empty
   podman      containers.conf: [engine.runtimes] coldsnap = [path] (+ [engine] runtime = "coldsnap")
 
 Every key already in the file is kept; the file is replaced atomically (same mode) and only when it changes;
@@ -17,6 +20,7 @@ import difflib
 import json
 import re
 import shutil
+import subprocess
 import sys
 import tomllib
 from dataclasses import dataclass
@@ -29,7 +33,8 @@ from coldsnap.contracts import ColdSnapError, ErrorCode
 NAME = "coldsnap"
 DEFAULTS = {"docker": "/etc/docker/daemon.json", "containerd": "/etc/containerd/config.toml",
             "podman": "/etc/containers/containers.conf"}
-CRI = 'plugins."io.containerd.grpc.v1.cri".containerd'
+CRI = 'plugins."io.containerd.grpc.v1.cri".containerd'  # config version 2 (containerd 1.x)
+CRI_V3 = 'plugins."io.containerd.cri.v1.runtime".containerd'  # config version 3 (containerd 2.x)
 RUNTIME_CLASS = f"""apiVersion: node.k8s.io/v1
 kind: RuntimeClass
 metadata:
@@ -81,7 +86,8 @@ _HEADER = re.compile(r"^\s*\[\[?\s*(.+?)\s*\]\]?\s*(#.*)?$")
 
 
 def _norm(header: str) -> str:
-    return re.sub(r"\s*\.\s*", ".", header.strip())
+    """A table header's dotted key, spacing and quote style dropped ('a'.b == "a" . b)."""
+    return re.sub(r"\s*\.\s*", ".", header.strip()).replace("'", '"')
 
 
 def _table_span(lines: list[str], table: str) -> tuple[int, int] | None:
@@ -131,17 +137,37 @@ def _dig(data: dict, dotted: str):
 
 
 # --- containerd --------------------------------------------------------------------------------------------------
+def installed_containerd_major() -> int | None:
+    """The major version of the containerd on PATH, if any."""
+    binary = shutil.which("containerd")
+    if not binary:
+        return None
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"\s v?(\d+)\.\d+", out)
+    return int(m.group(1)) if m else None
+
+
 def containerd_config(text: str, runtime: str, set_default: bool) -> str:
-    _parse_toml(text, "config.toml")
+    data = _parse_toml(text, "config.toml")
+    version = data.get("version")
     if not text.strip():
-        text = "version = 2\n"
-    table = f"{CRI}.runtimes.{NAME}"
+        version = 3 if (installed_containerd_major() or 1) >= 2 else 2
+        text = f"version = {version}\n"
+    if version not in (2, 3):
+        raise ColdSnapError(ErrorCode.ENVIRONMENT, f"config.toml is config version {version or 1}: ColdSnap writes "
+                            "config versions 2 (containerd 1.x) and 3 (containerd 2.x); migrate it with `containerd "
+                            "config migrate` first; not touching it")
+    cri = CRI_V3 if version == 3 else CRI
+    table = f"{cri}.runtimes.{NAME}"
     text = set_toml_key(text, table, "runtime_type", '"io.containerd.runc.v2"')
     text = set_toml_key(text, table, "pod_annotations", '["io.coldsnap.*"]')
     text = set_toml_key(text, table, "container_annotations", '["io.coldsnap.*"]')
     text = set_toml_key(text, f"{table}.options", "BinaryName", json.dumps(runtime))
     if set_default:
-        text = set_toml_key(text, CRI, "default_runtime_name", json.dumps(NAME))
+        text = set_toml_key(text, cri, "default_runtime_name", json.dumps(NAME))
     data = _parse_toml(text, "the new config.toml")
     assert _dig(data, f"{table}.options").get("BinaryName") == runtime
     return text

@@ -8,7 +8,7 @@
 #                                   runtime class "coldsnap" registered by `coldsnap runtime configure --runtime
 #                                   containerd` alone, CNI (Debian's plugins, a bridge with addresses from
 #                                   $CRI_SUBNET, default 10.77.0.0/24) and the sandbox (pause) image $PAUSE_IMAGE
-#                                   under DIR
+#                                   under DIR; $CONTAINERD picks the binary (e.g. containerd2.sh's 2.x)
 #   setup.sh stop-containerd DIR
 #   setup.sh start-dockerd DIR      dockerd with DIR/daemon.json (from daemon.json here: data-root, exec-root,
 #                                   pidfile, socket under DIR; runtime "coldsnap" = the venv's coldsnap-runtime)
@@ -72,34 +72,38 @@ wait_socket() {  # path seconds
     log "no socket at $1 after $2 s"; return 1
 }
 
-start_containerd() {  # DIR [cri]
-    local dir=$1 cri=${2:-}
+start_containerd() {  # DIR [cri]; $CONTAINERD: the containerd binary (default: the host's)
+    local dir=$1 cri=${2:-} bin=${CONTAINERD:-containerd}
     mkdir -p "$dir"
     if [ -f "$dir/containerd.pid" ] && kill -0 "$(cat "$dir/containerd.pid")" 2>/dev/null; then cat "$dir/containerd.pid"; return; fi
-    containerd config default >"$dir/config.toml.tmp"
+    # Its own shim first on PATH (a containerd from a prefix ships one).
+    case "$bin" in */*) export PATH="$(dirname "$bin"):$PATH" ;; esac
+    "$bin" config default >"$dir/config.toml.tmp"
+    # Quotes: "…" in config version 2 (containerd 1.x), '…' in version 3 (2.x).
     sed -i -e "s|^root = .*|root = \"$dir/root\"|" -e "s|^state = .*|state = \"$dir/state\"|" \
-        -e "s|address = \"/run/containerd/containerd.sock\"|address = \"$dir/containerd.sock\"|" \
-        -e "s|address = \"/run/containerd/debug.sock\"|address = \"$dir/debug.sock\"|" "$dir/config.toml.tmp"
+        -e "s|address = [\"']/run/containerd/containerd.sock[\"']|address = \"$dir/containerd.sock\"|" \
+        -e "s|address = [\"']/run/containerd/debug.sock[\"']|address = \"$dir/debug.sock\"|" "$dir/config.toml.tmp"
     if [ -z "$cri" ]; then
         sed -i -e "s|^\(\s*\)disabled_plugins = .*|\1disabled_plugins = [\"io.containerd.grpc.v1.cri\"]|" "$dir/config.toml.tmp"
     else
         cri_config "$dir"
     fi
     mv "$dir/config.toml.tmp" "$dir/config.toml"
-    setsid containerd --config "$dir/config.toml" >"$dir/containerd.log" 2>&1 </dev/null &
+    setsid "$bin" --config "$dir/config.toml" >"$dir/containerd.log" 2>&1 </dev/null &
     echo $! >"$dir/containerd.pid"
     wait_socket "$dir/containerd.sock" 30
     cat "$dir/containerd.pid"
 }
 
 cri_config() {  # DIR: CRI settings of a private node, then the runtime class as a user adds it
-    local dir=$1 subnet=${CRI_SUBNET:-10.77.0.0/24} bridge=${CRI_BRIDGE:-cscri0}
+    local dir=$1 subnet=${CRI_SUBNET:-10.77.0.0/24} bridge=${CRI_BRIDGE:-cscri0} pause=${PAUSE_IMAGE:-localhost/coldsnap-pause:1}
     mkdir -p "$dir/cni/net.d" "$dir/cni/ipam" "$dir/pods"
-    sed -i -e "s|sandbox_image = .*|sandbox_image = \"${PAUSE_IMAGE:-localhost/coldsnap-pause:1}\"|" \
+    # 1.x: sandbox_image, bin_dir; 2.x: pinned_images.sandbox, bin_dirs (which list /usr/lib/cni already).
+    # restrict_oom_score_adj: the sandbox asks for -998, which a host that is itself a container may not grant.
+    sed -i -e "s|sandbox_image = .*|sandbox_image = \"$pause\"|" -e "s|^\(\s*\)sandbox = .*|\1sandbox = \"$pause\"|" \
         -e "s|bin_dir = \"/opt/cni/bin\"|bin_dir = \"/usr/lib/cni\"|" \
-        -e "s|conf_dir = \"/etc/cni/net.d\"|conf_dir = \"$dir/cni/net.d\"|" \
+        -e "s|conf_dir = [\"']/etc/cni/net.d[\"']|conf_dir = \"$dir/cni/net.d\"|" \
         -e "s|restrict_oom_score_adj = false|restrict_oom_score_adj = true|" "$dir/config.toml.tmp"
-    # restrict_oom_score_adj: the sandbox asks for -998, which a host that is itself a container may not grant
     cat >"$dir/cni/net.d/10-coldsnap.conflist" <<CNI
 {"cniVersion": "1.0.0", "name": "coldsnap-$bridge",
  "plugins": [{"type": "bridge", "bridge": "$bridge", "isGateway": true, "ipMasq": false, "hairpinMode": true,
