@@ -57,7 +57,7 @@ class Node:
         self.dir = base / "containerd"
         self.socket = self.dir / "containerd.sock"
         self.env = {"CRI_SUBNET": f"10.77.{subnet_octet}.0/24", "CRI_BRIDGE": f"cscri{subnet_octet}",
-                    "PAUSE_IMAGE": PAUSE_IMAGE, "CONTAINERD": self.containerd}
+                    "PAUSE_IMAGE": PAUSE_IMAGE, "CONTAINERD_BIN": self.containerd}
         self.bridge = self.env["CRI_BRIDGE"]
         self.pods: list[str] = []
         self.memory_dirs: list[Path] = []

@@ -8,7 +8,7 @@
 #                                   runtime class "coldsnap" registered by `coldsnap runtime configure --runtime
 #                                   containerd` alone, CNI (Debian's plugins, a bridge with addresses from
 #                                   $CRI_SUBNET, default 10.77.0.0/24) and the sandbox (pause) image $PAUSE_IMAGE
-#                                   under DIR; $CONTAINERD picks the binary (e.g. containerd2.sh's 2.x)
+#                                   under DIR; $CONTAINERD_BIN picks the binary (e.g. containerd2.sh's 2.x)
 #   setup.sh stop-containerd DIR
 #   setup.sh start-dockerd DIR      dockerd with DIR/daemon.json (from daemon.json here: data-root, exec-root,
 #                                   pidfile, socket under DIR; runtime "coldsnap" = the venv's coldsnap-runtime)
@@ -72,8 +72,8 @@ wait_socket() {  # path seconds
     log "no socket at $1 after $2 s"; return 1
 }
 
-start_containerd() {  # DIR [cri]; $CONTAINERD: the containerd binary (default: the host's)
-    local dir=$1 cri=${2:-} bin=${CONTAINERD:-containerd}
+start_containerd() {  # DIR [cri]; $CONTAINERD_BIN: the containerd binary (default: the host's)
+    local dir=$1 cri=${2:-} bin=${CONTAINERD_BIN:-containerd}
     mkdir -p "$dir"
     if [ -f "$dir/containerd.pid" ] && kill -0 "$(cat "$dir/containerd.pid")" 2>/dev/null; then cat "$dir/containerd.pid"; return; fi
     # Its own shim first on PATH (a containerd from a prefix ships one).
