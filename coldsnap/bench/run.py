@@ -193,6 +193,11 @@ def _chart(data: dict, path: Path) -> None:
         ax.scatter([i] * len(xs), xs, color="black", s=12, zorder=3)
         top = max(xs) if xs else meds[i]  # above the highest dot, so the label stays readable
         ax.annotate(f"{meds[i]:.2f} s", (i, top), textcoords="offset points", xytext=(0, 6), ha="center")
+    floor = (data.get("floor") or {}).get("median_s")
+    if floor is not None:  # what any start costs in the same run (e.g. a container that only sleeps)
+        ax.axhline(floor, color="#d62728", linestyle="--", linewidth=1)
+        ax.annotate(f"floor {floor:.3f} s: {data['floor']['what']}", (1.45, floor), textcoords="offset points",
+                    xytext=(0, 4), ha="right", fontsize=7, color="#d62728")
     ax.set_ylabel("seconds to first token (median, samples as dots)")
     ax.set_title(f"{data['engine']} on {data['device']} ({data['weights_mode']}): {data['ratio_median']}x sooner, "
                  f"n={data['samples']}", fontsize=10)
