@@ -61,6 +61,8 @@ class CapturedFile(Strict):
     path: str
     size: int
     mode: int
+    layer: bool = Field(default=False, description="A file the container wrote into its own root filesystem (path "
+                        "as the container sees it): put back into the new container's root before the restore.")
 
 
 class ContainerMount(Strict):

@@ -45,8 +45,9 @@ from coldsnap.flows.quiesce import open_connections, wait_no_connections
 from coldsnap.flows.receipts import finish_receipt, receipt_on_failure
 from coldsnap.flows.spans import Timeline
 from coldsnap.gpu import steps as gpu_steps
-from coldsnap.oci.spec import coldsnap_annotations, load_spec, netns_path
+from coldsnap.oci.spec import coldsnap_annotations, load_spec, netns_path, root_path
 from coldsnap.workload import hostfiles
+from coldsnap.workload.layer import HeldLayer
 from coldsnap.workload.target import Target, validate
 
 Progress = Callable[[str], None]
@@ -140,14 +141,16 @@ def capture_container(container_id: str, runc_root: str | Path = "/run/runc", bu
     op_id = f"capture-{container_id[:24]}-{uuid.uuid4().hex[:8]}"
     with receipt_on_failure(request, op_id, "capture", tl):
         result, profile = _capture(request, container_id, runc_root, int(state["pid"]), val_ann.get("host"), runc,
-                                   tl, progress, shm_source=hostfiles.bound_shm_source(spec), launch=launch)
+                                   tl, progress, shm_source=hostfiles.bound_shm_source(spec), launch=launch,
+                                   rootfs=root_path(spec, bundle or state["bundle"]),
+                                   mount_points=[str(m.get("destination", "")) for m in spec.get("mounts") or []])
     receipt = finish_receipt(request, op_id, "capture", tl, "succeeded", result=result)
     return CaptureResult(capsule=result["capsule"], profile=profile, receipt=receipt)
 
 
 def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str | None, runc: str, tl: Timeline,
-             progress: Progress, shm_source: str | None = None,
-             launch: ContainerLaunch | None = None) -> tuple[dict, CapsuleProfile]:
+             progress: Progress, shm_source: str | None = None, launch: ContainerLaunch | None = None,
+             rootfs: str | None = None, mount_points: list[str] | None = None) -> tuple[dict, CapsuleProfile]:
     criu = CriuDriver()
     adapter = get_adapter(request.engine.name)
     target = Target(pid=pid, port=request.launch.port, host=host)
@@ -158,7 +161,7 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
     tmp = settings().run / "capture" / uuid.uuid4().hex
     journal.add("dir", path=str(tmp))
     images, work = private_dir(tmp) / "images", private_dir(tmp / "work")
-    held_shm = None
+    held_shm = held_layer = None
     try:
         progress(f"validating container {cid} at {target.describe()}")
         with tl.span("validate"):
@@ -187,6 +190,7 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
                 gpu = gpu_steps.checkpoint_tree(pid)
             progress(gpu.summary)
             held_shm = hostfiles.HeldShm(shm_source)  # a bound /dev/shm: its files outlive the container for us
+            held_layer = HeldLayer(rootfs, mount_points or [])  # and what it wrote into its root filesystem
             progress("checkpointing with runc + CRIU")
             with tl.span("criu-dump"):
                 argv = checkpoint_container(runc, runc_root, cid, images, work, options)
@@ -198,9 +202,15 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
             journal.drop(cuda)
         # The bound /dev/shm files the dump refers to, copied at their dump-time bytes before anything resumes.
         files, sources = held_shm.captured(images)
+        layer_files, layer_sources = held_layer.captured()
+        files, sources = files + layer_files, {**sources, **layer_sources}
         for i, f in enumerate(files):
-            sources[f.path] = hostfiles.snapshot_file(sources[f.path], f, private_dir(tmp / "shm") / str(i))
+            sources[f.path] = hostfiles.snapshot_file(sources[f.path], f, private_dir(tmp / "files") / str(i))
         held_shm.close()
+        held_layer.close()
+        if layer_files:
+            progress(f"carrying {len(layer_files)} file(s) the container wrote into its root filesystem "
+                     f"({sum(f.size for f in layer_files) / 2**20:.1f} MiB)")
         if request.lifecycle.leave_running:
             with tl.span("resume"):
                 _resume(target, adapter, gpu, kv_discard, weights_mode)
@@ -221,8 +231,9 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
                 "weights_mode": weights_mode, "cuda_processes": len(gpu.pids), "criu_options": options.cli_flags(),
                 "runc_checkpoint": argv}, profile
     finally:
-        if held_shm is not None:
-            held_shm.close()
+        for held in (held_shm, held_layer):
+            if held is not None:
+                held.close()
         shutil.rmtree(tmp, ignore_errors=True)
         journal.close()
 

@@ -47,8 +47,9 @@ from coldsnap.gpu import steps as gpu_steps
 from coldsnap.oci import records, runclog
 from coldsnap.oci.argv import RuncArgv
 from coldsnap.oci.hooks import add_coldsnap_hooks
-from coldsnap.oci.spec import coldsnap_annotations, netns_path, write_spec
+from coldsnap.oci.spec import coldsnap_annotations, netns_path, root_path, write_spec
 from coldsnap.workload import hostfiles
+from coldsnap.workload.layer import PutBack, put_back_layer
 from coldsnap.workload.target import Target, validate
 
 
@@ -176,9 +177,14 @@ def _restore(runc: str, parsed: RuncArgv, staged: Staged, spec: dict, creq: Cont
                        "runc": runc, "owner": {"pid": os.getpid(), "start": start_time(os.getpid())}})
     work = work_dir(cid)
     t0 = time.monotonic()  # the restore clock: staging excluded, as for process mode
-    # files of a bound /dev/shm the dump refers to: into the new container's before CRIU looks for them
+    # files of a bound /dev/shm the dump refers to, and those the container wrote into its root filesystem: into
+    # the new container's before CRIU looks for them
     put_back = hostfiles.put_back_container_shm(staged.files, profile.files, spec)
+    layer = PutBack()
     try:
+        rootfs = root_path(spec, parsed.bundle)
+        if rootfs:
+            put_back_layer(staged.files, profile.files, rootfs, layer)
         with tl.span("criu-restore"):
             pid, argv = restore_container(runc, parsed, staged.images, profile.criu_options, work,
                                           settings().receipts)
@@ -188,8 +194,10 @@ def _restore(runc: str, parsed: RuncArgv, staged: Staged, spec: dict, creq: Cont
             adapter = get_adapter(profile.engine.name)
             target.call(adapter.after_restore, profile.kv_discarded, profile.weights_mode)
     except BaseException:
-        hostfiles.remove_files(put_back)  # the cold start the caller falls back to gets its /dev/shm as it was
+        hostfiles.remove_files(put_back)  # the cold start the caller falls back to gets its files as they were
+        layer.undo()
         raise
+    layer.settle()
     return {"pid": pid, "t0": t0, "work_dir": str(work), "runc_restore": argv, "port": target.port,
             "host": target.host, "cuda_processes": len(gpu.pids)}
 

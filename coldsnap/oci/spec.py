@@ -102,6 +102,14 @@ ENV_ANNOTATIONS = {
 SANDBOX_MARKS = {"io.kubernetes.cri.container-type": "sandbox", "io.kubernetes.cri-o.ContainerType": "sandbox"}
 
 
+def root_path(spec: dict, bundle: str | os.PathLike) -> str | None:
+    """The container's root filesystem on the host: root.path, relative to the bundle unless absolute."""
+    root = (spec.get("root") or {}).get("path") if isinstance(spec.get("root"), dict) else None
+    if not isinstance(root, str) or not root:
+        return None
+    return root if os.path.isabs(root) else os.path.join(str(bundle), root)
+
+
 def is_pod_sandbox(spec: dict) -> bool:
     ann = annotations_of(spec)
     return any(ann.get(key) == value for key, value in SANDBOX_MARKS.items())
