@@ -215,6 +215,26 @@ def test_streamed_chunks_concatenate_to_the_completion(eager):
     assert "".join(c["choices"][0]["text"] for c in chunks) == eager.complete(PROMPTS[1], 10)
 
 
+def test_chat_completions_are_the_completion_of_the_rendered_conversation(eager):
+    messages = [{"role": "user", "content": "hi"}]
+    rendered = "user: hi\nassistant:"
+    status, out = eager.json("POST", "/v1/chat/completions", {"messages": messages, "max_tokens": 8})
+    assert status == 200 and out["object"] == "chat.completion"
+    assert out["choices"][0]["message"] == {"role": "assistant", "content": eager.complete(rendered, 8)}
+    # streamed as an OpenAI client (and sparkrun's readiness probe) reads it: deltas, usage, [DONE]
+    status, data, ctype = eager.request("POST", "/v1/chat/completions", {
+        "messages": messages, "max_tokens": 8, "stream": True, "stream_options": {"include_usage": True}})
+    assert status == 200 and ctype.startswith("text/event-stream")
+    events = [e[len("data: "):] for e in data.decode().split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks) and chunks[-1]["usage"]["completion_tokens"] == 8
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == eager.complete(rendered, 8)
+    for bad in ({"messages": []}, {"messages": [{"role": "user"}]}, {"messages": "hi"}):
+        assert eager.json("POST", "/v1/chat/completions", bad)[0] == 400
+
+
 @pytest.mark.parametrize("body, status", [
     (b"{not json", 400),
     (b"[1, 2]", 400),

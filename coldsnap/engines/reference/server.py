@@ -121,6 +121,18 @@ class Engine:
             raise BadRequest(str(e), param="max_tokens", code="context_length_exceeded") from None
         return {"ids": ids, "max_tokens": max_tokens, "stream": stream, "usage": bool(opts.get("include_usage"))}
 
+    def parse_chat(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A chat completion request as a completion of the conversation rendered as text ("role: content" lines,
+        then "assistant:"): the reference engine has no chat template, and greedy decoding makes it deterministic."""
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise BadRequest("messages must be a non-empty list of {role, content} objects with string content",
+                             param="messages")
+        prompt = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        return self.parse_completion({**{k: v for k, v in body.items() if k != "messages"}, "prompt": prompt})
+
     def tokens(self, ids: list[int], max_tokens: int):
         """Generated token texts, one per token; holds the lock until exhausted or closed."""
         from coldsnap.engines.reference.model import decode
@@ -226,8 +238,8 @@ class Handler(BaseHTTPRequestHandler):
         try:
             fn = routes.get(path)
             if fn is None:
-                known = {"/health", "/v1/models", "/v1/completions", "/coldsnap/info", "/coldsnap/release",
-                         "/coldsnap/resume"}
+                known = {"/health", "/v1/models", "/v1/completions", "/v1/chat/completions", "/coldsnap/info",
+                         "/coldsnap/release", "/coldsnap/resume"}
                 if path in known:
                     raise BadRequest(f"method {self.command} not allowed on {path}", 405)
                 raise BadRequest(f"no route {path}", 404)
@@ -247,8 +259,8 @@ class Handler(BaseHTTPRequestHandler):
         self._dispatch({"/health": self.health, "/v1/models": self.models, "/coldsnap/info": self.info})
 
     def do_POST(self) -> None:  # noqa: N802
-        self._dispatch({"/v1/completions": self.completions, "/coldsnap/release": self.release,
-                        "/coldsnap/resume": self.resume})
+        self._dispatch({"/v1/completions": self.completions, "/v1/chat/completions": self.chat_completions,
+                        "/coldsnap/release": self.release, "/coldsnap/resume": self.resume})
 
     # --- endpoints ---
 
@@ -302,22 +314,36 @@ class Handler(BaseHTTPRequestHandler):
         self._json(200, out)
 
     def completions(self) -> None:
+        self._generate(self.engine.parse_completion(self._body()), chat=False)
+
+    def chat_completions(self) -> None:
+        self._generate(self.engine.parse_chat(self._body()), chat=True)
+
+    def _generate(self, req: dict[str, Any], chat: bool) -> None:
+        """A completion (text_completion) or chat completion (chat.completion), whole or streamed as SSE."""
         e = self.engine
-        req = e.parse_completion(self._body())
-        cid = f"cmpl-{uuid.uuid4().hex}"
+        cid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         n_prompt, n_new = len(req["ids"]), req["max_tokens"]
         usage = {"prompt_tokens": n_prompt, "completion_tokens": n_new, "total_tokens": n_prompt + n_new}
         gen = e.tokens(req["ids"], n_new)
+        head = {"id": cid, "created": created, "model": e.model_id}
+
+        def choice(text: str | None, finish: str | None, streamed: bool) -> dict[str, Any]:
+            if not chat:
+                return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            if streamed:
+                delta = {"role": "assistant", "content": text} if text is not None else {}
+                return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                    "finish_reason": finish}
+
         if not req["stream"]:
             text = "".join(gen)
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
-            self._json(
-                200,
-                {"id": cid, "object": "text_completion", "created": created, "model": e.model_id,
-                 "choices": [choice], "usage": usage},
-            )
+            self._json(200, {**head, "object": "chat.completion" if chat else "text_completion",
+                             "choices": [choice(text, "length", False)], "usage": usage})
             return
+        kind = "chat.completion.chunk" if chat else "text_completion"
         try:
             first = next(gen)  # errors (e.g. released) surface before any header is sent
         except StopIteration:
@@ -334,17 +360,12 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.flush()
 
         try:
-            i = 0
             while first is not None:
                 text, first = first, next(gen, None)
-                i += 1
-                choice = {"index": 0, "text": text, "logprobs": None,
-                          "finish_reason": None if first is not None else "length"}
-                event({"id": cid, "object": "text_completion", "created": created, "model": e.model_id,
-                       "choices": [choice]})
+                finish = None if first is not None else "length"
+                event({**head, "object": kind, "choices": [choice(text, finish, True)]})
             if req["usage"]:
-                event({"id": cid, "object": "text_completion", "created": created, "model": e.model_id,
-                       "choices": [], "usage": usage})
+                event({**head, "object": kind, "choices": [], "usage": usage})
             event(b"[DONE]")
         finally:
             gen.close()  # a client gone mid-stream frees the lock here
