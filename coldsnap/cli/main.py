@@ -155,7 +155,7 @@ def cmd_capture(args) -> int:
         from coldsnap.flows.container_capture import capture_container
 
         res = capture_container(args.container, args.runc_root, args.bundle, engine=args.engine or "reference",
-                                image_digest=args.image_digest, image=args.image,
+                                image_digest=args.image_digest, image=args.image, port=args.port,
                                 weights_mode=args.weights_mode or "native",
                                 leave_running=args.leave_running, tag=args.tag, quiesce=args.quiesce or "drain",
                                 progress=_progress(args))
@@ -481,6 +481,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--bundle", help="the container's bundle (default: from runc state)")
     sp.add_argument("--image-digest", help="bind the capsule to this image digest (sha256:…)")
     sp.add_argument("--image", help="with --container: the image it runs, as its engine names it (for run-args)")
+    sp.add_argument("--port", type=int, help="with --container: the port its server listens on (default: the "
+                    "io.coldsnap.validation annotation's, else 8000)")
     sp.add_argument("--quiesce", choices=["drain", "none"],
                     help="with --container: drain (default) waits until no client is connected; none captures with "
                     "requests in flight (their connections travel in the capsule; the network namespace stays locked "

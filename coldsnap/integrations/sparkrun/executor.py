@@ -1,0 +1,114 @@
+"""The `coldsnap` executor: sparkrun's Docker executor, with the serve step decided by ColdSnap.
+
+Selected for every launch by `default_executor: coldsnap` in sparkrun's config.yaml. It changes two things in
+sparkrun's launch, and only these (coldsnap.integrations.sparkrun.serve says why): PID 1 starts the server, and the
+serve step, given the serve command, looks for a capsule of this launch's identity
+(coldsnap.integrations.sparkrun.identity). With none, or one ColdSnap's admission refuses, the server starts cold
+as sparkrun would start it. With one, the idle container sparkrun just made is replaced by one of the same name,
+labels and options run through the coldsnap runtime with the capsule named: coldsnap-runtime restores it and
+validates it before `docker run` returns; sparkrun's readiness, logs and stop then see a running server."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+import time
+
+from sparkrun.orchestration.executors.docker import DockerExecutor
+
+from coldsnap.integrations.sparkrun import client, serve
+from coldsnap.integrations.sparkrun.identity import identity, tag_of
+
+SLEEP = "sleep infinity"
+
+
+def _say(message: str) -> None:
+    print(f"[coldsnap] {message}", file=sys.stderr, flush=True)
+
+
+class ColdSnapExecutor(DockerExecutor):
+    executor_name = "coldsnap"
+    required_feature_flag = None  # on whenever the plugin is
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._launches: dict[str, dict] = {}
+
+    # sparkrun merges the status of every executor of a scope: docker's own already reports these containers
+    def query_status(self, hosts, *, ssh_kwargs=None, host_hardware=None):
+        from sparkrun.core.cluster_status import empty_status
+
+        return empty_status(hosts, executor=self.executor_name)
+
+    def run_cmd(self, image, command="", container_name=None, detach=True, env=None, volumes=None, extra_opts=None,
+                *, sparkrun_labels=None):
+        if command.strip() == SLEEP and container_name:
+            command = serve.SUPERVISOR
+            self._launches[container_name] = {"image": image, "detach": detach, "env": dict(env or {}),
+                                              "volumes": dict(volumes or {}), "extra_opts": list(extra_opts or []),
+                                              "labels": dict(sparkrun_labels or {})}
+        return super().run_cmd(image, command, container_name, detach, env, volumes, extra_opts,
+                               sparkrun_labels=sparkrun_labels)
+
+    def generate_exec_serve_script(self, container_name, serve_command, env=None, detached=True, volumes=None, *,
+                                   sparkrun_labels=None):
+        launch = self._launches.get(container_name)
+        if launch is None or not detached:  # not a container this executor laid out (or --foreground): sparkrun's
+            return super().generate_exec_serve_script(container_name, serve_command, env, detached, volumes,
+                                                      sparkrun_labels=sparkrun_labels)
+        cold = serve.cold_serve(container_name, serve_command, env)
+        capsule, why = self._decide(container_name, launch, serve_command)
+        strict = os.environ.get(client.MODE_ENV) == "restore"  # sparkrun coldsnap restore: no cold start
+        refuse = f"echo {shlex.quote('ColdSnap: ' + why)} >&2\nexit 1\n"
+        body = refuse if strict else cold
+        if capsule:
+            s = client.settings()
+            policy = json.dumps({"fallback_to_cold": s.fallback_to_cold and not strict})
+            run_line = super().run_cmd(
+                launch["image"], serve.SUPERVISOR, container_name, launch["detach"],
+                {**launch["env"], "COLDSNAP_CAPSULE": capsule, "COLDSNAP_POLICY": policy}, launch["volumes"],
+                [*launch["extra_opts"], "--runtime", s.docker_runtime], sparkrun_labels=launch["labels"])
+            body = serve.restore_serve(container_name, run_line, capsule, refuse if strict else cold)
+        else:
+            _say(why)
+        return "#!/bin/bash\nset -uo pipefail\n" + body
+
+    def _decide(self, name: str, launch: dict, serve_command: str) -> tuple[str | None, str]:
+        """(the capsule to restore, or None and why the server starts cold)."""
+        r = client.docker("image", "inspect", "--format", "{{.Id}}", launch["image"])
+        image_id = r.stdout.strip() if r.returncode == 0 else launch["image"]
+        ident = identity(launch["labels"], serve_command, image_id)
+        tag = tag_of(ident)
+        record = {"container": name, "identity": ident, "tag": tag, "image": launch["image"],
+                  "time": time.time()}
+        mode = os.environ.get(client.MODE_ENV, "")
+        try:
+            if mode == "capture":
+                path = os.environ.get(client.RECORD_ENV)
+                if path:
+                    with open(path, "w") as f:
+                        json.dump(record, f)
+                return None, f"capture run: starting {name} cold (capsule tag {tag})"
+            if mode == "cold":
+                return self._record(record, None, f"{client.MODE_ENV}=cold: starting it cold")
+            capsule = client.capsule_for(tag)
+            if capsule is None:
+                return self._record(record, None, f"no capsule for this launch (tag {tag}): starting it cold")
+            try:  # admission and staging now, before sparkrun's container is touched
+                client.coldsnap("restore", "--capsule", capsule, "--prepare-only", timeout=1800)
+            except client.ColdSnapFailed as e:
+                return self._record(record, None, f"capsule {capsule} refused ({e}): starting it cold")
+            _say(f"restoring {name} from {capsule}")
+            return self._record(record, capsule, "restore")
+        except (client.ColdSnapFailed, OSError, ValueError) as e:
+            return self._record(record, None, f"ColdSnap could not be asked ({e}): starting it cold")
+
+    def _record(self, record: dict, capsule: str | None, why: str) -> tuple[str | None, str]:
+        record.update(capsule=capsule, decision="restore" if capsule else "cold", reason=why)
+        try:
+            (client.home() / f"{record['container']}.json").write_text(json.dumps(record, indent=1))
+        except OSError:
+            pass
+        return capsule, why
