@@ -3,9 +3,9 @@ restored through ColdSnap's sparkrun plugin, N samples each, in one run; and the
 
 The lab: the real sparkrun from PyPI in its own venv with the plugin installed (packaging/sparkrun/setup.sh), a
 private dockerd with coldsnap-runtime registered as the runtime "coldsnap" (packaging/containers/setup.sh), a
-private sparkrun config (plugin enabled, `default_executor: coldsnap`, `plugins.coldsnap.cpu_slot` for this host
-without a GPU, no registries, no telemetry), an image made of a root filesystem that binds the host's /usr, and a
-recipe per engine. Everything lives under one temporary directory.
+private sparkrun config (plugin enabled, docker's executor off so that coldsnap's is the one,
+`plugins.coldsnap.cpu_slot` for this host without a GPU, no registries, no telemetry), an image made of a root
+filesystem that binds the host's /usr, and a recipe per engine. Everything lives under one temporary directory.
 
 Clock: from issuing `sparkrun run … --no-follow` to its return, which is after sparkrun's own readiness: the
 port open, /health 200, and the first streamed token of a chat completion (its startup probe). sparkrun's own
@@ -41,6 +41,7 @@ SPARKRUN_SETUP = REPO / "packaging" / "sparkrun" / "setup.sh"
 SPARKRUN_VENV = Path(os.environ.get("COLDSNAP_SPARKRUN_VENV", "/var/lib/coldsnap/venvs/sparkrun"))
 IMAGE = "coldsnap-sparkrun:1"
 TTFT = re.compile(r"TTFT ([0-9.]+)s")
+SENSITIVE = ("/etc", "/boot", "/proc", "/sys", "/dev", "/root", "/run", "/var/run", "/var/lib/docker")
 
 
 def free_port() -> int:
@@ -61,6 +62,19 @@ class SparkrunLab:
         self.home = base / "sparkrun-home"
         self.recipes = base / "recipes"
         self.sparkrun_bin = SPARKRUN_VENV / "bin" / "sparkrun"
+        self.aliases: list[Path] = []
+
+    def _volume(self, source: str, dest: str, mode: str) -> str:
+        """A recipe volume. sparkrun refuses bind sources under /root, /etc, /run, … (its mount guard); a host path
+        there that the engine needs (pyenv's interpreter under /root) is bound from an alias of it here."""
+        if any(source == p or source.startswith(p + "/") for p in SENSITIVE):
+            alias = self.base / "aliases" / str(len(self.aliases))
+            alias.mkdir(parents=True)
+            subprocess.run(["mount", "--rbind", source, str(alias)], check=True)
+            subprocess.run(["mount", "-o", "remount,bind,ro", str(alias)], check=False)
+            self.aliases.append(alias)
+            source = str(alias)
+        return f"{source}:{dest}:{mode}"
 
     def start(self, progress: Progress = lambda m: None) -> None:
         progress(f"sparkrun and the plugin in {SPARKRUN_VENV} (packaging/sparkrun/setup.sh)")
@@ -79,7 +93,7 @@ class SparkrunLab:
         (self.config_dir / "config.yaml").write_text(json.dumps({  # YAML is a superset of JSON
             "plugins": {"enabled": {"coldsnap": True},
                         "coldsnap": {"docker_exec_root": str(self.docker.dir / "exec"), "cpu_slot": True}},
-            "default_executor": "coldsnap",
+            "features": {"executor.docker": False},  # coldsnap, a docker executor, becomes the only (default) one
             "telemetry": {"enabled": False}}, indent=1))
 
     def env(self, mode: str | None = None) -> dict[str, str]:
@@ -105,10 +119,10 @@ class SparkrunLab:
             models.mkdir(exist_ok=True)
             paths = ["/usr", str(REPO), *([str(VENV)] if not str(VENV).startswith(f"{REPO}/") else []),
                      *([str(PYTHON_HOME)] if not str(PYTHON_HOME).startswith("/usr") else [])]
-            volumes = [f"{m['source']}:{m['destination']}:ro" for p in paths for m in host_bind(p, p)]
+            volumes = [self._volume(m["source"], m["destination"], "ro") for p in paths for m in host_bind(p, p)]
             volumes.append(f"{models}:/models")
             command = (f"{VENV}/bin/python -m coldsnap.engines.reference.server --weights /models/reference.safetensors"
-                       " --host 0.0.0.0 --port {port} --model-id {served_model_name} --device cpu --no-compile"
+                       " --host 0.0.0.0 --port {port} --device cpu --no-compile"
                        " --layers 2 --hidden 64 --heads 2 --kv-mib 4 --max-seq 256 --threads 1"
                        " --weights-load copy --warmup-tokens 2")
             env, model, served = {"PYTHONDONTWRITEBYTECODE": "1"}, "coldsnap/reference-tiny", "tiny"
@@ -122,7 +136,7 @@ class SparkrunLab:
                 argv[argv.index(flag) + 1] = value
             command = shlex.join(argv).replace("'{port}'", "{port}").replace("'{served_model_name}'",
                                                                              "{served_model_name}")
-            volumes = [f"{m['source']}:{m['destination']}:{m['options'][-1]}" for m in [
+            volumes = [self._volume(m["source"], m["destination"], m["options"][-1]) for m in [
                 *host_bind("/usr", "/usr"), *[x for b in launch.mounts for x in host_bind(b.source, b.target,
                                                                                         b.readonly)]]]
             env = {k: v for k, v in launch.env.items() if k not in ("HOME", "PATH")}
@@ -172,6 +186,8 @@ class SparkrunLab:
             self.docker.remove_all()
         finally:
             self.docker.stop()
+            for alias in reversed(self.aliases):
+                subprocess.run(["umount", "-l", str(alias)], capture_output=True)
 
 
 def ttft_of(output: str) -> float | None:

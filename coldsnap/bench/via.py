@@ -93,7 +93,7 @@ class Engine:
         self.models = base / "models"
         self.cache = base / "cache"
         for d in (self.models, self.cache):
-            d.mkdir()
+            d.mkdir(exist_ok=True)
         self.engine_args = list(ENGINE_ARGS)
 
     def __call__(self, *args: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:

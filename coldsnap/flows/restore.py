@@ -47,7 +47,10 @@ def restore(request: RestoreRequest, progress: Progress = _quiet) -> Receipt:
     with receipt_on_failure(request, op_id, op, tl):
         with tl.span("admit"):
             capsule = load_capsule(request.capsule, request.policy.allow_unpinned)
-            verdict = admit_capsule(capsule, request.policy, "criu-process")
+            # A prepare stages a capsule of either driver (a container capsule is then restored by its runtime,
+            # coldsnap-runtime, from the staged copy); a restore here is a process restore.
+            driver = capsule.profile.snapshot_driver if op == "prepare" else "criu-process"
+            verdict = admit_capsule(capsule, request.policy, driver)
         for w in verdict.warnings:
             progress(f"note: {w} (relaxed compatibility)")
         if not verdict.admitted:

@@ -426,7 +426,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="KV cache buffer size in MiB (default 64 on CPU, 1024 on CUDA)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default min(2, cpu count))")
     p.add_argument("--warmup-tokens", type=int, default=8, help="tokens generated per warm-up prompt")
-    p.add_argument("--model-id", default=DEFAULT_MODEL_ID)
+    p.add_argument("--model-id", "--served-model-name", dest="model_id", default=DEFAULT_MODEL_ID)
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="ranks (one process each, one GPU each from --device on; gloo on CPU); rank 0 serves HTTP")
     p.add_argument("--tp-port", type=int, default=None, help="torch.distributed rendezvous port on 127.0.0.1 "

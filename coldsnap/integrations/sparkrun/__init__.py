@@ -5,7 +5,8 @@
   sparkrun run RECIPE --hosts localhost                restored from that capsule, validated; else cold as usual
   sparkrun logs|status|stop RECIPE                     as for any sparkrun workload
 
-Enabled with `sparkrun plugins enable coldsnap` and `default_executor: coldsnap` in sparkrun's config.yaml;
+Enabled with `sparkrun plugins enable coldsnap` and `features: {executor.docker: false}` in sparkrun's
+config.yaml (the coldsnap executor, a docker executor, is then sparkrun's only one);
 settings under `plugins.coldsnap` (coldsnap.integrations.sparkrun.client). Needs sparkrun (Python 3.12+) and a
 docker with coldsnap-runtime registered as a runtime. See docs/sparkrun.md."""
 

@@ -47,8 +47,8 @@ def capture(ctx: click.Context, recipe: str, leave_running: bool, as_json: bool)
         if r.returncode != 0:
             _fail(f"`sparkrun run {recipe}` exited {r.returncode}: nothing captured", r.returncode)
         if not record_path.exists():
-            _fail("sparkrun did not launch through the coldsnap executor: add `default_executor: coldsnap` to "
-                  "sparkrun's config.yaml (see docs/sparkrun.md)")
+            _fail("sparkrun did not launch through the coldsnap executor: add `features: {executor.docker: false}` "
+                  "to sparkrun's config.yaml (see docs/sparkrun.md)")
         launch = json.loads(record_path.read_text())
     name, tag, engine = launch["container"], launch["tag"], launch["identity"]["engine"]
     r = client.docker("inspect", "--format", "{{.Id}}", name)

@@ -1,8 +1,9 @@
 """The `coldsnap` executor: sparkrun's Docker executor, with the serve step decided by ColdSnap.
 
-Selected for every launch by `default_executor: coldsnap` in sparkrun's config.yaml. It changes two things in
-sparkrun's launch, and only these (coldsnap.integrations.sparkrun.serve says why): PID 1 starts the server, and the
-serve step, given the serve command, looks for a capsule of this launch's identity
+The executor of every launch once sparkrun's own docker executor is off (`features: {executor.docker: false}` in
+sparkrun's config.yaml): it is a docker executor, and sparkrun's default is then the only one enabled. It changes
+two things in sparkrun's launch, and only these (coldsnap.integrations.sparkrun.serve says why): PID 1 starts the
+server, and the serve step, given the serve command, looks for a capsule of this launch's identity
 (coldsnap.integrations.sparkrun.identity). With none, or one ColdSnap's admission refuses, the server starts cold
 as sparkrun would start it. With one, the idle container sparkrun just made is replaced by one of the same name,
 labels and options run through the coldsnap runtime with the capsule named: coldsnap-runtime restores it and
@@ -35,12 +36,6 @@ class ColdSnapExecutor(DockerExecutor):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._launches: dict[str, dict] = {}
-
-    # sparkrun merges the status of every executor of a scope: docker's own already reports these containers
-    def query_status(self, hosts, *, ssh_kwargs=None, host_hardware=None):
-        from sparkrun.core.cluster_status import empty_status
-
-        return empty_status(hosts, executor=self.executor_name)
 
     def run_cmd(self, image, command="", container_name=None, detach=True, env=None, volumes=None, extra_opts=None,
                 *, sparkrun_labels=None):
