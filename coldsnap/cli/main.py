@@ -399,7 +399,11 @@ def cmd_bench(args) -> int:
         result = run_replicas(opts, args.replicas, progress=_progress(args))
         _emit(args, result.data, result.summary)
         return 0
-    if opts.via == "cri":
+    if opts.via == "sparkrun":
+        from coldsnap.bench.sparkrun import run_sparkrun_bench
+
+        result = run_sparkrun_bench(opts, progress=_progress(args))
+    elif opts.via == "cri":
         from coldsnap.bench.pods import run_pods_bench
 
         result = run_pods_bench(opts, progress=_progress(args))
@@ -599,10 +603,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "through: runc vs coldsnap-runc vs the Python script, best of --samples (default 20) each")
     sp.add_argument("--registry", action="store_true", help="benchmark push/pull through a local registry instead")
     sp.add_argument("--size-mib", type=int, default=2048, help="capsule size for --registry")
-    sp.add_argument("--via", choices=["podman", "docker", "cri"], help="the engine in a container: `podman|docker "
-                    "run` of the reference engine cold vs restored by coldsnap-runtime, plus its pass-through overhead "
-                    "(reference-VIA-cpu); cri: a pod through containerd's CRI plugin, StartContainer to first token, "
-                    "--engine reference or vllm (ENGINE-cri-cpu)")
+    sp.add_argument("--via", choices=["podman", "docker", "cri", "sparkrun"], help=(
+        "the engine in a container. podman|docker: `run` of the reference engine cold vs restored by "
+        "coldsnap-runtime, plus its pass-through overhead (reference-VIA-cpu); cri: a pod through containerd's CRI "
+        "plugin, StartContainer to first token (ENGINE-cri-cpu); sparkrun: `sparkrun run RECIPE` through "
+        "ColdSnap's plugin to sparkrun's readiness (ENGINE-sparkrun-cpu); cri and sparkrun take --engine "
+        "reference or vllm"))
     sp.add_argument("--json", action="store_true", help="print the result JSON, no progress")
     return p
 
