@@ -40,20 +40,24 @@ def call_in_netns(pid: int, fn: Callable[..., Any], *args: Any, timeout: float =
     if not os.path.exists(path):
         raise ColdSnapError(ErrorCode.WORKLOAD_FAILED, f"the container's process {pid} is gone (no {path})")
     r, w = os.pipe()
-    # No cyclic GC in the child: it would finalize the parent's objects (e.g. a zstd compressor whose worker threads
-    # do not exist in the child: it then waits for them forever). Off before the fork, since the child allocates
-    # (at-fork callbacks, frames) before its first statement; the child lives for one call and leaves by os._exit.
+    # The child must never finalize the parent's objects (e.g. a zstd compressor whose worker threads do not exist
+    # in the child: it then waits for them forever). Cyclic GC is off across the fork, and the parent's objects are
+    # frozen out of the collector's reach before it: another thread's subprocess call can turn GC back on between
+    # our disable and the fork (it restores what it saw when it began). The child lives for one call and leaves by
+    # os._exit.
     gc_was_on = gc.isenabled()
     gc.disable()
+    gc.freeze()
+    child = -1
     try:
         child = os.fork()
-    except OSError:
-        child = -1
-        raise
     finally:
-        if child != 0 and gc_was_on:  # the parent (or a failed fork) collects again
-            gc.enable()
+        if child != 0:  # the parent (or a failed fork) collects again
+            gc.unfreeze()
+            if gc_was_on:
+                gc.enable()
     if child == 0:  # pragma: no cover - runs in the child
+        gc.disable()
         os.close(r)
         try:
             _setns(path)
