@@ -72,9 +72,11 @@ def complete(port: int, prompt: str, model: str = "tiny") -> str:
 PROMPTS = ["ColdSnap says", "The capital of", "Once upon a time"]
 
 
-def server_processes(lab, marker: str) -> int:
+def server_processes(lab, marker: str) -> list[str]:
+    """The command lines in the (one) container's PID namespace that mention marker."""
     name = lab.containers()[0]
-    return sum(marker in line for line in lab.docker("top", name).stdout.splitlines()[1:])
+    r = lab.docker("exec", name, "sh", "-c", "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; echo; done")
+    return [line for line in r.stdout.splitlines() if marker in line and "for p in" not in line]
 
 
 def test_without_a_capsule_sparkrun_run_starts_cold(lab, ref):
@@ -104,7 +106,8 @@ def test_captured_then_restored_by_sparkrun_run(lab, ref):
     assert [s["name"] for s in launch["receipt"]["spans"]] == ["admit", "stage", "criu-restore", "hydrate", "validate"]
     assert [complete(ref["port"], p) for p in PROMPTS] == ref["state"]["texts"]
     # No second server beside the restored one; sparkrun's log is the restored server's, still written to.
-    assert server_processes(lab, "coldsnap.engines.reference.server") == 1
+    servers = server_processes(lab, "coldsnap.engines.reference.server")
+    assert len(servers) == 1, servers
     logs = lab.sparkrun("logs", "ref", "--hosts", "localhost", "--tail", "20")
     assert logs.returncode == 0 and '"event": "resumed"' in logs.stdout, (logs.stdout + logs.stderr)[-1500:]
     status = lab.sparkrun("status", "--hosts", "localhost")
@@ -171,6 +174,7 @@ def test_a_vllm_recipe_is_restored_with_the_same_completions(lab):
     launch = lab.last_launch()
     assert launch["decision"] == "restore" and launch["receipt"]["state"] == "succeeded", launch
     assert completions("127.0.0.1", port, "tiny-llama") == before
-    assert server_processes(lab, "vllm.entrypoints.openai.api_server") == 1
+    servers = server_processes(lab, "vllm.entrypoints.openai.api_server")
+    assert len(servers) == 1, servers
     print(f"\n[measured] vLLM via sparkrun, restored: {re.findall(r'TTFT [0-9.]+s', out)}")
     stop(lab, recipe)
