@@ -4,7 +4,7 @@
 # provisioned CRIU's pycriu on its path so that the venv's own `coldsnap` command captures and restores.
 #
 # Usage: setup.sh [VENV]   (default /var/lib/coldsnap/venvs/sparkrun). Idempotent: rebuilt only when this script,
-# pyproject.toml or the interpreter changed. The interpreter: $PYTHON312, else python3.12 on PATH, else pyenv's
+# pyproject.toml, the interpreter or the checkout changed (the plugin is installed editable from it). The interpreter: $PYTHON312, else python3.12 on PATH, else pyenv's
 # newest 3.12 (installed with `pyenv install` when pyenv has none).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -37,7 +37,7 @@ find_python() {
 }
 
 PY=$(find_python)
-want=$( (cat "$0" "$REPO/pyproject.toml"; "$PY" --version; echo "$SPARKRUN") | sha256sum | cut -c1-16)
+want=$( (cat "$0" "$REPO/pyproject.toml"; "$PY" --version; echo "$SPARKRUN $REPO") | sha256sum | cut -c1-16)
 stamp="$VENV/.coldsnap-stamp"
 if [ -x "$VENV/bin/sparkrun" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
     exit 0
