@@ -4,8 +4,9 @@
 # provisioned CRIU's pycriu on its path so that the venv's own `coldsnap` command captures and restores.
 #
 # Usage: setup.sh [VENV]   (default /var/lib/coldsnap/venvs/sparkrun). Idempotent: rebuilt only when this script,
-# pyproject.toml, the interpreter or the checkout changed (the plugin is installed editable from it). The interpreter: $PYTHON312, else python3.12 on PATH, else pyenv's
-# newest 3.12 (installed with `pyenv install` when pyenv has none).
+# pyproject.toml, the interpreter or the checkout changed (the plugin is installed editable from it).
+# The interpreter: $PYTHON312, else python3.12 on PATH, else pyenv's newest 3.12 (installed with `pyenv install`
+# when pyenv has none).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
