@@ -34,6 +34,7 @@ import oras.provider
 import requests
 
 from coldsnap.base.files import fsync_dir as _fsync_dir
+from coldsnap.capsule import referrers, trust
 from coldsnap.capsule.store import DIGEST_RE, CapsuleStore, Descriptor
 from coldsnap.contracts import ColdSnapError, ErrorCode
 from coldsnap.contracts import capsule as mt
@@ -327,6 +328,11 @@ def _upload_blob(client: _Client, path: Path, desc: Descriptor, progress: Progre
     return done
 
 
+def payload_of_capsule(manifest: dict) -> bool:
+    """A weights payload (pushed by digest beside its capsule) rather than a capsule."""
+    return manifest.get("artifactType") == mt.PAYLOAD_ARTIFACT_TYPE
+
+
 def push(store: CapsuleStore, digest: str, ref: str, insecure: bool = False,
          progress: Progress | None = None) -> dict:
     """Push the local capsule `digest` (config, layers, then its manifest bytes unchanged) to `ref`.
@@ -368,7 +374,9 @@ def push(store: CapsuleStore, digest: str, ref: str, insecure: bool = False,
     if echoed and echoed != digest:
         raise ColdSnapError(ErrorCode.REGISTRY, f"registry {remote.host} stored the manifest as {echoed}, "
                             f"not {digest}: it rewrote the manifest")
-    return {"digest": digest, "ref": f"{remote.name}{':' + remote.tag if remote.tag else ''}@{digest}",
+    signatures = referrers.push(client, store, digest, len(raw)) if not payload_of_capsule(manifest) else 0
+    return {"digest": digest, "signatures": signatures,
+            "ref": f"{remote.name}{':' + remote.tag if remote.tag else ''}@{digest}",
             "bytes_transferred": sent + (payload_result or {}).get("bytes_transferred", 0),
             "manifest_bytes": len(raw), "blobs_uploaded": uploaded,
             "blobs_present": present, "payload": payload_result, "seconds": round(time.monotonic() - t0, 3)}
@@ -389,7 +397,8 @@ class PullResult(str):
     def as_dict(self) -> dict:
         return {"digest": str(self), "tag": self.tag, "bytes_transferred": self.bytes_transferred,
                 "blobs_fetched": self.blobs_fetched, "blobs_present": self.blobs_present,
-                "resumed_bytes": self.resumed_bytes, "seconds": self.seconds}
+                "resumed_bytes": self.resumed_bytes, "seconds": self.seconds,
+                "signatures": getattr(self, "signatures", 0)}
 
 
 def _hash_prefix(path: Path, length: int):
@@ -603,6 +612,10 @@ def _pull_capsule(store: CapsuleStore, client: "_Client", remote: RemoteRef, raw
         # payloads are reached through their capsules, not listed; a capsule pulled again by digest is listed once
         if artifact_type == mt.ARTIFACT_TYPE and (tag or not indexed):
             store.add_to_index(mdesc, tag)
+    signatures = 0
+    if artifact_type == mt.ARTIFACT_TYPE:  # where it came from and who vouches for it: the restore policy's input
+        trust.record(store, digest, "pull", f"{remote.name}:{remote.tag}" if remote.tag else remote.name)
+        signatures = referrers.pull(client, store, digest)
     result = PullResult(digest)
     result.payload_bytes = payload_result.bytes_transferred if payload_result else 0
     result.bytes_transferred = received + result.payload_bytes
@@ -612,4 +625,5 @@ def _pull_capsule(store: CapsuleStore, client: "_Client", remote: RemoteRef, raw
     result.seconds = round(time.monotonic() - t0, 3)
     result.tag = tag
     result.manifest_written = None if had_manifest else digest
+    result.signatures = signatures
     return result

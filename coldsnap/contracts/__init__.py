@@ -31,6 +31,7 @@ from coldsnap.contracts.request import (
     WeightFile,
     WorkloadRequest,
 )
+from coldsnap.contracts.trust import ContainerRule, RestorePolicy, TrustRule
 
 SCHEMAS = {
     "capture-request": CaptureRequest,
@@ -39,6 +40,7 @@ SCHEMAS = {
     "receipt": Receipt,
     "capsule-profile": CapsuleProfile,
     "capabilities": Capabilities,
+    "policy": RestorePolicy,
 }
 
 __all__ = [
@@ -48,6 +50,7 @@ __all__ = [
     "CaptureRequest",
     "CapturedFile",
     "ContainerLaunch",
+    "ContainerRule",
     "ContainerMount",
     "ColdSnapError",
     "Distributed",
@@ -68,10 +71,12 @@ __all__ = [
     "Policy",
     "REQUEST_ADAPTER",
     "Receipt",
+    "RestorePolicy",
     "RestoreRequest",
     "SCHEMAS",
     "Span",
     "Strict",
+    "TrustRule",
     "Validation",
     "WeightFile",
     "WorkloadRequest",

@@ -28,6 +28,7 @@ class ErrorCode(str, Enum):
     ENVIRONMENT = "environment"
     REGISTRY = "registry"
     RUNTIME = "runtime"
+    UNTRUSTED = "untrusted"
     INTERNAL = "internal"
 
 
@@ -46,6 +47,7 @@ EXIT_CODES: dict[ErrorCode, int] = {
     ErrorCode.ENVIRONMENT: 12,
     ErrorCode.REGISTRY: 13,
     ErrorCode.RUNTIME: 14,
+    ErrorCode.UNTRUSTED: 15,
     ErrorCode.INTERNAL: 70,
 }
 

@@ -18,11 +18,14 @@ class Admission:
     admitted: bool
     differences: list[str] = field(default_factory=list)  # each one a sentence saying what differs
     warnings: list[str] = field(default_factory=list)
+    untrusted: bool = False  # refused by the restore policy (who may restore it), not by the host
 
     def sentence(self) -> str:
         return "; ".join(self.differences) or "compatible"
 
     def refusal(self) -> ColdSnapError:
+        if self.untrusted:
+            return ColdSnapError(ErrorCode.UNTRUSTED, f"restore policy refused the capsule: {self.sentence()}")
         return ColdSnapError(ErrorCode.INCOMPATIBLE, f"capsule refused on this host: {self.sentence()}")
 
 
@@ -110,6 +113,16 @@ def admit_capsule(capsule: LoadedCapsule, policy: Policy, driver: str, image_dig
         return Admission(admitted=False, differences=[
             f"capsule {capsule.digest} was captured with the {profile.snapshot_driver} driver; this restore needs "
             f"{driver}"])
+    from coldsnap.capsule import trust
+
+    annotations = None
+    if spec is not None:
+        from coldsnap.oci.spec import annotations_of
+
+        annotations = annotations_of(spec)
+    verdict = trust.check(capsule, CapsuleStore(settings().store), annotations, image_digest)
+    if verdict.refusal:
+        return Admission(admitted=False, differences=[verdict.refusal], untrusted=True)
     if image_digest and profile.image_digest and image_digest != profile.image_digest:
         return Admission(admitted=False, differences=[
             f"container image {image_digest} differs from the captured image {profile.image_digest}"])

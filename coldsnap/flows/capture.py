@@ -15,7 +15,7 @@ from typing import Callable
 from coldsnap.base.files import private_dir
 from coldsnap.base.journal import Journal
 from coldsnap.base.paths import settings
-from coldsnap.capsule import CapsuleStore, pack_dir
+from coldsnap.capsule import CapsuleStore, pack_dir, trust
 from coldsnap.capsule.gc import discard
 from coldsnap.capsule.payload import write_payload
 from coldsnap.contracts import (
@@ -279,8 +279,10 @@ def thin_and_pack(images: Path, files: list[CapturedFile], profile: CapsuleProfi
             journal.drop(entry)
     size = sum(int(layer["size"]) for layer in json.loads(
         CapsuleStore(settings().store).blob_path(digest).read_text())["layers"])
-    progress(f"capsule {digest} ({size / 2**20:.1f} MiB)")
-    return {"capsule": digest, "capsule_bytes": size, "zero_pages": thinned.as_dict(), "weights_apart": weights_apart}
+    signed_by = trust.adopt_capture(store, digest)  # signed with this host's key: how a restore knows it
+    progress(f"capsule {digest} ({size / 2**20:.1f} MiB), signed by this host's key {signed_by[:12]}…")
+    return {"capsule": digest, "capsule_bytes": size, "zero_pages": thinned.as_dict(), "weights_apart": weights_apart,
+            "signed_by": signed_by}
 
 
 def saved_weights_model(adapter, released: dict | None) -> Model | None:
