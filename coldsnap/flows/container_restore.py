@@ -36,6 +36,7 @@ from coldsnap.capsule import LoadedCapsule
 from coldsnap.contracts import ColdSnapError, ErrorCode, Policy, Receipt, RestoreRequest, Validation
 from coldsnap.contracts import capsule as mt
 from coldsnap.contracts.parse import first_error, short, strict_json
+from coldsnap.criu.creds import exceeds_spec, image_creds
 from coldsnap.criu.runc import restore_container
 from coldsnap.engines import get_adapter
 from coldsnap.flows.admission import admit_capsule, load_capsule
@@ -149,6 +150,11 @@ def restore_at_create(runc: str, parsed: RuncArgv, spec: dict) -> CreateOutcome:
             raise verdict.refusal()
         with tl.span("stage"):
             staged = stage(capsule)
+            # what the images would give the processes, held to this container's spec before anything runs
+            beyond = exceeds_spec(image_creds(staged.images), spec)
+            if beyond:
+                raise ColdSnapError(ErrorCode.UNTRUSTED, f"the capsule would restore more than this container "
+                                    f"grants: {beyond}")
         attempted = True
         restored = _restore(runc, parsed, staged, spec, creq, tl)
     except Exception as e:  # noqa: BLE001 - whatever went wrong, the container must still come up (or say why)
