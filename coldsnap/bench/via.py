@@ -213,6 +213,11 @@ class Docker(Engine):
     def stop(self) -> None:
         if self.started:
             _sh([str(SETUP), "stop-dockerd", str(self.dir)], 120)
+            # what a dockerd killed rather than stopped leaves mounted under its exec root (netns/default)
+            for line in reversed(Path("/proc/self/mountinfo").read_text().splitlines()):
+                point = line.split()[4]
+                if point.startswith(f"{self.dir}/"):
+                    _sh(["umount", "-l", point], 30)
 
     def import_image(self, tar: Path) -> None:
         self("import", str(tar), self.image)

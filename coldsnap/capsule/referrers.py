@@ -19,6 +19,7 @@ from coldsnap.contracts import capsule as mt
 EMPTY_MEDIA_TYPE = "application/vnd.oci.empty.v1+json"
 EMPTY = b"{}"
 SIGNATURE_LIMIT = 1 << 20  # a bundle is a few KB; anything near this is not one
+MAX_REFERRERS = 32  # looked at per capsule
 ACCEPT = f"{mt.INDEX_MEDIA_TYPE}, {mt.MANIFEST_MEDIA_TYPE}"
 
 
@@ -103,10 +104,10 @@ def pull(client, store: CapsuleStore, digest: str) -> int:
     referrers = []
     for path in (f"referrers/{digest}", f"manifests/{tag}"):  # the referrers API, then the fallback tag
         index = _json(_get(client, path, f"referrers of {digest}", ACCEPT))
-        if index:
-            referrers += [m for m in index.get("manifests") or [] if isinstance(m, dict)
-                          and m.get("artifactType") == signing.BUNDLE_MEDIA_TYPE]
-    for ref in {m.get("digest"): m for m in referrers if isinstance(m.get("digest"), str)}.values():
+        if index:  # every listed referrer is looked at: cosign lists its own under its config's media type
+            referrers += [m for m in index.get("manifests") or [] if isinstance(m, dict)]
+    unique = {m.get("digest"): m for m in referrers if isinstance(m.get("digest"), str)}
+    for ref in list(unique.values())[:MAX_REFERRERS]:
         manifest = _json(_get(client, f"manifests/{ref['digest']}", f"signature {ref['digest']}", ACCEPT))
         if not manifest or (manifest.get("subject") or {}).get("digest") != digest:
             continue
