@@ -78,7 +78,8 @@ def lab(request, tmp_path_factory):
         containerd = str(CONTAINERD2 / "bin" / "containerd")
     base = tmp_path_factory.mktemp(f"cri-{request.param}")
     lab = Lab(base, containerd)
-    with private_coldsnap(base):
+    with private_coldsnap(base) as mp:
+        mp.setenv("COLDSNAP_POLICY_FILE", str(base / "policy.json"))  # absent (the defaults) unless a test writes it
         try:
             lab.node.start(dict(os.environ))
             assert lab.node.version().startswith(("v" + request.param, request.param)), lab.node.version()
@@ -218,6 +219,24 @@ def test_no_fallback_fails_start_container_with_a_reason(lab, captured):
     assert receipt_of(cid)["state"] == "failed"
     assert not (Path(cri_bench.RUNC_ROOT) / cid).exists()  # nothing half-restored left behind
     lab.node.remove_pod(pod)
+
+
+def test_a_pod_outside_the_namespaces_a_policy_names_is_refused(lab, captured):
+    """The restore policy's container rule, read from the annotations containerd sets (a pod cannot): a pod in
+    namespace default may not restore a capsule the policy gives to team-a only."""
+    policy = lab.base / "policy.json"
+    policy.write_text(json.dumps({"format": 1, "containers": [
+        {"match": captured["capsule"], "namespaces": ["team-a"], "image_digest": "any"}]}))
+    try:
+        pod = lab.node.run_pod("other-team", {mt.ANNOTATION_CAPSULE: captured["capsule"],
+                                              mt.ANNOTATION_POLICY: json.dumps({"fallback_to_cold": False})})
+        with pytest.raises(grpc.RpcError) as err:
+            lab.engine_pod("other-team", pod=pod)
+        assert "coldsnap-runtime: untrusted" in err.value.details() and "team-a" in err.value.details()
+        assert "this container is in default" in err.value.details(), err.value.details()
+        lab.node.remove_pod(pod)
+    finally:
+        policy.unlink()
 
 
 @pytest.mark.parametrize("lab", ["2.1"], indirect=True, ids=["containerd-2.1"])  # the one current Kubernetes uses

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import uuid
 from pathlib import Path
@@ -302,6 +303,50 @@ def test_without_fallback_a_refusal_fails_create_in_runc_log_format(lab, capture
     assert set(line) == {"level", "msg", "time"} and line["level"] == "error" and "architecture" in line["msg"]
     assert receipt(cid)["state"] == "refused" and receipt(cid)["error"]["code"] == "incompatible"
     assert state(lab.runc_root, cid) is None and not shim_record(cid).exists()  # nothing left behind
+
+
+def _tampered(captured, tmp: Path) -> str:
+    """The captured capsule with every task's capabilities raised to all of them (its core images decoded and
+    re-encoded with pycriu), re-packed and signed with this host's key: a capsule a trusted key vouches for whose
+    processes would hold more than the container grants."""
+    from coldsnap.capsule import pack_dir
+    from coldsnap.capsule.trust import adopt_capture
+    from coldsnap.criu.driver import _pycriu
+    from coldsnap.flows.admission import load_capsule
+    from coldsnap.flows.staging import stage
+
+    pycriu = _pycriu()
+    store = CapsuleStore(settings().store)
+    cap = load_capsule(captured["result"].capsule, False)
+    images = tmp / "images"
+    shutil.copytree(stage(cap).images, images)
+    for core in images.glob("core-*.img"):
+        with open(core, "rb") as f:
+            img = pycriu.images.load(f)
+        creds = img["entries"][0]["thread_core"]["creds"]
+        for field in ("cap_bnd", "cap_prm", "cap_eff"):
+            creds[field] = [0xFFFFFFFF, 0x1FF]
+        with open(core, "wb") as f:
+            pycriu.images.dump(img, f)
+    pack_dir(images, tmp / "criu.tar.zst", skip=("dump.log",))
+    criu = store.put_file(tmp / "criu.tar.zst", mt.LAYER_CRIU, {mt.ANNOTATION_TITLE: "criu-images"}, move=True)
+    layers = [criu if d.media_type == mt.LAYER_CRIU else d for d in cap.layers]
+    digest = store.write_capsule(cap.profile, layers, dict(cap.manifest.get("annotations") or {}))
+    adopt_capture(store, digest)
+    return digest
+
+
+def test_a_capsule_that_would_raise_capabilities_is_refused_before_anything_starts(lab, captured, tmp_path):
+    digest = _tampered(captured, tmp_path)
+    bundle, _ = lab.bundle("tampered", annotations={mt.ANNOTATION_CAPSULE: digest,
+                                                    mt.ANNOTATION_POLICY: '{"fallback_to_cold": false}'})
+    cid = unique("tampered")
+    r = lab.shim("create", "--bundle", str(bundle), cid, log=lab.base / f"{cid}.log")
+    assert r.returncode == 1
+    assert "untrusted" in r.stderr and "CAP_SYS_ADMIN" in r.stderr and "bounding set" in r.stderr, r.stderr
+    rec = receipt(cid)
+    assert rec["error"]["code"] == "untrusted" and "criu-restore" not in [s["name"] for s in rec["spans"]]
+    assert state(lab.runc_root, cid) is None and not shim_record(cid).exists()  # nothing started, nothing left
 
 
 def test_malformed_annotation_fails_create_without_starting_anything(lab):

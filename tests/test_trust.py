@@ -185,3 +185,28 @@ def test_a_policy_that_does_not_parse_refuses_every_restore(origin, fresh_host):
         assert e.value.code == ErrorCode.ENVIRONMENT and "policy.json" in e.value.message
     finally:
         del os.environ["COLDSNAP_STORE"]
+
+
+def test_environment_values_never_leave_and_secret_names_are_flagged(origin, tmp_path, monkeypatch):
+    """A capture whose workload has a token in its environment: the value is in no receipt, log or inspect output;
+    the name is recorded, and inspect warns that it travelled."""
+    import sys
+
+    from coldsnap.contracts import CaptureRequest
+    from coldsnap.flows.capture import capture
+
+    monkeypatch.setenv("COLDSNAP_HOME", str(origin["base"] / "origin"))
+    secret = "hf_s3cr3t-do-not-print-" + os.urandom(4).hex()
+    cap = capture(CaptureRequest(operation="capture", engine={"name": "reference", "options": {"compile": False}},
+                                 lifecycle={"name": "pyt-secret"}, tag="secret", launch={"env": {"HF_TOKEN": secret}}))
+    store = CapsuleStore(settings().store)
+    assert "HF_TOKEN" in store.load(cap.capsule).manifest["annotations"]["io.coldsnap.env-names"].split(",")
+    r = subprocess.run([sys.executable, "-m", "coldsnap.cli", "inspect", cap.capsule], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["secret_like_env"] == ["HF_TOKEN"] and "HF_TOKEN" in r.stderr and "warning" in r.stderr
+    assert out["trust"]["provenance"] == "capture" and out["trust"]["signed_by"]
+    for text in [r.stdout, r.stderr, *(p.read_text(errors="replace") for p in settings().receipts.rglob("*")
+                                      if p.is_file())]:
+        assert secret not in text

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import sys
 from typing import Any
@@ -328,9 +329,13 @@ def cmd_pull(args) -> int:
     return 0
 
 
+SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSW|KEY|CREDENTIAL|AUTH", re.I)
+
+
 def cmd_inspect(args) -> int:
     from coldsnap.base.paths import settings
-    from coldsnap.capsule import CapsuleStore
+    from coldsnap.capsule import CapsuleStore, trust
+    from coldsnap.contracts import capsule as mt
     from coldsnap.host.run_args import ENGINES, run_args
     from coldsnap.host.runtimes import default_runtime_path
 
@@ -338,6 +343,14 @@ def cmd_inspect(args) -> int:
     cap = store.load(store.resolve(args.ref, allow_unpinned=args.allow_unpinned))
     out = {"digest": cap.digest, "manifest": cap.manifest,
            "profile": cap.profile.model_dump(mode="json", exclude={"launch": {"env"}})}
+    names = [n for n in (cap.manifest.get("annotations") or {}).get(mt.ANNOTATION_ENV_NAMES, "").split(",") if n]
+    out["secret_like_env"] = [n for n in names if SECRET_NAME.search(n)]
+    if out["secret_like_env"]:  # their values are in the capsule's memory images: whoever restores it has them
+        print(f"coldsnap: warning: environment variables that look like credentials travelled in this capsule "
+              f"(their values are in its processes' memory): {', '.join(out['secret_like_env'])}", file=sys.stderr)
+    verdict = trust.check(cap, store)
+    out["trust"] = {"provenance": verdict.provenance.origin, "remote": verdict.provenance.remote,
+                    "signed_by": verdict.signed_by, "refusal": verdict.refusal}
     if cap.profile.container is not None:  # how to restore it, as `coldsnap run-args` prints it
         out["run_args"] = {e: run_args(cap.profile, cap.digest, e, default_runtime_path()).line() for e in ENGINES}
     print(json.dumps(out, indent=1))

@@ -23,6 +23,7 @@ ANNOTATION_PAYLOAD = "io.coldsnap.payload"
 ANNOTATION_PATH = "io.coldsnap.path"
 ANNOTATION_MODE = "io.coldsnap.mode"
 ANNOTATION_IMAGE_DIGEST = "io.coldsnap.image-digest"
+ANNOTATION_ENV_NAMES = "io.coldsnap.env-names"  # manifest: the environment variable names (never values) captured
 
 # What a container may ask of coldsnap-runtime (its annotations, or COLDSNAP_* env for docker); any other
 # io.coldsnap.* key is a typo that would silently change behaviour (a policy meant to refuse), so it is refused.

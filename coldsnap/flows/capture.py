@@ -327,6 +327,10 @@ def write_capsule(store: CapsuleStore, scratch: Path, files: list[CapturedFile],
     layers.append(keep(store.put_bytes(json.dumps(weights_manifest, sort_keys=True).encode(),
                                        mt.LAYER_WEIGHTS_MANIFEST, {mt.ANNOTATION_TITLE: "weights-manifest"})))
     annotations = {mt.ANNOTATION_ENGINE: profile.engine.name}
+    # Names only, never values: so that whoever restores the capsule can see that a token travelled in its memory.
+    env_names = profile.container.env_names if profile.container else sorted(profile.launch.env)
+    if env_names:
+        annotations[mt.ANNOTATION_ENV_NAMES] = ",".join(env_names)
     if payload and profile.model and profile.model.weights:
         # The weight files as a content-addressed payload artifact beside the images: restores on a host that lacks
         # them pull it once, and capsules of the same weights share it.
