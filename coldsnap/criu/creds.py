@@ -25,6 +25,13 @@ CAPABILITIES = ["CHOWN", "DAC_OVERRIDE", "DAC_READ_SEARCH", "FOWNER", "FSETID", 
 SETS = {"cap_bnd": "bounding", "cap_prm": "permitted", "cap_eff": "effective", "cap_inh": "inheritable",
         "cap_amb": "ambient"}
 SECCOMP_FILTER = 2
+SECCOMP_MODES = {"disabled": 0, "strict": 1, "filter": SECCOMP_FILTER}  # pycriu gives the enum's name
+
+
+def _seccomp_mode(value) -> int:
+    if isinstance(value, str):
+        return SECCOMP_MODES.get(value.lower(), -1)
+    return int(value or 0)
 
 
 @dataclass
@@ -62,7 +69,7 @@ def image_creds(images: Path) -> list[TaskCreds]:
             gids={int(creds.get(k, 0)) for k in ids[1]} | {int(g) for g in creds.get("groups") or []},
             caps={k: _mask(creds.get(k)) for k in SETS},
             no_new_privs=bool(creds.get("no_new_privs", 0)),
-            seccomp_mode=int(tc.get("seccomp_mode") or 0)))
+            seccomp_mode=_seccomp_mode(tc.get("seccomp_mode"))))
     return out
 
 
