@@ -34,6 +34,7 @@ def with_user(uid: int, gid: int = 1000) -> dict:
     (task(prm=caps("NET_RAW")), SPEC, "CAP_NET_RAW in its permitted set"),
     (task(nnp=False), SPEC, "no_new_privs"),
     (task(seccomp=0), SPEC, "seccomp filter"),
+    (task(seccomp=None), SPEC, None),  # a thread: its task's leader carries the mode
     (task(uids=(1000,), gids=(1000,)), with_user(1000), None),
     (task(uids=(1000, 0), gids=(1000,)), with_user(1000), "uid 0"),
     (task(uids=(1000,), gids=(0,)), with_user(1000), "gid 0"),

@@ -41,7 +41,7 @@ class TaskCreds:
     gids: set[int]
     caps: dict[str, int]  # image field (cap_bnd, …) -> bit mask
     no_new_privs: bool
-    seccomp_mode: int
+    seccomp_mode: int | None  # None: a thread's core image, which leaves seccomp to its task's (the leader's)
 
 
 def _mask(words) -> int:
@@ -69,7 +69,7 @@ def image_creds(images: Path) -> list[TaskCreds]:
             gids={int(creds.get(k, 0)) for k in ids[1]} | {int(g) for g in creds.get("groups") or []},
             caps={k: _mask(creds.get(k)) for k in SETS},
             no_new_privs=bool(creds.get("no_new_privs", 0)),
-            seccomp_mode=_seccomp_mode(tc.get("seccomp_mode"))))
+            seccomp_mode=_seccomp_mode(tc.get("seccomp_mode")) if "seccomp_mode" in tc or "tc" in entry else None))
     return out
 
 
@@ -109,6 +109,6 @@ def exceeds_spec(tasks: list[TaskCreds], spec: dict) -> str | None:
                         "capability bounding set")
         if nnp and not t.no_new_privs:
             return f"task {t.pid} would run without no_new_privs; the container's spec sets noNewPrivileges"
-        if seccomp and t.seccomp_mode != SECCOMP_FILTER:
+        if seccomp and t.seccomp_mode is not None and t.seccomp_mode != SECCOMP_FILTER:
             return f"task {t.pid} would run without a seccomp filter; the container's spec has one"
     return None
