@@ -328,6 +328,20 @@ def _upload_blob(client: _Client, path: Path, desc: Descriptor, progress: Progre
     return done
 
 
+def _push_index(client: _Client, store: CapsuleStore, tag: str, digest: str, size: int, payload: str) -> str:
+    """Tag an index of the capsule and its weights payload; returns the index digest."""
+    payload_raw, _ = _read_local_manifest(store, payload)
+    body = json.dumps({
+        "schemaVersion": 2, "mediaType": mt.INDEX_MEDIA_TYPE, "artifactType": mt.INDEX_ARTIFACT_TYPE,
+        "manifests": [
+            {"mediaType": mt.MANIFEST_MEDIA_TYPE, "digest": digest, "size": size, "artifactType": mt.ARTIFACT_TYPE},
+            {"mediaType": mt.MANIFEST_MEDIA_TYPE, "digest": payload, "size": len(payload_raw),
+             "artifactType": mt.PAYLOAD_ARTIFACT_TYPE}]}, separators=(",", ":")).encode()
+    client.request("PUT", f"{client.base}/manifests/{tag}", ok=(201,), what=f"tagging {tag}", data=body,
+                   headers={"Content-Type": mt.INDEX_MEDIA_TYPE})
+    return "sha256:" + hashlib.sha256(body).hexdigest()
+
+
 def payload_of_capsule(manifest: dict) -> bool:
     """A weights payload (pushed by digest beside its capsule) rather than a capsule."""
     return manifest.get("artifactType") == mt.PAYLOAD_ARTIFACT_TYPE
@@ -367,15 +381,20 @@ def push(store: CapsuleStore, digest: str, ref: str, insecure: bool = False,
             continue
         sent += _upload_blob(client, store.blob_path(d.digest), d, progress)
         uploaded.append(d.digest)
-    r = client.request("PUT", f"{client.base}/manifests/{remote.tag or digest}", ok=(201,),
+    # With a payload, the tag names an index of capsule and payload (mt.INDEX_ARTIFACT_TYPE); the capsule itself
+    # is pushed by digest.
+    r = client.request("PUT", f"{client.base}/manifests/{digest if payload else remote.tag or digest}", ok=(201,),
                        what=f"pushing manifest {digest}", data=raw,
                        headers={"Content-Type": manifest.get("mediaType", mt.MANIFEST_MEDIA_TYPE)})
     echoed = r.headers.get("Docker-Content-Digest")
     if echoed and echoed != digest:
         raise ColdSnapError(ErrorCode.REGISTRY, f"registry {remote.host} stored the manifest as {echoed}, "
                             f"not {digest}: it rewrote the manifest")
+    index_digest = None
+    if payload and remote.tag:
+        index_digest = _push_index(client, store, remote.tag, digest, len(raw), payload)
     signatures = referrers.push(client, store, digest, len(raw)) if not payload_of_capsule(manifest) else 0
-    return {"digest": digest, "signatures": signatures,
+    return {"digest": digest, "signatures": signatures, "index": index_digest,
             "ref": f"{remote.name}{':' + remote.tag if remote.tag else ''}@{digest}",
             "bytes_transferred": sent + (payload_result or {}).get("bytes_transferred", 0),
             "manifest_bytes": len(raw), "blobs_uploaded": uploaded,
@@ -551,6 +570,15 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
     manifest = strict_json(raw, f"manifest {digest} of {remote}", code=ErrorCode.CAPSULE_CORRUPT)
     if not isinstance(manifest, dict):
         raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"manifest {digest} of {remote} is not a JSON object")
+    if manifest.get("artifactType") == mt.INDEX_ARTIFACT_TYPE and artifact_type == mt.ARTIFACT_TYPE:
+        # a tag of a capsule with a payload (or a pin of that index): the capsule it lists, by digest
+        capsule = next((m.get("digest") for m in manifest.get("manifests") or [] if isinstance(m, dict)
+                        and m.get("artifactType") == mt.ARTIFACT_TYPE and DIGEST_RE.match(str(m.get("digest")))),
+                       None)
+        if capsule is None:
+            raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"{remote} is a ColdSnap index that lists no capsule")
+        tagged = remote.name + (f":{remote.tag}" if remote.tag else "")
+        return pull(store, f"{tagged}@{capsule}", insecure, True, progress, artifact_type)
     if manifest.get("mediaType") == mt.INDEX_MEDIA_TYPE or "manifests" in manifest:
         listed = [m.get("digest") for m in manifest.get("manifests") or [] if isinstance(m, dict)]
         raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"{remote} names an OCI image index of {len(listed)} "

@@ -18,6 +18,9 @@ ANNOTATION_CREATED = "org.opencontainers.image.created"
 ANNOTATION_TITLE = "org.opencontainers.image.title"
 
 PAYLOAD_ARTIFACT_TYPE = "application/vnd.coldsnap.payload.v1+json"
+# What a tag names in a registry when a capsule has a weights payload: an index of the two, so that copy tools
+# (`oras cp -r`, `skopeo copy --all`) and registries that prune untagged manifests keep the payload with its capsule.
+INDEX_ARTIFACT_TYPE = "application/vnd.coldsnap.capsule.index.v1+json"
 LAYER_WEIGHTS = "application/vnd.coldsnap.weights.safetensors.v1"
 ANNOTATION_PAYLOAD = "io.coldsnap.payload"
 ANNOTATION_PATH = "io.coldsnap.path"
