@@ -245,9 +245,13 @@ class HeldShm:
     def __init__(self, source: str | None):
         self.source = source
         self.fds: dict[str, int] = {}
+        self.dir_fd: int | None = None
         if not source:
             return
         try:
+            # The directory itself too: the engine may detach the tmpfs as soon as the container is gone (docker
+            # with --rm), and files CRIU makes during the dump (link_remap.N) are then only reachable through it.
+            self.dir_fd = os.open(source, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             entries = list(os.scandir(source))
         except OSError:
             return
@@ -276,7 +280,8 @@ class HeldShm:
                 continue
             if name not in self.fds:
                 try:
-                    self.fds[name] = _open_held(os.path.join(self.source, name))
+                    self.fds[name] = (os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.dir_fd)
+                                      if self.dir_fd is not None else _open_held(os.path.join(self.source, name)))
                 except OSError:
                     continue  # gone: CRIU ghosted it into the images
             st = os.fstat(self.fds[name])
@@ -289,6 +294,9 @@ class HeldShm:
         for fd in self.fds.values():
             os.close(fd)
         self.fds = {}
+        if self.dir_fd is not None:
+            os.close(self.dir_fd)
+            self.dir_fd = None
 
 
 def _open_held(path: str) -> int:
