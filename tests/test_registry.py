@@ -14,7 +14,7 @@ import requests
 from registry_fixture import ensure_registry, registry  # noqa: F401  (pytest fixture)
 
 from coldsnap.bench.registry import LocalRegistry, free_port
-from coldsnap.capsule import CapsuleStore
+from coldsnap.capsule import CapsuleStore, bloblocks
 from coldsnap.capsule import gc as capsule_gc
 from coldsnap.capsule import registry as reg_mod
 from coldsnap.capsule.registry import pull, push
@@ -343,14 +343,14 @@ def test_ls_rm_gc(src, tmp_path):
     (tmp / "fresh.456").write_bytes(b"w")
     for name in ("stale.123", "a" * 64 + ".partial", "b" * 64 + ".partial"):
         os.utime(tmp / name, (old, old))
-    lock = reg_mod.lock_path(src, "sha256:" + "b" * 64)
-    fd = reg_mod.acquire_blob_lock(lock)
+    lock = bloblocks.lock_path(src, "sha256:" + "b" * 64)
+    fd = bloblocks.acquire_blob_lock(lock)
     try:
         config_a = json.loads(src.blob_path(a).read_bytes())["config"]
         manifest_a_size = src.blob_path(a).stat().st_size
         res = capsule_gc.gc(src, grace_s=0)
     finally:
-        reg_mod.release_blob_lock(lock, fd)
+        bloblocks.release_blob_lock(lock, fd)
     gone = {a, own_a.digest, config_a["digest"], stray.digest}
     assert set(res["removed_blobs"]) == gone
     assert res["tmp_removed"] == 2 and res["tmp_freed_bytes"] == 30

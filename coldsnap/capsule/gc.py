@@ -18,7 +18,7 @@ from pathlib import Path
 
 from coldsnap.base import journal
 from coldsnap.capsule import staged
-from coldsnap.capsule.registry import acquire_blob_lock, lock_path, release_blob_lock
+from coldsnap.capsule.bloblocks import acquire_blob_lock, lock_path, release_blob_lock
 from coldsnap.capsule.store import DIGEST_RE, CapsuleStore, parse_reference
 from coldsnap.contracts import ColdSnapError, ErrorCode
 from coldsnap.contracts import capsule as mt

@@ -15,7 +15,6 @@ Basic challenge get the credentials as a Basic header). Blob bodies never pass w
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -23,11 +22,10 @@ import queue
 import re
 import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from http.cookiejar import DefaultCookiePolicy
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import oras.container
 import oras.provider
@@ -35,6 +33,8 @@ import requests
 
 from coldsnap.base.files import fsync_dir as _fsync_dir
 from coldsnap.capsule import referrers, trust
+from coldsnap.capsule.bloblocks import blob_locks as _blob_locks
+from coldsnap.capsule.bloblocks import partial_path
 from coldsnap.capsule.store import DIGEST_RE, CapsuleStore, Descriptor
 from coldsnap.contracts import ColdSnapError, ErrorCode
 from coldsnap.contracts import capsule as mt
@@ -213,52 +213,6 @@ def _errors(r: requests.Response) -> str:
         return "(" + "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errs) + ")" if errs else ""
     except ValueError:
         return ""
-
-
-# --- locks ----------------------------------------------------------------------------------------------------
-def lock_path(store: CapsuleStore, digest: str) -> Path:
-    return store.root / "tmp" / f"{digest.split(':', 1)[1]}.lock"
-
-
-def partial_path(store: CapsuleStore, digest: str) -> Path:
-    return store.root / "tmp" / f"{digest.split(':', 1)[1]}.partial"
-
-
-def acquire_blob_lock(path: Path, blocking: bool = True) -> int | None:
-    """flock on a lock file that is unlinked by its holder: re-check that the locked inode is still the path's."""
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-        except BlockingIOError:
-            os.close(fd)
-            return None
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            os.close(fd)
-            continue
-        if (st.st_dev, st.st_ino) == (os.fstat(fd).st_dev, os.fstat(fd).st_ino):
-            return fd
-        os.close(fd)
-
-
-def release_blob_lock(path: Path, fd: int) -> None:
-    path.unlink(missing_ok=True)  # while still holding it: waiters re-check the inode
-    os.close(fd)
-
-
-@contextmanager
-def _blob_locks(store: CapsuleStore, digests: list[str]) -> Iterator[None]:
-    held: list[tuple[Path, int]] = []
-    try:
-        for d in sorted(set(digests)):  # one global order: no deadlock between pulls sharing blobs
-            p = lock_path(store, d)
-            held.append((p, acquire_blob_lock(p)))
-        yield
-    finally:
-        for p, fd in reversed(held):
-            release_blob_lock(p, fd)
 
 
 # --- push -----------------------------------------------------------------------------------------------------

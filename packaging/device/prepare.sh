@@ -20,7 +20,8 @@ PY=.venv/bin/python
 pins=$($PY - <<'PY'
 from importlib.metadata import version
 print(" ".join(f"{n}=={version(n)}" for n in
-               ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "pyroute2", "zstandard")))
+               ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "pyroute2", "zstandard",
+                "cryptography", "cffi", "pycparser")))
 PY
 )
 mkdir -p .whl
