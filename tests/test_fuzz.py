@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import zstandard
-from hypothesis import HealthCheck, given, settings
+from hypothesis import example, HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from coldsnap.capsule import CapsuleStore, unpack_layer
@@ -98,6 +98,7 @@ def test_annotation_seeds(seed):
                                        st.sampled_from(['{"fallback_to_cold": "no"}', '{"port": 8000.0}',
                                                         '{"a": 1, "a": 2}', "[" * 64, "sha256:" + "a" * 64])),
                        max_size=5))
+@example({"io.coldsnap.capsule": "", "io.coldsnap.policy": '{"\\n": null}'})  # an unknown field named by a newline
 def test_fuzz_annotations(ann):
     _annotations_any(ann)
 

@@ -33,7 +33,10 @@ def short(value: Any, limit: int = SHORT, quote: bool = True) -> str:
     be megabytes)."""
     text = value if isinstance(value, str) else repr(value)
     text = text if len(text) <= limit else text[:limit] + f"… ({len(text)} characters)"
-    return repr(text) if isinstance(value, str) and quote else text
+    if isinstance(value, str) and quote:
+        return repr(text)
+    # unquoted, still one line: control characters as their escapes (a field name can hold a newline)
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 class _Refused(ValueError):
