@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import zstandard
-from hypothesis import example, HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from coldsnap.capsule import CapsuleStore, unpack_layer
