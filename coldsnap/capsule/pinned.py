@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from coldsnap.base.digests import file_sha256
+from coldsnap.base.digests import checked_chunks, file_sha256
 from coldsnap.contracts import ColdSnapError, ErrorCode, WeightFile
 
 
@@ -14,6 +14,11 @@ def verify_weights(files: list[WeightFile]) -> None:
     for wf in files:
         if not os.path.exists(wf.path):
             raise ColdSnapError(ErrorCode.INCOMPATIBLE, f"weight file {wf.path} is missing on this host")
+        if wf.chunks and wf.chunk_bytes:  # every piece on its own core (coldsnap.base.digests)
+            if not checked_chunks(wf.path, wf.chunks, wf.chunk_bytes):
+                raise ColdSnapError(ErrorCode.INCOMPATIBLE, f"weight file {wf.path} differs from the one the capsule "
+                                    f"pins (sha256 {wf.sha256[:12]}…): a piece does not match")
+            continue
         actual = file_sha256(wf.path)
         if actual != wf.sha256:
             raise ColdSnapError(ErrorCode.INCOMPATIBLE,

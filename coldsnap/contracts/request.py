@@ -18,12 +18,22 @@ class WeightFile(Strict):
     path: str = Field(description="Absolute path of a safetensors file the engine loads.")
     sha256: str = Field(description="Content digest (hex) the file must have; checked before any restore.")
     size: int | None = Field(default=None, ge=0)
+    chunk_bytes: int | None = Field(default=None, gt=0, description="The piece size of `chunks`.")
+    chunks: list[str] = Field(default_factory=list, description="sha256 (hex) of each chunk_bytes piece, in order: "
+                              "a restore checks these in parallel instead of the whole-file stream")
 
     @field_validator("sha256")
     @classmethod
     def _hex(cls, v: str) -> str:
         if not SHA256_RE.match(v):
             raise ValueError("must be 64 lowercase hex digits")
+        return v
+
+    @field_validator("chunks")
+    @classmethod
+    def _hex_chunks(cls, v: list[str]) -> list[str]:
+        if not all(SHA256_RE.match(c) for c in v):
+            raise ValueError("each chunk digest must be 64 lowercase hex digits")
         return v
 
     @field_validator("path")

@@ -143,17 +143,18 @@ def describe_model_dir(directory: str | os.PathLike, model_id: str):
     revision that is the digest of every file the engine reads (weights, config, tokenizer)."""
     import hashlib
 
-    from coldsnap.base.digests import file_sha256
+    from coldsnap.base.digests import CHUNK_BYTES, pinned_digests
     from coldsnap.contracts import Model, WeightFile
 
     d = Path(directory).resolve()
     files = sorted(p for p in d.iterdir() if p.is_file() and not p.name.startswith("."))
     weights, h = [], hashlib.sha256()
     for p in files:
-        digest = file_sha256(str(p))
+        digest, chunks = pinned_digests(str(p))
         h.update(f"{p.name}\0{digest}\n".encode())
         if p.suffix == ".safetensors":
-            weights.append(WeightFile(path=str(p), sha256=digest, size=p.stat().st_size))
+            weights.append(WeightFile(path=str(p), sha256=digest, size=p.stat().st_size,
+                                      chunk_bytes=CHUNK_BYTES if chunks else None, chunks=chunks))
     return Model(id=model_id, revision=f"sha256:{h.hexdigest()}", weights=weights)
 
 

@@ -1,0 +1,59 @@
+"""Weights pinned piece by piece (coldsnap.base.digests): chunk digests match hashlib's, verification in parallel
+finds a changed byte or a changed length, the verdict is remembered until the file changes, and a restore's
+weights check (capsule.pinned.verify_weights) uses them."""
+
+import hashlib
+import os
+
+import pytest
+
+from coldsnap.base import digests
+from coldsnap.capsule.pinned import verify_weights
+from coldsnap.contracts import ColdSnapError, WeightFile
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def weights(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLDSNAP_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(digests, "SETTLED_NS", 0)  # remember at once (the file was just written)
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(os.urandom(5 * MIB + 12345))
+    return path
+
+
+def expected(path, size):
+    data = path.read_bytes()
+    return [hashlib.sha256(data[o:o + size]).hexdigest() for o in range(0, len(data), size)]
+
+
+def test_chunks_are_the_pieces_sha256s_and_the_pin_is_the_whole_files(weights):
+    assert digests.chunk_sha256s(weights, MIB) == expected(weights, MIB)
+    whole, chunks = digests.pinned_digests(weights, MIB)
+    assert whole == hashlib.sha256(weights.read_bytes()).hexdigest() and chunks == expected(weights, MIB)
+    assert digests.pinned_digests(weights, 64 * MIB)[1] == []  # one piece: the whole-file digest is enough
+
+
+def test_verification_finds_a_changed_byte_or_length_and_remembers_a_match(weights, monkeypatch):
+    chunks = expected(weights, MIB)
+    assert digests.checked_chunks(weights, chunks, MIB)
+    calls, real = [], digests.chunk_sha256s
+    monkeypatch.setattr(digests, "chunk_sha256s", lambda *a: calls.append(a) or [])
+    assert digests.checked_chunks(weights, chunks, MIB) and calls == []  # remembered: nothing hashed
+    monkeypatch.setattr(digests, "chunk_sha256s", real)
+    with open(weights, "r+b") as f:
+        f.seek(3 * MIB + 7)
+        f.write(b"\x00" if f.read(1) != b"\x00" else b"\x01")
+    assert not digests.checked_chunks(weights, chunks, MIB)  # changed since: hashed again, and it differs
+    assert not digests.checked_chunks(weights, chunks[:-1], MIB)  # the length does not fit the pieces
+
+
+def test_a_restore_checks_weights_by_their_pieces(weights):
+    whole, chunks = digests.pinned_digests(weights, MIB)
+    wf = WeightFile(path=str(weights), sha256=whole, size=weights.stat().st_size, chunk_bytes=MIB, chunks=chunks)
+    verify_weights([wf])
+    bad = wf.model_copy(update={"chunks": [chunks[0], "0" * 64, *chunks[2:]]})
+    with pytest.raises(ColdSnapError) as e:
+        verify_weights([bad])
+    assert "a piece does not match" in e.value.message
