@@ -18,8 +18,6 @@ import json
 import os
 import platform
 import shlex
-import shutil
-import tempfile
 import time
 import uuid
 from datetime import datetime, timezone
@@ -30,7 +28,7 @@ from coldsnap.base.paths import settings
 from coldsnap.base.procfs import alive
 from coldsnap.bench.rootfs import host_usr_rootfs
 from coldsnap.bench.run import BenchOptions, BenchResult, _chart, _stats, side_by_side
-from coldsnap.bench.via import CACHE, ENGINE_ARGS, PORT, SETUP, _sh, coldsnap_env
+from coldsnap.bench.via import CACHE, ENGINE_ARGS, PORT, SETUP, _sh, private_base
 from coldsnap.contracts import CaptureRequest, ColdSnapError, ErrorCode, Validation
 from coldsnap.contracts import capsule as mt
 from coldsnap.workload.probe import ValidationProbe
@@ -147,31 +145,18 @@ def run_pods_bench(opts: BenchOptions, progress: Progress = lambda m: None) -> B
     if r.returncode != 0:
         raise ColdSnapError(ErrorCode.ENVIRONMENT, f"setup.sh install containerd: {(r.stderr or r.stdout)[-400:]}")
 
-    base = Path(tempfile.mkdtemp(prefix="coldsnap-bench-cri-", dir="/var/tmp"))
-    env = coldsnap_env(base, criu_prefix)
-    saved = {k: os.environ.get(k) for k in (*env, "COLDSNAP_STORE", "COLDSNAP_RECEIPTS")}
-    os.environ.update(env)
-    for k in ("COLDSNAP_STORE", "COLDSNAP_RECEIPTS"):
-        os.environ.pop(k, None)
-    node = Node(base)
-    try:
-        spec = PodSpec(opts.engine, opts.engine_options, base)
-        progress(f"a private containerd with CRI under {base} (runtime class coldsnap from `coldsnap runtime "
-                 "configure --runtime containerd`)")
-        node.start(dict(os.environ))
-        node.import_image(host_usr_rootfs(base / "rootfs", extra_dirs=(CACHE,)), name=IMAGE)
-        return _bench(opts, node, spec, progress)
-    finally:
-        progress(f"cleaning up (pods, containerd, {base})")
+    with private_base("cri", progress) as (base, _):
+        node = Node(base)
         try:
-            node.stop()
+            spec = PodSpec(opts.engine, opts.engine_options, base)
+            progress(f"a private containerd with CRI under {base} (runtime class coldsnap from `coldsnap runtime "
+                     "configure --runtime containerd`)")
+            node.start(dict(os.environ))
+            node.import_image(host_usr_rootfs(base / "rootfs", extra_dirs=(CACHE,)), name=IMAGE)
+            return _bench(opts, node, spec, progress)
         finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-            shutil.rmtree(base, ignore_errors=True)
+            progress(f"cleaning up (pods, containerd, {base})")
+            node.stop()
 
 
 def _bench(opts: BenchOptions, node, spec: PodSpec, progress: Progress) -> BenchResult:

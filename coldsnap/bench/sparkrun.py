@@ -19,12 +19,10 @@ import os
 import platform
 import re
 import shlex
-import shutil
 import socket
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -33,7 +31,7 @@ from typing import Callable
 from coldsnap.base.paths import settings
 from coldsnap.bench.rootfs import host_usr_rootfs
 from coldsnap.bench.run import BenchOptions, BenchResult, _chart, _stats, side_by_side
-from coldsnap.bench.via import PYTHON_HOME, REPO, VENV, Docker, coldsnap_env
+from coldsnap.bench.via import PYTHON_HOME, REPO, VENV, Docker, private_base
 from coldsnap.contracts import CaptureRequest, ColdSnapError, ErrorCode
 
 Progress = Callable[[str], None]
@@ -203,31 +201,20 @@ def run_sparkrun_bench(opts: BenchOptions, progress: Progress = lambda m: None) 
     if os.geteuid() != 0:
         raise ColdSnapError(ErrorCode.ENVIRONMENT, "--via sparkrun needs root (dockerd, runc, CRIU)")
     criu_prefix = os.environ.get("COLDSNAP_CRIU_PREFIX") or str(settings().criu_prefix)
+    if not os.access(f"{criu_prefix}/bin/criu", os.X_OK):
+        raise ColdSnapError(ErrorCode.ENVIRONMENT, f"CRIU not provisioned at {criu_prefix}: run `make setup`")
     r = subprocess.run([str(REPO / "packaging" / "containers" / "setup.sh"), "install", "docker"],
                        capture_output=True, text=True)
     if r.returncode != 0:
         raise ColdSnapError(ErrorCode.ENVIRONMENT, f"setup.sh install docker: {(r.stderr or r.stdout)[-400:]}")
-    base = Path(tempfile.mkdtemp(prefix="coldsnap-bench-sparkrun-", dir="/var/tmp"))
-    env = coldsnap_env(base, criu_prefix)
-    saved = {k: os.environ.get(k) for k in (*env, "COLDSNAP_STORE", "COLDSNAP_RECEIPTS")}
-    os.environ.update(env)
-    for k in ("COLDSNAP_STORE", "COLDSNAP_RECEIPTS"):
-        os.environ.pop(k, None)
-    lab = SparkrunLab(base, env)
-    try:
-        lab.start(progress)
-        return _bench(opts, lab, progress)
-    finally:
-        progress(f"cleaning up (sparkrun workloads, dockerd, {base})")
+    with private_base("sparkrun", progress) as (base, env):
+        lab = SparkrunLab(base, env)
         try:
-            lab.stop()
+            lab.start(progress)
+            return _bench(opts, lab, progress)
         finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-            shutil.rmtree(base, ignore_errors=True)
+            progress(f"cleaning up (sparkrun workloads, dockerd, {base})")
+            lab.stop()
 
 
 def _timed_run(lab: SparkrunLab, recipe: Path, mode: str | None) -> tuple[float, float | None, str]:

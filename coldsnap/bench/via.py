@@ -24,9 +24,10 @@ import tarfile
 import tempfile
 import time
 import uuid
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from coldsnap.base.paths import settings
 from coldsnap.base.procfs import alive
@@ -69,6 +70,31 @@ def shared_volumes() -> list[str]:
 def coldsnap_env(base: Path, criu_prefix: str) -> dict[str, str]:
     return {"COLDSNAP_HOME": str(base / "home"), "COLDSNAP_RUN": str(base / "run"),
             "COLDSNAP_CRIU_PREFIX": criu_prefix}
+
+
+@contextmanager
+def private_base(name: str, progress: Progress = lambda m: None) -> Iterator[tuple[Path, dict[str, str]]]:
+    """(a fresh directory under /var/tmp, the environment that points ColdSnap's home and run dir into it): set in
+    this process, and so in every daemon and tool a container bench starts, for the duration; then restored, and
+    the directory removed."""
+    criu_prefix = os.environ.get("COLDSNAP_CRIU_PREFIX") or str(settings().criu_prefix)
+    base = Path(tempfile.mkdtemp(prefix=f"coldsnap-bench-{name}-", dir="/var/tmp"))
+    env = coldsnap_env(base, criu_prefix)
+    saved = {k: os.environ.get(k) for k in (*env, "COLDSNAP_STORE", "COLDSNAP_RECEIPTS")}
+    os.environ.update(env)
+    for k in ("COLDSNAP_STORE", "COLDSNAP_RECEIPTS"):
+        os.environ.pop(k, None)
+    try:
+        yield base, env
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(base, ignore_errors=True)
+        if base.exists():
+            progress(f"note: {base} could not be removed entirely (a mount left behind?)")
 
 
 def env_wrapper(path: Path, env: dict[str, str], target: Path) -> Path:
@@ -360,30 +386,17 @@ def run_via_bench(opts: BenchOptions, progress: Progress = lambda m: None) -> Be
         raise ColdSnapError(ErrorCode.ENVIRONMENT, f"setup.sh install {via}: {(r.stderr or r.stdout).strip()[-400:]}")
     flags = _engine_flags(opts.engine_options)
 
-    base = Path(tempfile.mkdtemp(prefix=f"coldsnap-bench-{via}-", dir="/var/tmp"))
-    env = coldsnap_env(base, criu_prefix)
-    saved = {k: os.environ.get(k) for k in (*env, "COLDSNAP_STORE", "COLDSNAP_RECEIPTS")}
-    os.environ.update(env)
-    for k in ("COLDSNAP_STORE", "COLDSNAP_RECEIPTS"):
-        os.environ.pop(k, None)
-    engine = ENGINES[via](base, env)
-    engine.engine_args += flags
-    try:
-        return _bench(opts, engine, progress)
-    finally:
-        progress(f"cleaning up ({via} containers and image, {base})")
+    with private_base(via, progress) as (base, env):
+        engine = ENGINES[via](base, env)
+        engine.engine_args += flags
         try:
-            engine.remove_all()
+            return _bench(opts, engine, progress)
         finally:
-            engine.stop()
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-            shutil.rmtree(base, ignore_errors=True)
-            if base.exists():
-                progress(f"note: {base} could not be removed entirely (a mount left behind?)")
+            progress(f"cleaning up ({via} containers and image, {base})")
+            try:
+                engine.remove_all()
+            finally:
+                engine.stop()
 
 
 def _bench(opts: BenchOptions, engine: Engine, progress: Progress) -> BenchResult:
