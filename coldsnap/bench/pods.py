@@ -28,7 +28,7 @@ from coldsnap.base.paths import settings
 from coldsnap.base.procfs import alive
 from coldsnap.bench.rootfs import host_usr_rootfs
 from coldsnap.bench.run import BenchOptions, BenchResult, _chart, _stats, side_by_side
-from coldsnap.bench.via import CACHE, ENGINE_ARGS, PORT, SETUP, _sh, private_base
+from coldsnap.bench.via import CACHE, ENGINE_ARGS, PORT, _sh, container_bench_ready, private_base
 from coldsnap.contracts import CaptureRequest, ColdSnapError, ErrorCode, Validation
 from coldsnap.contracts import capsule as mt
 from coldsnap.workload.probe import ValidationProbe
@@ -129,21 +129,9 @@ def floor_once(node) -> float:
 def run_pods_bench(opts: BenchOptions, progress: Progress = lambda m: None) -> BenchResult:
     from coldsnap.bench.cri import Node
 
-    n = opts.samples
-    if n < 1:
-        raise ColdSnapError(ErrorCode.INVALID_REQUEST, "--samples must be at least 1")
     if opts.device != "cpu":
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, "--via cri benchmarks on cpu only")
-    if os.geteuid() != 0:
-        raise ColdSnapError(ErrorCode.ENVIRONMENT, "--via cri needs root (containerd, runc, CRIU)")
-    criu_prefix = os.environ.get("COLDSNAP_CRIU_PREFIX") or str(settings().criu_prefix)
-    if not os.access(f"{criu_prefix}/bin/criu", os.X_OK):
-        raise ColdSnapError(ErrorCode.ENVIRONMENT, f"CRIU not provisioned at {criu_prefix}: run `make setup`")
-    progress("making sure containerd and the CNI plugins are installed (packaging/containers/setup.sh install "
-             "containerd)")
-    r = _sh([str(SETUP), "install", "containerd"])
-    if r.returncode != 0:
-        raise ColdSnapError(ErrorCode.ENVIRONMENT, f"setup.sh install containerd: {(r.stderr or r.stdout)[-400:]}")
+    container_bench_ready(opts, "cri", "containerd", progress)
 
     with private_base("cri", progress) as (base, _):
         node = Node(base)

@@ -31,7 +31,7 @@ from typing import Callable
 from coldsnap.base.paths import settings
 from coldsnap.bench.rootfs import host_usr_rootfs
 from coldsnap.bench.run import BenchOptions, BenchResult, _chart, _stats, side_by_side
-from coldsnap.bench.via import PYTHON_HOME, REPO, VENV, Docker, private_base
+from coldsnap.bench.via import PYTHON_HOME, REPO, VENV, Docker, container_bench_ready, private_base
 from coldsnap.contracts import CaptureRequest, ColdSnapError, ErrorCode
 
 Progress = Callable[[str], None]
@@ -195,18 +195,7 @@ def ttft_of(output: str) -> float | None:
 
 
 def run_sparkrun_bench(opts: BenchOptions, progress: Progress = lambda m: None) -> BenchResult:
-    n = opts.samples
-    if n < 1:
-        raise ColdSnapError(ErrorCode.INVALID_REQUEST, "--samples must be at least 1")
-    if os.geteuid() != 0:
-        raise ColdSnapError(ErrorCode.ENVIRONMENT, "--via sparkrun needs root (dockerd, runc, CRIU)")
-    criu_prefix = os.environ.get("COLDSNAP_CRIU_PREFIX") or str(settings().criu_prefix)
-    if not os.access(f"{criu_prefix}/bin/criu", os.X_OK):
-        raise ColdSnapError(ErrorCode.ENVIRONMENT, f"CRIU not provisioned at {criu_prefix}: run `make setup`")
-    r = subprocess.run([str(REPO / "packaging" / "containers" / "setup.sh"), "install", "docker"],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        raise ColdSnapError(ErrorCode.ENVIRONMENT, f"setup.sh install docker: {(r.stderr or r.stdout)[-400:]}")
+    container_bench_ready(opts, "sparkrun", "docker", progress)
     with private_base("sparkrun", progress) as (base, env):
         lab = SparkrunLab(base, env)
         try:

@@ -72,6 +72,23 @@ def coldsnap_env(base: Path, criu_prefix: str) -> dict[str, str]:
             "COLDSNAP_CRIU_PREFIX": criu_prefix}
 
 
+def container_bench_ready(opts: BenchOptions, via: str, component: str, progress: Progress) -> None:
+    """What every container bench needs before it starts anything: samples, root, CRIU, and the engine's packages
+    (packaging/containers/setup.sh install COMPONENT)."""
+    if opts.samples < 1:
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, "--samples must be at least 1")
+    if os.geteuid() != 0:
+        raise ColdSnapError(ErrorCode.ENVIRONMENT, f"--via {via} needs root ({component}, runc, CRIU)")
+    criu_prefix = os.environ.get("COLDSNAP_CRIU_PREFIX") or str(settings().criu_prefix)
+    if not os.access(os.environ.get("COLDSNAP_CRIU") or f"{criu_prefix}/bin/criu", os.X_OK):
+        raise ColdSnapError(ErrorCode.ENVIRONMENT, f"CRIU not provisioned at {criu_prefix}: run `make setup`")
+    progress(f"making sure {component} is installed (packaging/containers/setup.sh install {component})")
+    r = _sh([str(SETUP), "install", component])
+    if r.returncode != 0:
+        raise ColdSnapError(ErrorCode.ENVIRONMENT, f"setup.sh install {component}: "
+                            f"{(r.stderr or r.stdout).strip()[-400:]}")
+
+
 @contextmanager
 def private_base(name: str, progress: Progress = lambda m: None) -> Iterator[tuple[Path, dict[str, str]]]:
     """(a fresh directory under /var/tmp, the environment that points ColdSnap's home and run dir into it): set in
@@ -370,20 +387,10 @@ def _receipt(cid: str) -> dict:
 
 
 def run_via_bench(opts: BenchOptions, progress: Progress = lambda m: None) -> BenchResult:
-    via, n = opts.via, opts.samples
-    if n < 1:
-        raise ColdSnapError(ErrorCode.INVALID_REQUEST, "--samples must be at least 1")
+    via = opts.via
     if opts.engine != "reference" or opts.device != "cpu":
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, "--via benchmarks the reference engine on cpu only")
-    if os.geteuid() != 0:
-        raise ColdSnapError(ErrorCode.ENVIRONMENT, "--via needs root (runc, CRIU, a rootful engine)")
-    criu_prefix = os.environ.get("COLDSNAP_CRIU_PREFIX") or str(settings().criu_prefix)
-    if not os.access(os.environ.get("COLDSNAP_CRIU") or f"{criu_prefix}/bin/criu", os.X_OK):
-        raise ColdSnapError(ErrorCode.ENVIRONMENT, f"CRIU not provisioned at {criu_prefix}: run `make setup`")
-    progress(f"making sure {via} is installed (packaging/containers/setup.sh install {via})")
-    r = _sh([str(SETUP), "install", via])
-    if r.returncode != 0:
-        raise ColdSnapError(ErrorCode.ENVIRONMENT, f"setup.sh install {via}: {(r.stderr or r.stdout).strip()[-400:]}")
+    container_bench_ready(opts, via, via, progress)
     flags = _engine_flags(opts.engine_options)
 
     with private_base(via, progress) as (base, env):
