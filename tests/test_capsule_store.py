@@ -222,6 +222,7 @@ def test_staging_is_bounded_listed_and_freed_by_rm_and_gc(store, tmp_path, monke
     from coldsnap.capsule.gc import gc, list_capsules, remove
 
     monkeypatch.setenv("COLDSNAP_STAGED", str(tmp_path / "staged"))
+    monkeypatch.setenv("COLDSNAP_STORE", str(store.root))  # the staging area is this store's
     other = make_capsule(store, tmp_path, payload=b"other images")
     store.write_capsule(profile(), store.load(other).layers, {}, tag="other")
     other = store.resolve("other", allow_unpinned=True)
@@ -233,6 +234,9 @@ def test_staging_is_bounded_listed_and_freed_by_rm_and_gc(store, tmp_path, monke
     _stage_fake(gone, 100_000, now - 300)
     rows = {r["digest"]: r for r in list_capsules(store)}
     assert rows[kept]["staged_bytes"] >= 300_000 and rows[other]["staged_bytes"] >= 200_000
+    mirror = CapsuleStore(tmp_path / "mirror").init()
+    assert gc(mirror)["staged_removed"] == []  # another store's gc leaves the home's staging area alone
+    assert staged.path_of(gone).exists()
     out = gc(store)  # the unindexed capsule's images go; the cap (a quarter of the disk) keeps the others
     assert out["staged_removed"] == [gone] and out["staged_freed_bytes"] >= 100_000
     assert not staged.path_of(gone).exists() and staged.path_of(kept).exists()

@@ -23,6 +23,9 @@ pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-m", "coldsnap.cli"]
 
 
+FOREIGN_VETHS: set[str] = set()
+
+
 @pytest.fixture(scope="module")
 def home(tmp_path_factory):
     needs_root_criu()
@@ -30,6 +33,7 @@ def home(tmp_path_factory):
     env = {**os.environ, "COLDSNAP_HOME": str(root / "home"), "COLDSNAP_RUN": str(root / "run"),
            "COLDSNAP_CRIU_PREFIX": CRIU_PREFIX}
     env.pop("COLDSNAP_STORE", None)
+    FOREIGN_VETHS.update(ln for ln in links() if ln.startswith("csh"))  # another ColdSnap's on this host
     yield root, env
     subprocess.run([*CLI, "status"], env=env, capture_output=True, timeout=300)  # recovery, whatever a case left
     for ws in json.loads(_run(env, "status", "--json").stdout or '{"workloads": []}')["workloads"]:
@@ -112,7 +116,7 @@ def assert_host_clean(root: Path, env, keep: set[str] = frozenset()):
         assert w["state"] == "active" and serving(w["url"]), w
     kept_veths = {json.loads((root / "run" / "workloads" / k / "state.json").read_text())["network"]["host_veth"]
                   for k in keep}
-    assert {ln for ln in links() if ln.startswith("csh")} <= kept_veths  # no veth of ours left behind
+    assert {ln for ln in links() if ln.startswith("csh")} - FOREIGN_VETHS <= kept_veths  # no veth of ours left
     capture_work = root / "run" / "capture"
     assert not capture_work.exists() or list(capture_work.iterdir()) == []
     tmp = root / "home" / "store" / "tmp"

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from coldsnap.base import journal
+from coldsnap.base.paths import settings
 from coldsnap.capsule import staged
 from coldsnap.capsule.bloblocks import acquire_blob_lock, lock_path, release_blob_lock
 from coldsnap.capsule.store import DIGEST_RE, CapsuleStore, parse_reference
@@ -146,6 +147,11 @@ def discard(store: CapsuleStore, digests: list[str], mine: "journal.Journal | No
     return freed
 
 
+def _owns_staging(store: CapsuleStore) -> bool:
+    """The staging area belongs to the home's store: gc of any other store (a copy, a mirror) leaves it alone."""
+    return store.root.resolve() == settings().store.resolve()
+
+
 def _age(st, now: float) -> float:
     return now - max(st.st_mtime, st.st_ctime)  # ctime: a rename/chmod into the store counts as new
 
@@ -201,14 +207,15 @@ def gc(store: CapsuleStore, grace_s: float = DEFAULT_GRACE_S, tmp_max_age_s: flo
     with store._locked():
         live = reachable(store) | in_flight_blobs()
         indexed = {m["digest"] for m in store.index()}
-        for entry in staged.entries():  # unpacked capsules no index entry names any more
-            if entry.digest not in indexed and (freed := staged.remove(entry.digest)):
-                out["staged_removed"].append(entry.digest)
-                out["staged_freed_bytes"] += freed
-        before = {e.digest: e.bytes for e in staged.entries()}
-        for digest in staged.evict():
-            out["staged_removed"].append(digest)
-            out["staged_freed_bytes"] += before.get(digest, 0)
+        if _owns_staging(store):
+            for entry in staged.entries():  # unpacked capsules no index entry names any more
+                if entry.digest not in indexed and (freed := staged.remove(entry.digest)):
+                    out["staged_removed"].append(entry.digest)
+                    out["staged_freed_bytes"] += freed
+            before = {e.digest: e.bytes for e in staged.entries()}
+            for digest in staged.evict():
+                out["staged_removed"].append(digest)
+                out["staged_freed_bytes"] += before.get(digest, 0)
         if code_dir is not None:
             _gc_code_files(code_dir, code_files_in_use(store, live), grace_s, now, out)
         if store.blobs.is_dir():

@@ -23,6 +23,8 @@ def results_dir() -> Path:
 
 def _where(data: dict) -> str:
     host = data.get("host") or {}
+    if isinstance(host, str):  # a device run that describes its machine in words
+        return host
     gpus = host.get("gpus") or []
     machine = f"{len(gpus)}x{gpus[0]}" if gpus else (host.get("cpu_model") or "CPU")
     return f"{machine}, CRIU {host.get('criu', '?')}"
@@ -61,6 +63,14 @@ def _receipts_claim(data: dict) -> str | None:
     return f"{done} ({data.get('command', 'command not recorded')})"
 
 
+def _summary_claim(data: dict) -> str:
+    """A device run assembled by a script (not `coldsnap bench`): what it measured, its summary, where and how."""
+    figures = "; ".join(f"{k}: " + ", ".join(f"{m} {v}" for m, v in row.items()) if isinstance(row, dict)
+                        else f"{k} {row}" for k, row in data["summary"].items())
+    return f"{data['what']}: {figures} (on {_where(data)}; page cache {data.get('page_cache', '?')}): " \
+           f"`{data['command']}`"
+
+
 def qualifications(directory: Path | None = None) -> list[Qualification]:
     directory = directory or results_dir()
     out = []
@@ -77,6 +87,8 @@ def qualifications(directory: Path | None = None) -> list[Qualification]:
             if path.with_name(path.name.removesuffix(".receipts.json") + ".json").exists():
                 continue  # the receipts of a bench result: the result says it
             claim = _receipts_claim(data)
+        elif isinstance(data.get("summary"), dict) and data.get("what") and data.get("command"):
+            claim = _summary_claim(data)
         else:
             claim = f"measured: {data.get('command')}" if data.get("command") else None
         if claim:
