@@ -26,7 +26,7 @@ from coldsnap.flows.capture import capture
 from coldsnap.flows.coldstart import start_cold
 from coldsnap.flows.restore import restore
 from coldsnap.net import destroy_network
-from coldsnap.workload.process import kill_tree, stop_workload, uses_gpu
+from coldsnap.workload.process import kill_tree, stop_workload
 from coldsnap.workload.state import load_state
 
 
@@ -54,7 +54,7 @@ def run_replicas(opts: BenchOptions, replicas: int, progress=lambda m: None) -> 
 
     def vanilla(i: int) -> bool:
         cold = start_cold(f"{name}-v{i}", req.launch.port, launch.argv, launch.env, launch.cwd, req.validation,
-                          expected=expected, gpu=uses_gpu(req.launch.devices))
+                          expected=expected)
         kill_tree(cold.state.pid)
         destroy_network(cold.state.plan)
         return True

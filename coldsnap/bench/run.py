@@ -23,7 +23,7 @@ from coldsnap.flows.capture import capture
 from coldsnap.flows.coldstart import start_cold
 from coldsnap.flows.restore import restore
 from coldsnap.net import destroy_network
-from coldsnap.workload.process import kill_tree, stop_workload, uses_gpu
+from coldsnap.workload.process import kill_tree, stop_workload
 from coldsnap.workload.state import load_state
 
 
@@ -169,8 +169,7 @@ def drop_page_cache() -> None:
 
 
 def _vanilla_once(name: str, req: CaptureRequest, launch, expected: str | None) -> float:
-    cold = start_cold(name, req.launch.port, launch.argv, launch.env, launch.cwd, req.validation, expected=expected,
-                      gpu=uses_gpu(req.launch.devices))
+    cold = start_cold(name, req.launch.port, launch.argv, launch.env, launch.cwd, req.validation, expected=expected)
     try:
         return cold.time_to_first_token
     finally:

@@ -51,6 +51,9 @@ class CriuOptions:
     leave_running: bool = False
     log_level: int = 4
     external: list[str] = field(default_factory=list)
+    # The tree has its own mount namespace, a private copy of the host's (coldsnap.workload.mountns): every mount
+    # the host also has is external, bound back from the host at restore, under the host's root.
+    host_mounts: bool = False
 
     def cli_flags(self) -> list[str]:
         """The same options as `criu` command-line flags (for receipts and by-hand replay)."""
@@ -66,6 +69,8 @@ class CriuOptions:
         flags += [flag for on, flag in table if on]
         flags += [f"--ghost-limit={self.ghost_limit_mib}M", f"--network-lock={self.network_lock}"]
         flags += [f"--external={e}" for e in self.external]
+        if self.host_mounts:
+            flags += ["--external=mnt[]", "--root=/"]
         return flags
 
     def apply(self, opts, pycriu) -> None:
@@ -79,6 +84,9 @@ class CriuOptions:
             self.network_lock
         ]
         opts.log_level = self.log_level
+        if self.host_mounts:
+            opts.external.append("mnt[]")  # auto-detect: a mount the host also has is external
+            opts.root = "/"
 
 
 def first_error_line(log: Path) -> str:

@@ -41,7 +41,7 @@ from coldsnap.gpu import steps as gpu_steps
 from coldsnap.host.profile import host_profile
 from coldsnap.net import destroy_network, netns_inode
 from coldsnap.workload import hostfiles
-from coldsnap.workload.process import kill_tree, uses_gpu
+from coldsnap.workload.process import kill_tree
 from coldsnap.workload.state import WorkloadState, refuse_running, run_dir, save_state
 
 Progress = Callable[[str], None]
@@ -96,7 +96,7 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> tuple
         progress(f"starting the {request.engine.name} engine cold (weights mode {launch.weights_mode})")
         with tl.span("cold-start"):
             cold = start_cold(name, request.launch.port, launch.argv, launch.env, launch.cwd, request.validation,
-                              gpu=uses_gpu(request.launch.devices), journal=journal)
+                              journal=journal)
         pid, probe, first, plan = cold.state.pid, cold.probe, cold.first, cold.state.plan
         journal.about["plan"] = plan.model_dump()
         progress(f"network {plan.netns}: {plan.workload_address}:{plan.port} (host side {plan.host_address})")
@@ -135,7 +135,7 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> tuple
         if ranks > 1:
             progress(f"{ranks} tensor-parallel ranks in one tree: one dump")
 
-        options = CriuOptions(leave_running=leave_running)
+        options = CriuOptions(leave_running=leave_running, host_mounts=True)
         progress("dumping with CRIU")
         with tl.span("criu-dump"):
             criu.dump(pid, images, options, netns_inode(plan.netns))

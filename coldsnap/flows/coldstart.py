@@ -30,7 +30,7 @@ class ColdStart:
 
 
 def start_cold(name: str, plan: NetworkPlan | int, argv: list[str], env: dict[str, str], cwd: str | None,
-               validation: Validation, expected: str | None = None, gpu: bool = False,
+               validation: Validation, expected: str | None = None,
                journal: Journal | None = None) -> ColdStart:
     """Network, start, ready, one validated completion. On failure nothing is left running. plan: the network to
     create, or the port the workload serves on (a free network is chosen, ColdStart.state.network says which). With
@@ -63,7 +63,7 @@ def start_cold(name: str, plan: NetworkPlan | int, argv: list[str], env: dict[st
     workload = journal.add("workload", name=name, netns=plan.netns)
     try:
         started = time.monotonic()
-        pid = start_in_namespaces(argv, workload_env(env), plan, log, cwd=cwd, pid_namespace=not gpu)
+        pid = start_in_namespaces(argv, workload_env(env), plan, log, cwd=cwd)
         journal.update(workload, pid=pid, start=start_time(pid))
         probe = ValidationProbe(plan.workload_address, plan.port, validation)
         ready = probe.wait_ready(alive=lambda: alive(pid))

@@ -29,7 +29,7 @@ from coldsnap.flows.staging import Staged, put_back_files, reloads_weights, stag
 from coldsnap.gpu import steps as gpu_steps
 from coldsnap.net import destroy_network, netns_path, new_network
 from coldsnap.workload.probe import ValidationProbe
-from coldsnap.workload.process import kill_tree, uses_gpu
+from coldsnap.workload.process import kill_tree
 from coldsnap.workload.state import WorkloadState, refuse_running, run_dir, save_state
 
 Progress = Callable[[str], None]
@@ -116,7 +116,7 @@ def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progr
             # one restore of a capsule at a time puts back its files and hands them to CRIU: each gets its own
             # copies (replaced, not rewritten, so an earlier restore keeps the ones it has)
             put_back_files(staged)
-            options = CriuOptions()
+            options = CriuOptions(host_mounts=True)
             pid = criu.restore(staged.images, work, options, netns_path(plan.netns))
         journal.update(workload, pid=pid, start=start_time(pid))
         criu_account = criu_stats(work, "restore")
@@ -208,8 +208,7 @@ def cold_start(profile, request: RestoreRequest, progress: Progress) -> dict:
     """Start the captured workload's launch cold, on a network of its own, and validate it."""
     name = workload_name(request, profile)
     cold = start_cold(name, profile.network.port, profile.launch.command, profile.launch.env, profile.launch.workdir,
-                      _validation(request, profile), expected=profile.expected_text,
-                      gpu=uses_gpu(profile.launch.devices))
+                      _validation(request, profile), expected=profile.expected_text)
     cold.state.engine, cold.state.weights_mode = profile.engine.name, profile.weights_mode
     save_state(cold.state)
     progress(f"cold start validated: first token {cold.time_to_first_token:.2f} s after start")

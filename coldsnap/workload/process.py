@@ -1,8 +1,10 @@
-"""Workload processes: start a command as the init of its own PID namespace inside a network namespace, kill
-its whole tree, stop it (tree, network, state file).
+"""Workload processes: start a command as the init of its own PID and mount namespaces inside a network namespace,
+kill its whole tree, stop it (tree, network, state file).
 
-Own PID namespace because the VM's PID 1 reaps zombies slowly (restores into the host namespace collide on PIDs),
-and because CRIU then restores the whole namespace with the PIDs the process tree had.
+Own PID namespace because a restore must not depend on which PIDs the host uses (CRIU restores the whole namespace
+with the PIDs the tree had); own mount namespace for the /proc that matches it (the NVIDIA driver needs one: CUDA
+fails with error 304 in a PID namespace that sees the host's /proc). One mechanism for CPU and GPU workloads
+(coldsnap.workload.mountns).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -37,15 +40,13 @@ def uses_gpu(devices: list[str]) -> bool:
 
 
 def start_in_namespaces(argv: list[str], env: dict[str, str], plan: NetworkPlan, log_path: Path,
-                        cwd: str | None = None, pid_namespace: bool = True) -> int:
-    """Start argv inside plan's netns as a session leader; by default as PID 1 of a new PID namespace.
-    Returns the host PID of the workload's root.
-
-    GPU workloads stay in the host PID namespace: the NVIDIA driver fails to initialise (CUDA error 304) in a
-    PID namespace that sees the host's /proc, and a private /proc would need a mount namespace for CRIU to carry."""
+                        cwd: str | None = None) -> int:
+    """Start argv inside plan's netns as a session leader and PID 1 of new PID and mount namespaces (a private copy
+    of the host's mounts with its own /proc). Returns the host PID of the workload's root."""
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    prefix = ["nsenter", f"--net={netns_path(plan.netns)}"]
-    prefix += ["unshare", "--pid", "--fork", "setsid"] if pid_namespace else ["setsid"]
+    prefix = ["nsenter", f"--net={netns_path(plan.netns)}",
+              "unshare", "--pid", "--fork", "--mount", "--mount-proc", "--propagation", "private",
+              sys.executable, "-m", "coldsnap.workload.mountns", str(log_path)]
     try:
         launcher = subprocess.Popen([*prefix, *argv], stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
                                     env=env, cwd=cwd, close_fds=True)
@@ -54,7 +55,7 @@ def start_in_namespaces(argv: list[str], env: dict[str, str], plan: NetworkPlan,
     _LAUNCHERS[launcher.pid] = launcher  # reaped in kill_tree (avoids zombies holding PIDs)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        root = launcher.pid if not pid_namespace else next(iter(read_children(launcher.pid)), None)
+        root = next(iter(read_children(launcher.pid)), None)
         # Return only once setsid has run: until then the root is still in our session, and a capture or a
         # signal to its session could reach us.
         if root is not None and session_of(root) == root:
@@ -84,9 +85,9 @@ def inner_pid(pid: int) -> int | None:
 
 def kill_tree(pid: int, timeout: float = 30.0) -> None:
     """SIGKILL the workload's root and every descendant (for a PID-namespace init the kernel does the rest), wait
-    until each is gone and reaped (a zombie still holds its PID, and a restore into the host PID namespace needs the
-    same PIDs again), then remove the host /dev/shm files it used and the UNIX socket files it bound (a SIGKILLed
-    engine leaves its queues, semaphores and ZMQ ipc sockets behind)."""
+    until each is gone and reaped (a zombie still holds its PID and its GPU memory), then remove the host /dev/shm
+    files it used and the UNIX socket files it bound (a SIGKILLed engine leaves its queues, semaphores and ZMQ ipc
+    sockets behind)."""
     from coldsnap.workload.hostfiles import remove_socket_files, tree_shm_files, tree_socket_files
 
     shm = tree_shm_files(pid)
@@ -100,8 +101,8 @@ def kill_tree(pid: int, timeout: float = 30.0) -> None:
     for launcher_pid, launcher in list(_LAUNCHERS.items()):
         if launcher.poll() is not None:
             _LAUNCHERS.pop(launcher_pid, None)
-    # Wait until every PID of the tree is really free: a restore into the host PID namespace needs the same PIDs
-    # again, and a GPU process can take a while to exit (driver teardown).
+    # Wait until every process of the tree is really gone: a GPU process can take a while to exit (driver teardown),
+    # and until then it holds its GPU memory.
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for p in tree:
