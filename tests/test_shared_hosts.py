@@ -1,7 +1,10 @@
-"""Shared hosts, for real (reference engine on CPU, real CRIU): restores that do not care which PIDs the host uses,
-20 restore/stop cycles in a row, 4 restores of one capsule at once (each its own name, network namespace and
+"""Shared hosts, for real (reference engine, real CRIU): restores that do not care which PIDs the host uses, 20
+restore/stop cycles in a row, 4 restores of one capsule at once (each its own name, network namespace and
 addresses), a restore refused because its workload runs (touching nothing of it), and two captures of one name
-under two homes at once, each pinning its own weights."""
+under two homes at once, each pinning its own weights.
+
+Each case runs on the CPU (here and in CI) and on a GPU (cuda: the 15 GiB reference workload, 10.9 GB of weights
+in recovery mode, on the GPU machine: packaging/device/shared-hosts.sh; elsewhere it skips, saying why)."""
 
 import concurrent.futures
 import json
@@ -16,7 +19,19 @@ from conftest import CRIU_PREFIX, needs_root_criu
 pytestmark = pytest.mark.slow
 
 CLI = [sys.executable, "-m", "coldsnap.cli"]
-CAPTURE = ["capture", "--engine-opt", "compile=false"]
+CAPTURE = {"cpu": ["capture", "--engine-opt", "compile=false"],
+           "cuda": ["capture", "--device", "cuda", "--weights-mode", "recovery", "--engine-opt", "layers=6",
+                    "--engine-opt", "hidden=6144", "--engine-opt", "heads=48", "--engine-opt", "kv_mib=4096"]}
+
+
+def needs_device(device: str) -> None:
+    if device == "cuda":
+        from coldsnap.gpu.cuda_checkpoint import CudaCheckpointAPI
+
+        api = CudaCheckpointAPI()
+        if not api.available():
+            pytest.skip(f"no NVIDIA GPU with the CUDA checkpoint API here ({api.unavailable_reason()}); "
+                        f"runs on the GPU machine: packaging/device/shared-hosts.sh")
 
 
 def home_env(root):
@@ -43,12 +58,13 @@ def netns() -> set[str]:
     return {ln.split()[0] for ln in r.stdout.splitlines() if ln.strip()}
 
 
-@pytest.fixture(scope="module")
-def host(tmp_path_factory):
+@pytest.fixture(scope="module", params=["cpu", "cuda"])
+def host(request, tmp_path_factory):
     needs_root_criu()
+    needs_device(request.param)
     root = tmp_path_factory.mktemp("shared")
     env = home_env(root)
-    r = cli(env, *CAPTURE, "--name", "shared-src", "--json")
+    r = cli(env, *CAPTURE[request.param], "--name", "shared-src", "--json")
     assert r.returncode == 0, r.stderr
     capsule = json.loads(r.stdout)["result"]["capsule"]
     yield env, capsule, json.loads(r.stdout)
@@ -125,12 +141,45 @@ def test_a_restore_of_a_running_workload_is_refused_and_touches_nothing(host):
         cli(env, "stop", first["workload"])
 
 
+HOG = """
+import sys, time, torch
+need = int(sys.argv[1])
+free, _ = torch.cuda.mem_get_info()
+held = torch.empty(max(free - need // 2, 0), dtype=torch.uint8, device="cuda")
+print("held", held.numel(), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_restore_without_room_on_its_gpu_is_refused_and_makes_nothing(host):
+    env, capsule, _ = host
+    profile = json.loads(cli(env, "inspect", capsule).stdout)["profile"]
+    if not profile["gpu_memory"]:
+        pytest.skip("the captured workload held no GPU memory (a CPU workload): no GPU room to run out of")
+    gpu, need = next(iter(profile["gpu_memory"].items()))
+    hog = subprocess.Popen([sys.executable, "-c", HOG, str(need)], env={**os.environ, "CUDA_VISIBLE_DEVICES": gpu},
+                           stdout=subprocess.PIPE, text=True)
+    try:
+        assert hog.stdout.readline().startswith("held"), "the memory hog did not start"
+        before = netns()
+        r = cli(env, "restore", "--capsule", capsule, "--name", "shared-noroom", "--json")
+        assert r.returncode == 6 and "GiB free" in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr  # one line
+        assert json.loads(r.stdout)["state"] == "failed"
+        assert netns() == before  # nothing half-made
+        names = {w["name"] for w in json.loads(cli(env, "status", "--json").stdout)["workloads"]}
+        assert "shared-noroom" not in names
+    finally:
+        hog.kill()
+        hog.wait()
+
+
 def test_two_captures_of_one_name_under_two_homes_at_once(tmp_path):
     needs_root_criu()
     homes = [tmp_path / "a", tmp_path / "b"]
 
     def capture(root):
-        return cli(home_env(root), *CAPTURE, "--name", "same-name", "--json")
+        return cli(home_env(root), *CAPTURE["cpu"], "--name", "same-name", "--json")
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         results = list(pool.map(capture, homes))

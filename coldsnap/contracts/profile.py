@@ -111,6 +111,8 @@ class CapsuleProfile(Strict):
     cuda_pids: int = 0
     gpus_used: list[str] = Field(default_factory=list, description="UUIDs of the GPUs the CUDA processes used, "
                                  "by GPU index (what a restore prefetches the weights onto, through --gpu-map).")
+    gpu_memory: dict[str, int] = Field(default_factory=dict, description="GPU UUID (at capture) → bytes the "
+                                       "workload held there while it served: the room a restore needs free.")
     distributed: Distributed | None = None
     prefetch_plans: dict[str, list[list[int]]] = Field(
         default_factory=dict, description="GPU UUID (at capture) → the pieces [offset, width, rows, pitch] of the "

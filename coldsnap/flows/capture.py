@@ -108,6 +108,7 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> tuple
 
         model = request.model or launch.model
         info = engine_info(plan.workload_address, plan.port)
+        gpu_memory = gpu_steps.memory_held(pid)  # while it serves: the room a restore needs
         if model is None and hasattr(adapter, "describe_model") and info.get("weights", {}).get("path"):
             model = adapter.describe_model(info["weights"]["path"])
 
@@ -165,6 +166,7 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> tuple
         profile = capsule_profile(
             "criu-process", request, criu, info, first.text, model=model, weights_mode=launch.weights_mode,
             kv_discarded=bool(released), cuda_pids=len(gpu.pids), gpus_used=gpu.gpu_uuids, options=options,
+            gpu_memory=gpu_memory,
             launch=request.launch.model_copy(update={"command": launch.argv, "env": launch.env,
                                                      "workdir": launch.cwd}),
             engine_version=info.get("version") or launch.engine_version,

@@ -168,6 +168,7 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
             first = validate(target, request.validation, None)
             validate(target, request.validation, first.text)  # determinism: restores are held to this text
         info = target.call(engine_info)
+        gpu_memory = gpu_steps.memory_held(pid)  # while it serves: the room a restore needs
         options = container_options(request.lifecycle.leave_running, request.policy.quiesce)
         gpu = gpu_steps.GpuCheckpoint()
         connections = 0
@@ -221,7 +222,7 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
             "criu-runc", request, criu, info, first.text, options=options, engine_version=info.get("version"),
             model=saved_weights_model(adapter, released) or request.model, weights_mode=weights_mode,
             kv_discarded=kv_discard, launch=request.launch, network=None, cuda_pids=len(gpu.pids),
-            gpus_used=gpu.gpu_uuids, files=files,
+            gpus_used=gpu.gpu_uuids, gpu_memory=gpu_memory, files=files,
             image_digest=request.launch.image_digest, container=launch)
         packed = thin_and_pack(images, files, profile, request.tag, released, tl, progress, sources,
                                journal=journal)

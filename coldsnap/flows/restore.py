@@ -79,6 +79,7 @@ def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progr
     profile = staged.capsule.profile
     name = workload_name(request, profile)
     refuse_running(name)  # before anything is made: a refusal touches nothing
+    gpu_steps.refuse_without_room(profile, request.gpu_map)
     validation = _validation(request, profile)
     criu = CriuDriver()
     adapter = get_adapter(profile.engine.name)

@@ -137,6 +137,33 @@ def gpus_used_by(pids) -> list[str]:
     return used
 
 
+def memory_used_by(pids) -> dict[str, int]:
+    """GPU UUID → bytes the processes with these (host) PIDs hold there; {} when NVML can't say."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - no NVML: unknown
+        return {}
+    wanted = {int(p) for p in pids}
+    used: dict[str, int] = {}
+    try:
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            held = sum(int(p.usedGpuMemory or 0) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)
+                       if int(p.pid) in wanted)
+            if held:
+                used[_text(pynvml.nvmlDeviceGetUUID(h))] = held
+    except Exception:  # noqa: BLE001
+        return {}
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001
+            pass
+    return used
+
+
 def free_bytes(uuid: str) -> int | None:
     """Free memory of the GPU with that UUID, or None when NVML can't say."""
     try:

@@ -229,3 +229,25 @@ def finish_prefetch(p: Prefetch, wait_s: float = 10.0) -> dict:
             tail = err.decode(errors="replace").strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
             reports[gpu] = {"error": f"the prefetcher reported nothing: {tail[0][:300]}"}
     return next(iter(reports.values())) if len(reports) == 1 else {"per_gpu": reports}
+
+
+def memory_held(root_pid: int) -> dict[str, int]:
+    """GPU UUID → bytes the tree rooted at root_pid holds there now (NVML); {} without NVML or CUDA."""
+    from coldsnap.base.procfs import descendants
+    from coldsnap.gpu.nvml import memory_used_by
+
+    return memory_used_by([root_pid, *descendants(root_pid)])
+
+
+def refuse_without_room(profile, gpu_map: dict[str, str]) -> None:
+    """Before a restore makes anything: each GPU it lands on must have the room the workload held there while it
+    served at capture (another replica or workload may hold the rest). RESOURCE_BUSY names the first one short."""
+    from coldsnap.contracts import ColdSnapError, ErrorCode
+    from coldsnap.gpu.nvml import free_bytes
+
+    for uuid, need in profile.gpu_memory.items():
+        gpu = gpu_map.get(uuid, uuid)
+        free = free_bytes(gpu)
+        if free is not None and free < need:
+            raise ColdSnapError(ErrorCode.RESOURCE_BUSY, f"GPU {gpu} has {free / 2**30:.1f} GiB free; the workload "
+                                f"needs {need / 2**30:.1f} GiB there (another workload holds the rest)")
