@@ -3,8 +3,8 @@ restore/stop cycles in a row, 4 restores of one capsule at once (each its own na
 addresses), a restore refused because its workload runs (touching nothing of it), and two captures of one name
 under two homes at once, each pinning its own weights.
 
-Each case runs on the CPU (here and in CI) and on a GPU (cuda: the 15 GiB reference workload, 10.9 GB of weights
-in recovery mode, on the GPU machine: packaging/device/shared-hosts.sh; elsewhere it skips, saying why)."""
+Each case runs on the CPU (here and in CI) and on a GPU (cuda: the reference workload in recovery mode, on the GPU
+machine: packaging/device/shared-hosts.sh; elsewhere it skips, saying why)."""
 
 import concurrent.futures
 import json
@@ -19,9 +19,12 @@ from conftest import CRIU_PREFIX, needs_root_criu
 pytestmark = pytest.mark.slow
 
 CLI = [sys.executable, "-m", "coldsnap.cli"]
+# cuda: COLDSNAP_TEST_CUDA_SIZE, engine options (default a 2.4 GiB workload; the 15 GiB one: layers=6 hidden=6144
+# heads=48 kv_mib=4096)
+CUDA_SIZE = os.environ.get("COLDSNAP_TEST_CUDA_SIZE", "layers=4 hidden=2048 heads=16 kv_mib=1024").split()
 CAPTURE = {"cpu": ["capture", "--engine-opt", "compile=false"],
-           "cuda": ["capture", "--device", "cuda", "--weights-mode", "recovery", "--engine-opt", "layers=6",
-                    "--engine-opt", "hidden=6144", "--engine-opt", "heads=48", "--engine-opt", "kv_mib=4096"]}
+           "cuda": ["capture", "--device", "cuda", "--weights-mode", "recovery",
+                    *(a for opt in CUDA_SIZE for a in ("--engine-opt", opt))]}
 
 
 def needs_device(device: str) -> None:
