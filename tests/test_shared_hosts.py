@@ -57,8 +57,7 @@ def serving(url: str) -> bool:
 
 
 def netns() -> set[str]:
-    r = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
-    return {ln.split()[0] for ln in r.stdout.splitlines() if ln.strip()}
+    return set(os.listdir("/run/netns")) if os.path.isdir("/run/netns") else set()  # what `ip netns list` lists
 
 
 @pytest.fixture(scope="module", params=["cpu", "cuda"])
