@@ -60,7 +60,8 @@ def _receipts_claim(data: dict) -> str | None:
     if not counts:
         return None
     done = ", ".join(f"{op} {ok}/{total} succeeded" for op, (ok, total) in counts.items())
-    return f"{done} ({data.get('command', 'command not recorded')})"
+    what = f": {data['what']}" if data.get("what") else ""
+    return f"{done}{what} ({data.get('command', 'command not recorded')})"
 
 
 def _summary_claim(data: dict) -> str:
