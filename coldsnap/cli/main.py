@@ -406,6 +406,12 @@ def cmd_bench(args) -> int:
         result = run_passthrough(opts, reps=args.samples if args.samples != 5 else 20, progress=_progress(args))
         _emit(args, result.data, result.summary)
         return 0
+    if args.cold_node:
+        from coldsnap.bench.coldnode import run_cold_node
+
+        result = run_cold_node(opts, progress=_progress(args))
+        _emit(args, result.data, result.summary)
+        return 0
     if args.replicas:
         from coldsnap.bench.replicas import run_replicas
 
@@ -612,6 +618,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--drop-caches", action="store_true", help="drop the page cache before every sample")
     sp.add_argument("--replicas", type=int, metavar="N", help="N restores of one capsule issued at once vs N vanilla "
                     "starts at once, for 1 … N (ENGINE-DEVICE-replicas)")
+    sp.add_argument("--cold-node", action="store_true", help="the first restore on a node that never saw the "
+                    "capsule: pull from a local registry + restore, from issue to first token, vs vanilla "
+                    "(ENGINE-DEVICE-cold-node)")
     sp.add_argument("--passthrough", action="store_true", help="what coldsnap-runtime adds to a runc call it passes "
                     "through: runc vs coldsnap-runc vs the Python script, best of --samples (default 20) each")
     sp.add_argument("--registry", action="store_true", help="benchmark push/pull through a local registry instead")

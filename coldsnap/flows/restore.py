@@ -147,6 +147,7 @@ def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progr
         return {"capsule": staged.capsule.digest, "workload": name, "pid": pid,
                 "url": f"http://{plan.workload_address}:{plan.port}",
                 "time_to_first_token_s": round(ttft, 4), "validated_text": res.text,
+                "first_token_monotonic_s": round(res.first_token_s, 6),  # CLOCK_MONOTONIC: host-wide, for benches
                 "cuda_processes": len(gpu.pids), "criu_options": options.cli_flags(),
                 "hydrate": {"cuda_restore_s": gpu.seconds, **({"cuda_restore_per_pid_s": gpu.per_pid}
                                                               if len(gpu.pids) > 1 else {}),

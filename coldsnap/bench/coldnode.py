@@ -1,0 +1,240 @@
+"""`coldsnap bench --cold-node`: the first restore on a node that has never seen the capsule, against a vanilla start.
+
+The capsule and its weights payload are pushed to a private registry on loopback (Debian's docker-registry, as in
+the registry bench). Each sample is a fresh node: a ColdSnap home with an empty store, nothing staged, no memo of
+checked digests, and no weights file at the pinned path; it trusts the capturing host's key through a policy
+file, as a fleet would. Its clock runs from issuing `coldsnap pull REF@DIGEST` to the first token of the
+validated completion of `coldsnap restore` (two commands as a user or a node agent issues them); the spans say
+where the time went (pull, admit, stage: verify + unpack + weights put back, CRIU, hydrate, validate). Vanilla's
+clock runs from issuing a cold start to its first token, its weights read from local disk (page cache warm).
+
+The limit beside it is the bytes a first restore must move at rates measured in the same run: what it pulls at
+the registry's own rate (one blob fetched whole over HTTP, timed), then the restore's limit (bench.bandwidth)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from datetime import datetime, timezone
+from pathlib import Path
+
+from coldsnap.base.files import private_dir
+from coldsnap.base.paths import settings
+from coldsnap.bench import bandwidth
+from coldsnap.bench.registry import LocalRegistry
+from coldsnap.bench.run import BenchOptions, BenchResult, _stats, _vanilla_once
+from coldsnap.capsule import CapsuleStore
+from coldsnap.capsule.registry import push
+from coldsnap.capsule.signing import host_public_key_path
+from coldsnap.contracts import CaptureRequest, ColdSnapError, ErrorCode, Launch, Policy
+from coldsnap.engines import get_adapter
+from coldsnap.flows.capture import capture
+
+SPANS = ("pull", "admit", "stage", "criu-restore", "hydrate", "validate", "process starts")
+CLI = [sys.executable, "-m", "coldsnap.cli"]
+
+
+def _node_env(node: Path) -> dict[str, str]:
+    """A node that has the image (this ColdSnap, its CRIU) and nothing else, trusting the capturing host's key."""
+    private_dir(node)
+    policy = node / "policy.json"
+    policy.write_text(json.dumps({"format": 1, "trust": [{"match": "*", "keys": [str(host_public_key_path())]}]}))
+    env = {**os.environ, "COLDSNAP_HOME": str(node / "home"), "COLDSNAP_RUN": str(node / "run"),
+           "COLDSNAP_CRIU_PREFIX": str(settings().criu_prefix), "COLDSNAP_POLICY_FILE": str(policy)}
+    for name in ("COLDSNAP_STORE", "COLDSNAP_STAGED", "COLDSNAP_RECEIPTS"):
+        env.pop(name, None)
+    return env
+
+
+def _cli(env: dict, *args: str, timeout: float = 900) -> dict:
+    r = subprocess.run([*CLI, *args], env=env, capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0:
+        raise ColdSnapError(ErrorCode.VALIDATION_FAILED, f"coldsnap {args[0]} on the fresh node failed "
+                            f"(exit {r.returncode}): {r.stderr.strip()[-300:]}")
+    return json.loads(r.stdout) if "--json" in args else {}
+
+
+def registry_rate(registry: str, repo: str, digest: str, size: int) -> float:
+    """GB/s of one GET of a blob, whole, from the registry (its storage in page cache, as a nearby one's is)."""
+    url = f"http://{registry}/v2/{repo}/blobs/{digest}"
+    for _ in range(2):  # the first read warms the registry's storage; the second is timed
+        t = time.monotonic()
+        with urllib.request.urlopen(url, timeout=600) as r:
+            while r.read(8 << 20):
+                pass
+        seconds = time.monotonic() - t
+    return size / seconds / 1e9
+
+
+def run_cold_node(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
+    n = opts.samples
+    if n < 1:
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, "--samples must be at least 1")
+    name = f"bench-{opts.engine}"
+    req = CaptureRequest(operation="capture", engine={"name": opts.engine, "options": opts.engine_options},
+                         launch=Launch(devices=[] if opts.device == "cpu" else [opts.device]),
+                         policy=Policy(weights_mode=opts.weights_mode), lifecycle={"name": name},
+                         tag=f"bench-{opts.engine}-{opts.device}-cold-node")
+    launch = get_adapter(opts.engine).prepare(req)
+    progress("warm-up cold start (not measured)")
+    _vanilla_once(name, req, launch, expected=None)
+    progress(f"capturing {opts.engine} on {opts.device}")
+    cap = capture(req, progress=progress)
+    expected = cap.profile.expected_text
+    weights = [w.path for w in (cap.profile.model.weights if cap.profile.model else [])]
+
+    nv = opts.vanilla_samples or n
+    vanilla = []
+    for i in range(nv):
+        vanilla.append(_vanilla_once(name, req, launch, expected))
+        progress(f"vanilla {i + 1}/{nv}: first token {vanilla[-1]:.3f} s (weights from local disk)")
+
+    with tempfile.TemporaryDirectory(dir=private_dir(settings().run / "bench")) as tmp:
+        registry = LocalRegistry.start(Path(tmp) / "registry")
+        moved = [(p, p + ".cold-node") for p in weights if os.path.exists(p)]
+        try:
+            repo = "coldsnap/bench"
+            pushed = push(CapsuleStore(settings().store), cap.capsule, f"{registry}/{repo}:cold-node", insecure=True)
+            ref = f"{registry}/{repo}@{cap.capsule}"
+            payload = pushed.get("payload") or {}
+            biggest = _biggest_blob(CapsuleStore(settings().store), cap.capsule, payload)
+            rate = registry_rate(registry, repo, *biggest)
+            progress(f"pushed to {registry}; the registry serves a {biggest[1] / 2**20:.0f} MiB blob at "
+                     f"{rate:.2f} GB/s")
+            for src, dst in moved:  # the node has no weights file: the payload brings it
+                os.replace(src, dst)
+            samples = []
+            for i in range(n):
+                for p in weights:
+                    Path(p).unlink(missing_ok=True)  # the previous sample's put-back copy
+                samples.append(_first_restore(Path(tmp) / f"node{i}", ref, cap.capsule, expected))
+                progress(f"cold node {i + 1}/{n}: pull → first token {samples[-1]['total_s']:.3f} s "
+                         f"(pull {samples[-1]['spans']['pull']:.2f} s)")
+        finally:
+            for src, dst in moved:
+                if os.path.exists(dst):
+                    os.replace(dst, src)
+            registry.stop()
+
+    staged = settings().staged / cap.capsule.split(":")[1] / "images"
+    if not staged.exists():
+        from coldsnap.contracts import RestoreRequest
+        from coldsnap.flows.restore import restore
+
+        restore(RestoreRequest(operation="prepare", capsule=cap.capsule))  # for the image bytes the limit counts
+    pages = max(staged.glob("pages-*.img"), key=lambda p: p.stat().st_size, default=None)
+    bw = {**bandwidth.measure(pages), "registry_read_gbs": round(rate, 2)}
+    weights_bytes = sum(os.path.getsize(p) for p in weights if os.path.exists(p))
+    apart = cap.receipt.result.get("weights_apart", cap.profile.weights_mode == "recovery")
+    limit = bandwidth.restore_limit(bw, bandwidth.dir_bytes(staged), weights_bytes, weights_in_images=not apart)
+    pulled = statistics.median(s["pulled_bytes"] for s in samples)
+    if limit:
+        limit["pull_bytes"] = int(pulled)
+        limit["pull_s"] = round(pulled / (rate * 1e9), 3)
+        limit["limit_s"] = round(limit["limit_s"] + limit["pull_s"], 3)
+        limit["assumption"] += "; the pull at the registry's measured rate, before the restore"
+    v, r = _stats(vanilla), _stats([s["total_s"] for s in samples])
+    data = {
+        "kind": "coldsnap.bench",
+        "command": opts.command or "coldsnap " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "host": {"machine": platform.machine(), "kernel": platform.release(), "cpus": os.cpu_count() or 0,
+                 "cpu_model": cap.profile.host.cpu_model, "criu": cap.profile.host.criu_version,
+                 "gpus": [g.name for g in cap.profile.host.gpus]},
+        "page_cache": "warm (the registry's storage and the vanilla weights)",
+        "engine": opts.engine, "device": opts.device, "weights_mode": cap.profile.weights_mode,
+        "samples": n, "vanilla_samples": nv, "cold_node": True,
+        "clock": "restore: issue of `coldsnap pull REF@DIGEST` on a fresh node -> first token of `coldsnap "
+                 "restore`'s validated completion; vanilla: issue of a cold start -> first token, weights from "
+                 "local disk",
+        "vanilla": v, "restore": r, "ratio_median": round(v["median_s"] / r["median_s"], 2),
+        "validations": {"vanilla": f"{nv}/{nv}", "restore": f"{sum(s['validated'] for s in samples)}/{n}"},
+        "fell_back": 0, "span_medians_s": {k: round(statistics.median(s["spans"][k] for s in samples), 4)
+                                           for k in SPANS},
+        "runs": samples, "bandwidth": bw, "physical_limit": limit,
+        "capsule": {"digest": cap.capsule, "bytes": cap.receipt.result["capsule_bytes"], "staging_s": None,
+                    "payload_bytes": payload.get("bytes"), "capture_spans": {s.name: s.duration_s
+                                                                             for s in cap.receipt.spans}},
+    }
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / (opts.name or f"{opts.engine}-{opts.device.replace(':', '')}-cold-node")
+    stem.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
+    _chart(data, stem.with_suffix(".png"))
+    lim = f"; the limit {limit['limit_s']} s ({r['median_s'] / limit['limit_s']:.2f}x)" if limit else ""
+    summary = (f"vanilla {v['median_s']:.3f} s vs first restore on a cold node {r['median_s']:.3f} s "
+               f"(pull {data['span_medians_s']['pull']:.3f} s){lim}; {data['validations']['restore']} validated"
+               f"\nwrote {stem}.json and {stem}.png")
+    return BenchResult(data, summary)
+
+
+def _biggest_blob(store: CapsuleStore, digest: str, payload: dict) -> tuple[str, int]:
+    """(digest, size) of the largest blob a first restore pulls: the weights payload's layer, or a capsule layer."""
+    manifests = [store.load(digest).manifest]
+    if payload.get("digest") and store.has_blob(payload["digest"]):
+        manifests.append(json.loads(store.blob_path(payload["digest"]).read_bytes()))
+    layers = [layer for m in manifests for layer in m.get("layers", [])]
+    best = max(layers, key=lambda layer: layer["size"])
+    return best["digest"], best["size"]
+
+
+def _first_restore(node: Path, ref: str, digest: str, expected: str) -> dict:
+    env = _node_env(node)
+    t_issue = time.monotonic()
+    pulled = _cli(env, "pull", ref, "--insecure", "--json")
+    t_pulled = time.monotonic()
+    receipt = _cli(env, "restore", "--capsule", digest, "--no-fallback", "--json")
+    result = receipt["result"]
+    try:
+        total = result["first_token_monotonic_s"] - t_issue
+        spans = {"pull": round(t_pulled - t_issue, 4),
+                 **{k: next((x["duration_s"] for x in receipt["spans"] if x["name"] == k), 0.0) for k in SPANS[1:-1]}}
+        # the validate span ends after the whole completion: up to its first token here; the rest is the two
+        # commands' own start-up (an interpreter each) and what lies between the spans
+        spans["validate"] = next((x["duration_s"] for x in receipt["spans"] if x["name"] == "validate"), 0.0)
+        spans["process starts"] = 0.0
+        spans["process starts"] = round(max(total - sum(spans.values()), 0.0), 4)
+        return {"total_s": round(total, 4), "spans": spans,
+                "restore_ttft_s": result["time_to_first_token_s"],
+                "pulled_bytes": pulled.get("bytes_transferred") or 0,  # the payload's bytes included
+                "validated": result["validated_text"] == expected and receipt["state"] == "succeeded"}
+    finally:
+        _cli(env, "stop", result["workload"])
+
+
+def _chart(data: dict, path: Path) -> None:
+    """Each cold-node sample's spans stacked, beside vanilla and the same-run limit."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = data["runs"]
+    colors = dict(zip(SPANS, ("#8c564b", "#bcbd22", "#17becf", "#2b7bba", "#ff7f0e", "#2ca02c", "#c7c7c7")))
+    fig, ax = plt.subplots(figsize=(7.5, 4.4), dpi=120)
+    ax.bar(0, data["vanilla"]["median_s"], color="#9a9a9a", label="vanilla start (median)")
+    for i, run in enumerate(runs, start=1):
+        bottom = 0.0
+        for k in SPANS:
+            ax.bar(i, run["spans"][k], bottom=bottom, color=colors[k], label=k if i == 1 else None)
+            bottom += run["spans"][k]
+    limit = (data.get("physical_limit") or {}).get("limit_s")
+    if limit:
+        ax.axhline(limit, color="#d62728", linestyle="--", linewidth=1, label=f"limit {limit} s (same run)")
+    ax.set_xticks(range(len(runs) + 1), ["vanilla", *[f"node {i}" for i in range(1, len(runs) + 1)]], fontsize=7)
+    ax.set_ylabel("seconds from issue to first token")
+    ax.set_title(f"{data['engine']} on {data['device']}: first restore on a cold node, {data['ratio_median']}x "
+                 f"sooner than vanilla", fontsize=10)
+    ax.legend(fontsize=7)
+    fig.text(0.01, 0.01, data["command"], fontsize=6, color="#555555")
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.savefig(path)
+    plt.close(fig)

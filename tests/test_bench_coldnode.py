@@ -1,0 +1,43 @@
+"""`coldsnap bench --cold-node`, for real (reference engine on CPU, a private docker-registry on loopback, real
+CRIU): every sample pulls the capsule and its weights payload onto a fresh node (empty store, nothing staged, no
+weights file at the pinned path) and restores it; the result times issue → first token with its spans beside a
+vanilla start and the same-run limit, and the capture host's weights file is back in place afterwards."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import CRIU_PREFIX, needs_root_criu
+
+pytestmark = pytest.mark.slow
+
+
+def test_cold_node_bench_pulls_onto_fresh_nodes_and_restores(tmp_path):
+    needs_root_criu()
+    env = {**os.environ, "COLDSNAP_HOME": str(tmp_path / "home"), "COLDSNAP_RUN": str(tmp_path / "run"),
+           "COLDSNAP_CRIU_PREFIX": CRIU_PREFIX}
+    env.pop("COLDSNAP_STORE", None)
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "coldsnap.cli", "bench", "--cold-node", "--samples", "2",
+                        "--vanilla-samples", "1", "--engine-opt", "compile=false", "--out", str(out), "--json"],
+                       env=env, capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stderr[-2000:]
+    data = json.loads((out / "reference-cpu-cold-node.json").read_text())
+    assert data == json.loads(r.stdout)
+    assert (out / "reference-cpu-cold-node.png").stat().st_size > 0
+    assert data["cold_node"] and data["validations"]["restore"] == "2/2"
+    for run in data["runs"]:
+        assert run["validated"] and run["pulled_bytes"] >= data["capsule"]["bytes"]  # everything came over the wire
+        assert run["spans"]["pull"] > 0 and run["spans"]["stage"] > 0 and run["spans"]["criu-restore"] > 0
+        assert abs(sum(run["spans"].values()) - run["total_s"]) < 0.01  # the spans account for the whole clock
+        assert run["total_s"] > run["restore_ttft_s"]  # the pull and staging are inside this clock
+    limit = data["physical_limit"]
+    assert limit["pull_bytes"] > 0 and 0 < limit["pull_s"] < limit["limit_s"]
+    assert data["ratio_median"] == round(data["vanilla"]["median_s"] / data["restore"]["median_s"], 2)
+    inspect = subprocess.run([sys.executable, "-m", "coldsnap.cli", "inspect", data["capsule"]["digest"]], env=env,
+                             capture_output=True, text=True)
+    weights = Path(json.loads(inspect.stdout)["profile"]["model"]["weights"][0]["path"])
+    assert weights.is_file() and not Path(str(weights) + ".cold-node").exists()  # the capture host is as it was
