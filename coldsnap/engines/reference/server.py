@@ -72,12 +72,22 @@ class BadRequest(Exception):
 class Engine:
     """The loaded model behind the HTTP handlers; one model call at a time (the lock)."""
 
-    def __init__(self, runner, model_id: str, info: dict[str, Any]) -> None:
-        self.runner = runner
+    def __init__(self, runner, model_id: str, info: dict[str, Any], become_ready=None) -> None:
+        self.runner = runner  # None while a template (--template): become_ready() builds it at resume
+        self.become_ready = become_ready
         self.model_id = model_id
         self.info = info
         self.lock = threading.Lock()
         self.created = int(time.time())
+
+    @property
+    def serving(self) -> bool:
+        return self.runner is not None and not self.runner.released
+
+    def not_serving(self) -> BadRequest:
+        if self.runner is None:
+            return BadRequest("the engine is a template; POST /coldsnap/resume first", 503, code="template")
+        return BadRequest("the engine is released; POST /coldsnap/resume first", 503, code="released")
 
     # --- requests ---
 
@@ -115,6 +125,8 @@ class Engine:
         if not isinstance(opts, dict):
             raise BadRequest("stream_options must be an object", param="stream_options")
         ids = encode(prompt)
+        if self.runner is None:
+            raise self.not_serving()
         try:
             self.runner.check_fits(len(ids), max_tokens)
         except ValueError as e:
@@ -138,8 +150,8 @@ class Engine:
         from coldsnap.engines.reference.model import decode
 
         with self.lock:
-            if self.runner.released:
-                raise BadRequest("the engine is released; POST /coldsnap/resume first", 503, code="released")
+            if not self.serving:
+                raise self.not_serving()
             for tok in self.runner.generate(ids, max_tokens):
                 yield decode([tok])
 
@@ -149,6 +161,8 @@ class Engine:
         named in the answer's saved_weights), then drop them; resume() reloads from that file.
         stash_code: a directory for the CUDA device code held in anonymous memory (coldsnap.gpu.codestash).
         lease: the capturer's lease file (coldsnap.engines.lease): resume without being asked once it is let go."""
+        if self.runner is None:
+            raise BadRequest("the engine is a template: nothing to release", 400, code="template")
         save_to = None
         if save:
             src = Path(self.info["weights"]["path"])
@@ -175,6 +189,10 @@ class Engine:
         {GPU UUID: socket}, one per GPU of a tensor-parallel engine."""
         with self.lock:
             t = time.monotonic()
+            if self.runner is None:  # a template: the device work a normal start did before listening
+                self.runner = self.become_ready()
+                return {"released": False, "from_template": True, "seconds": time.monotonic() - t,
+                        "rss_bytes": _rss_bytes()}
             out = self.runner.resume(prefetched)
             return {"released": False, "seconds": time.monotonic() - t, "rss_bytes": _rss_bytes(), **out}
 
@@ -265,7 +283,9 @@ class Handler(BaseHTTPRequestHandler):
     # --- endpoints ---
 
     def health(self) -> None:
-        if self.engine.runner.released:
+        if self.engine.runner is None:
+            self._json(503, {"status": "template"})
+        elif self.engine.runner.released:
             self._json(503, {"status": "released"})
         else:
             self._json(200, {"status": "ok"})
@@ -278,7 +298,7 @@ class Handler(BaseHTTPRequestHandler):
             "created": e.created,
             "owned_by": "coldsnap",
             "root": e.model_id,
-            "max_model_len": e.runner.cfg.max_seq,
+            "max_model_len": e.info["config"].get("max_seq"),
         }
         self._json(200, {"object": "list", "data": [card]})
 
@@ -288,7 +308,7 @@ class Handler(BaseHTTPRequestHandler):
             200,
             {
                 **e.info,
-                "released": e.runner.released,
+                "released": not e.serving,
                 "rss_bytes": _rss_bytes(),
                 "pid": os.getpid(),
             },
@@ -435,6 +455,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="NCCL settings for the ranks (recorded in the capsule's profile), e.g. NCCL_BUFFSIZE=1048576,"
                    "NCCL_MAX_NCHANNELS=2: NCCL's buffers (~9 MiB of pinned host memory per connection by default) "
                    "are pages a capture carries")
+    p.add_argument("--template", action="store_true",
+                   help="start as a pre-device template: import, config, weights file ensured; no device touched. It "
+                   "listens answering 503 {\"status\": \"template\"} until POST /coldsnap/resume loads the "
+                   "weights onto the device, builds, compiles, captures graphs and warms up (ColdSnap's "
+                   "criu-template snapshot driver captures it before that)")
     p.add_argument("--tp-rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
     p.add_argument("--tp-fds", default=None, help=argparse.SUPPRESS)  # the command pipes between rank 0 and peers
     return p
@@ -513,11 +538,20 @@ def main(argv: list[str] | None = None) -> int:
         emit("fatal", error=f"bad model config: {e}")
         return 2
     device = torch.device(tpmod.rank_device(args.device, rank) if world > 1 else args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        emit("fatal", error="--device cuda but torch sees no GPU")
+    if args.template and world > 1:
+        emit("fatal", error="--template with --tensor-parallel above 1 is not supported")
         return 2
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        emit("fatal", error=f"rank {rank} needs {device} but torch sees {torch.cuda.device_count()} GPU(s)")
+
+    def device_problem() -> str | None:  # asking torch about CUDA initialises the driver: a template waits
+        if device.type == "cuda" and not torch.cuda.is_available():
+            return "--device cuda but torch sees no GPU"
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            return f"rank {rank} needs {device} but torch sees {torch.cuda.device_count()} GPU(s)"
+        return None
+
+    problem = None if args.template else device_problem()
+    if problem:
+        emit("fatal", error=problem)
         return 2
     graphs = args.cuda_graphs if args.cuda_graphs is not None else (device.type == "cuda" and world == 1)
     if graphs and world > 1:
@@ -550,44 +584,52 @@ def main(argv: list[str] | None = None) -> int:
         join_group()
 
     mine = shards(cfg, world, rank)
-    t = time.monotonic()
-    weights = load_weights(wpath, str(device), args.weights_load, shards=mine)
-    phase("load", t, mode=args.weights_load)
-
-    t = time.monotonic()
-    model = build_model(cfg, weights, device, world, rank)
-    del weights
-    kv_mib = args.kv_mib if args.kv_mib is not None else (1024 if device.type == "cuda" else 64)
-    runner = Runner(model, device, int(kv_mib * (1 << 20)),
-                    reload=lambda: load_weights(wpath, str(device), "mmap", shards=mine),
-                    reload_into=lambda params: load_into(wpath, params, shards=mine),
-                    reload_prefetched=lambda params, sock: load_prefetched(wpath, params, sock, shards=mine),
-                    prefetch_plan=lambda names: prefetch_plan(wpath, names, mine) if mine else None,
-                    peers=peers)
-    phase("build", t, params=sum(p.numel() for p in model.parameters()), kv_bytes=runner.kv_bytes)
-
     mode = args.compile_mode if args.compile else None
-    if mode:
-        runner.compile(mode)
+
+    def become_ready():
+        """Everything that touches the device: load, build, compile, graphs, warm-up. A template runs it at
+        resume; a normal start runs it now."""
+        t = time.monotonic()
+        weights = load_weights(wpath, str(device), args.weights_load, shards=mine)
+        phase("load", t, mode=args.weights_load)
+
+        t = time.monotonic()
+        model = build_model(cfg, weights, device, world, rank)
+        del weights
+        kv_mib = args.kv_mib if args.kv_mib is not None else (1024 if device.type == "cuda" else 64)
+        runner = Runner(model, device, int(kv_mib * (1 << 20)),
+                        reload=lambda: load_weights(wpath, str(device), "mmap", shards=mine),
+                        reload_into=lambda params: load_into(wpath, params, shards=mine),
+                        reload_prefetched=lambda params, sock: load_prefetched(wpath, params, sock, shards=mine),
+                        prefetch_plan=lambda names: prefetch_plan(wpath, names, mine) if mine else None,
+                        peers=peers)
+        phase("build", t, params=sum(p.numel() for p in model.parameters()), kv_bytes=runner.kv_bytes)
+        if mode:
+            runner.compile(mode)
+        if rank > 0:
+            return runner, []
+        peer_reports = peers.ready() if peers else []
+        if mode:
+            t = time.monotonic()
+            runner.precompile()  # compile each static shape now, not on a first request
+            phase("compile", t, mode=mode)
+
+        if graphs and device.type == "cuda":
+            t = time.monotonic()
+            if not args.compile:
+                runner.precompile()  # eager: still run each shape once before capture
+            phase("cuda_graphs", t, graphs=runner.capture_graphs())
+
+        t = time.monotonic()
+        n_prompts = runner.warmup(args.warmup_tokens)
+        phase("warmup", t, prompts=n_prompts, tokens=args.warmup_tokens)
+        return runner, peer_reports
+
+    runner, peer_reports = (None, []) if args.template else become_ready()
     if rank > 0:  # from here on rank 0 drives: every step it runs, this rank runs too
         trim_host_memory()
         return tpmod.serve_rank(runner, args.tp_fds, {"rank": rank, "device": str(device), "pid": os.getpid(),
                                                            "phases": phases})
-    peer_reports = peers.ready() if peers else []
-    if mode:
-        t = time.monotonic()
-        runner.precompile()  # compile each static shape now, not on a first request
-        phase("compile", t, mode=mode)
-
-    if graphs and device.type == "cuda":
-        t = time.monotonic()
-        if not args.compile:
-            runner.precompile()  # eager: still run each shape once before capture
-        phase("cuda_graphs", t, graphs=runner.capture_graphs())
-
-    t = time.monotonic()
-    n_prompts = runner.warmup(args.warmup_tokens)
-    phase("warmup", t, prompts=n_prompts, tokens=args.warmup_tokens)
 
     info = {
         "engine": ENGINE_NAME,
@@ -602,8 +644,9 @@ def main(argv: list[str] | None = None) -> int:
             "cache_dir": _inductor_cache_dir() if args.compile else None,
             "cache_policy": args.compile_cache_policy,
         },
-        "cuda_graphs": bool(runner._graphs),
-        "kv_bytes": runner.kv_bytes,
+        "cuda_graphs": bool(runner and runner._graphs),
+        "kv_bytes": runner.kv_bytes if runner else None,
+        "template": runner is None,
         "threads": threads,
         "torch": torch.__version__,
         "startup_phases": dict(phases),
@@ -617,8 +660,17 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
 
+    def ready_from_template():
+        problem = device_problem()
+        if problem:
+            raise BadRequest(problem, 500, code="device")
+        built, _ = become_ready()
+        info.update({"cuda_graphs": bool(built._graphs), "kv_bytes": built.kv_bytes, "template": False,
+                     "startup_phases": dict(phases)})
+        return built
+
     t = time.monotonic()
-    engine = Engine(runner, args.model_id, info)
+    engine = Engine(runner, args.model_id, info, become_ready=ready_from_template if runner is None else None)
     try:
         httpd = Server((args.host, args.port), engine)
     except OSError as e:
@@ -630,7 +682,7 @@ def main(argv: list[str] | None = None) -> int:
     trim_host_memory()
     host, port = httpd.server_address[:2]
     emit(
-        "ready",
+        "template-ready" if runner is None else "ready",
         host=host,
         port=port,
         model=args.model_id,
