@@ -196,7 +196,7 @@ def test_capabilities_document():
     assert doc["request_formats"] == doc["receipt_formats"] == doc["capsule_formats"] == [1]
     assert doc["operations"] == ["capture", "restore", "prepare", "sleep", "wake", "status", "stop"]
     assert doc["engines"] == ["reference", "vllm", "sglang"]
-    assert doc["snapshot_drivers"] == ["criu-process", "criu-runc"]
+    assert doc["snapshot_drivers"] == ["criu-process", "criu-runc", "criu-template"]
     assert doc["weights_modes"] == ["native", "recovery", "auto"]
     # Every claim comes from a result file of the checkout, and every bench result there makes one.
     assert doc["results"] == str(REPO_RESULTS)

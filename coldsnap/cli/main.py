@@ -114,6 +114,8 @@ def _capture_request(args):
                                                                       **engine_options(args.engine_opt)}})
     if args.tag:
         updates["tag"] = args.tag
+    if args.snapshot_driver:
+        updates["snapshot_driver"] = args.snapshot_driver
     policy = {}
     if args.weights_mode:
         policy["weights_mode"] = args.weights_mode
@@ -495,6 +497,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "engine supports it")
     sp.add_argument("--device", help="cpu (default) or cuda / cuda:N")
     sp.add_argument("--leave-running", action="store_true", help="keep the captured workload running")
+    sp.add_argument("--snapshot-driver", choices=["full", "template", "both"],
+                    help="full (default): the serving workload with its device state (CUDA through the driver's "
+                    "checkpoint API); template: the engine before it touches its device, which rebuilds its device "
+                    "state at restore (for GPUs and drivers that cannot checkpoint CUDA; reference engine only); "
+                    "both: a template, then a full capsule naming it (a restore refused the full one falls to it)")
     sp.add_argument("--engine-opt", action="append", metavar="KEY=VALUE",
                     help="engine option, repeatable (reference: layers, hidden, heads, kv_mib, compile=false, "
                     "tensor_parallel=N for N ranks on N GPUs (gloo on CPU) captured as one unit, ...)")

@@ -24,6 +24,9 @@ INDEX_ARTIFACT_TYPE = "application/vnd.coldsnap.capsule.index.v1+json"
 LAYER_WEIGHTS = "application/vnd.coldsnap.weights.safetensors.v1"
 ANNOTATION_PAYLOAD = "io.coldsnap.payload"
 ANNOTATION_PATH = "io.coldsnap.path"
+# On a full capsule: the digest of the template capsule of the same engine and model, captured with it
+# (--snapshot-driver both), for a restore that admission refuses the full capsule for.
+ANNOTATION_TEMPLATE = "io.coldsnap.template"
 ANNOTATION_MODE = "io.coldsnap.mode"
 ANNOTATION_IMAGE_DIGEST = "io.coldsnap.image-digest"
 ANNOTATION_ENV_NAMES = "io.coldsnap.env-names"  # manifest: the environment variable names (never values) captured

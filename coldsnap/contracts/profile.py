@@ -94,7 +94,10 @@ class CapsuleProfile(Strict):
     format: Literal[1] = FORMAT_VERSION
     kind: Literal["coldsnap.capsule.profile"] = "coldsnap.capsule.profile"
     created: str
-    snapshot_driver: Literal["criu-process", "criu-runc"]
+    snapshot_driver: Literal["criu-process", "criu-runc", "criu-template"] = Field(description=(
+        "criu-process: a process-mode workload with its device state (the CUDA checkpoint API on a GPU); criu-runc: "
+        "a container, through runc; criu-template: a process-mode engine captured before it touched its device, "
+        "which rebuilds its device state at restore (no CUDA checkpoint needed, portable across GPU models)"))
     host: HostProfile
     engine: Engine
     engine_version: str | None = None

@@ -134,6 +134,10 @@ class CaptureRequest(_Request):
     validation: Validation = Field(default_factory=Validation)
     lifecycle: Lifecycle = Field(default_factory=Lifecycle)
     tag: str | None = Field(default=None, description="Local store tag for the capsule.")
+    snapshot_driver: Literal["full", "template", "both"] = Field(
+        default="full", description="full: the workload with its device state (criu-process); template: the engine "
+        "captured before it touches its device (criu-template), which rebuilds its device state at restore; both: "
+        "a template capsule, then a full one that names it (a restore the full one is refused for falls to it).")
 
 
 class RestoreRequest(_Request):

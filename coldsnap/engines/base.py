@@ -31,9 +31,20 @@ class EngineAdapter:
     name = "base"
     supports_recovery = False
     supports_prefetch = False  # after_restore(prefetched=…): takes weights a coldsnap.gpu.prefetch loaded
+    # template_launch: a start that stops before the device (the criu-template snapshot driver)
+    supports_template = False
 
     def prepare(self, request: CaptureRequest) -> PreparedLaunch:
         raise NotImplementedError
+
+    def template_launch(self, request: CaptureRequest) -> PreparedLaunch:
+        """The launch as a pre-device template: imports, configuration, tokenizer, model construction and the
+        weights file opened, the device untouched; it reports the template ready (GET /coldsnap/info: template
+        true) and does the device work when after_restore resumes it. Its weights are always reloaded from the
+        pinned file (weights mode recovery)."""
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"engine {self.name} does not support the criu-template "
+                            "snapshot driver yet: it has no start that stops before the device (the reference "
+                            "engine does); use --snapshot-driver full")
 
     def prepare_container(self, request: CaptureRequest) -> PreparedLaunch:
         """The same launch (one implementation with process mode) as the process of a container: every path in

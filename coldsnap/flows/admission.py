@@ -34,10 +34,12 @@ def _major_minor(v: str | None) -> str:
 
 
 def admit(captured: HostProfile, host: HostProfile, strictness: str = "strict",
-          distributed: Distributed | None = None) -> Admission:
+          distributed: Distributed | None = None, device_state: bool = True) -> Admission:
     """strict: everything the capsule recorded must match. relaxed: only what is known to break a restore.
     A distributed capsule (several ranks, one GPU each) needs the same GPU count and the same links between them:
-    each rank's CUDA state names its device, and NCCL chose its paths for the topology it found."""
+    each rank's CUDA state names its device, and NCCL chose its paths for the topology it found.
+    device_state False (a criu-template capsule: captured before the device was touched): the GPU model, driver and
+    CUDA version need not match, only the GPU count and the architecture family (compute capability major)."""
     blocking: list[str] = []
     soft: list[str] = []
 
@@ -58,10 +60,15 @@ def admit(captured: HostProfile, host: HostProfile, strictness: str = "strict",
         check(len(captured.gpus) <= len(host.gpus),
               f"{len(captured.gpus)} GPU(s) captured, {len(host.gpus)} here", False)
         for cg, hg in zip(captured.gpus, host.gpus):
+            if not device_state:
+                family = str(cg.compute_capability).split(".")[0] == str(hg.compute_capability).split(".")[0]
+                check(family, f"GPU {cg.index} architecture family (compute capability {cg.compute_capability}) "
+                      f"vs {hg.compute_capability} here", False)
+                continue
             check(cg.name == hg.name, f"GPU {cg.index} {cg.name} vs {hg.name} here", False)
             check(cg.compute_capability == hg.compute_capability,
                   f"GPU {cg.index} compute capability {cg.compute_capability} vs {hg.compute_capability}", False)
-        if captured.gpus:
+        if captured.gpus and device_state:
             check(captured.driver_version == host.driver_version,
                   f"NVIDIA driver {captured.driver_version} vs {host.driver_version} here", True)
             check((captured.driver_version or "").split(".")[0] == (host.driver_version or "").split(".")[0],
@@ -131,4 +138,5 @@ def admit_capsule(capsule: LoadedCapsule, policy: Policy, driver: str, image_dig
         if differences:
             return Admission(admitted=False, differences=differences[:1])
     here = host_profile(CriuDriver().version())
-    return admit(profile.host, here, policy.compatibility, profile.distributed)
+    return admit(profile.host, here, policy.compatibility, profile.distributed,
+                 device_state=profile.snapshot_driver != "criu-template")

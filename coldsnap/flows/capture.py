@@ -15,6 +15,7 @@ from typing import Callable
 from coldsnap.base.files import private_dir
 from coldsnap.base.journal import Journal
 from coldsnap.base.paths import settings
+from coldsnap.base.procfs import alive
 from coldsnap.capsule import CapsuleStore, pack_dir, trust
 from coldsnap.capsule.gc import discard
 from coldsnap.capsule.payload import write_payload
@@ -59,22 +60,42 @@ def _quiet(_: str) -> None:
 
 
 def capture(request: CaptureRequest, progress: Progress = _quiet) -> CaptureResult:
+    """--snapshot-driver full (the default): the serving workload with its device state. template: the engine
+    before it touches its device. both: the template first, then the full capsule, which names it."""
     tl = Timeline()
     op_id = request.id or f"capture-{uuid.uuid4().hex[:12]}"
     with receipt_on_failure(request, op_id, "capture", tl):
-        result, profile = _capture(request, tl, progress)
+        template = None
+        if request.snapshot_driver in ("template", "both"):
+            progress("capturing the pre-device template")
+            template_tl = Timeline() if request.snapshot_driver == "both" else tl
+            template, profile = _capture(request.model_copy(update={"lifecycle": request.lifecycle.model_copy(
+                update={"leave_running": False})}) if request.snapshot_driver == "both" else request,
+                template_tl, progress, template=True)
+            result = template
+            if request.snapshot_driver == "both":
+                template["spans"] = [s.model_dump() for s in template_tl.spans]
+        if request.snapshot_driver != "template":
+            result, profile = _capture(request, tl, progress,
+                                       template_capsule=template["capsule"] if template else None)
+            if template:
+                result["template"] = template
     receipt = finish_receipt(request, op_id, "capture", tl, "succeeded", result=result)
     return CaptureResult(capsule=result["capsule"], profile=profile, receipt=receipt)
 
 
-def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> tuple[dict, CapsuleProfile]:
+def _capture(request: CaptureRequest, tl: Timeline, progress: Progress, template: bool = False,
+             template_capsule: str | None = None) -> tuple[dict, CapsuleProfile]:
+    """One capture of a process tree. template: the engine's pre-device template (criu-template): dumped as soon
+    as it says it is ready, then resumed once into a serving engine for the completion its restores are held to.
+    template_capsule: the digest of the template captured with this one, named in the capsule's annotations."""
     cfg = settings()
     if request.policy.quiesce != "drain":
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, "quiesce none (capture with connections in flight) is for "
                             "containers (capture --container): a process-mode restore recreates its network")
     criu = CriuDriver()
     adapter = get_adapter(request.engine.name)
-    launch = adapter.prepare(request)
+    launch = adapter.template_launch(request) if template else adapter.prepare(request)
     name = request.lifecycle.name or f"{request.engine.name}-{uuid.uuid4().hex[:6]}"
     refuse_running(name)
     leave_running = request.lifecycle.leave_running
@@ -93,18 +114,22 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> tuple
     shm_names: list[str] = []
     extra: list[CapturedFile] = []
     try:
-        progress(f"starting the {request.engine.name} engine cold (weights mode {launch.weights_mode})")
+        progress(f"starting the {request.engine.name} engine cold "
+                 + ("as a pre-device template" if template else f"(weights mode {launch.weights_mode})"))
         with tl.span("cold-start"):
             cold = start_cold(name, request.launch.port, launch.argv, launch.env, launch.cwd, request.validation,
-                              journal=journal)
+                              journal=journal, template=template)
         pid, probe, first, plan = cold.state.pid, cold.probe, cold.first, cold.state.plan
         journal.about["plan"] = plan.model_dump()
         progress(f"network {plan.netns}: {plan.workload_address}:{plan.port} (host side {plan.host_address})")
         log = Path(cold.state.log)
-        progress(f"ready after {cold.ready - cold.started:.1f} s; validated: {first.text!r}")
-        with tl.span("validate"):
-            probe.complete(expected=first.text)  # determinism: a restore will be held to this text
-        journal.add("validated")  # from here a --leave-running workload is kept whatever happens to the capture
+        if template:
+            progress(f"template ready after {cold.ready - cold.started:.1f} s (nothing to validate before the device)")
+        else:
+            progress(f"ready after {cold.ready - cold.started:.1f} s; validated: {first.text!r}")
+            with tl.span("validate"):
+                probe.complete(expected=first.text)  # determinism: a restore will be held to this text
+            journal.add("validated")  # from here a --leave-running workload is kept whatever happens to the capture
 
         model = request.model or launch.model
         info = engine_info(plan.workload_address, plan.port)
@@ -112,6 +137,10 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> tuple
         if model is None and hasattr(adapter, "describe_model") and info.get("weights", {}).get("path"):
             model = adapter.describe_model(info["weights"]["path"])
 
+        if template:  # nothing to release, no connection, no device state: dump it as it is
+            tag = request.tag if request.snapshot_driver == "template" or not request.tag else f"{request.tag}-template"
+            return _dump_template(request, tl, progress, criu, adapter, launch, cold, info, model, images, wdir, tag,
+                                  journal)
         released_entry = journal.add("released", host=plan.workload_address, port=plan.port,
                                      engine=request.engine.name, weights_mode=launch.weights_mode)
         with tl.span("release"):
@@ -174,7 +203,7 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> tuple
             engine_lease=lease.path if released else None,
             prefetch_plans=(released or {}).pop("prefetch_plans", None) or {})
         packed = thin_and_pack(images, files, profile, request.tag, released, tl, progress, extra_src,
-                               journal=journal)
+                               journal=journal, template_capsule=template_capsule)
         return {
             **packed,
             "tag": request.tag,
@@ -202,6 +231,39 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress) -> tuple
             shutil.rmtree(wdir, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
         journal.close()
+
+
+def _dump_template(request: CaptureRequest, tl: Timeline, progress: Progress, criu: CriuDriver, adapter, launch,
+                   cold, info: dict, model: Model | None, images: Path, wdir: Path, tag: str | None,
+                   journal: Journal) -> tuple[dict, CapsuleProfile]:
+    """criu-template: dump the template as it is, left running; then resume it once into a serving engine (the
+    device work a restore will do) for the completion its restores are held to. The caller stops it."""
+    pid, plan, probe = cold.state.pid, cold.state.plan, cold.probe
+    options = CriuOptions(leave_running=True, host_mounts=True)
+    progress("dumping the template with CRIU")
+    with tl.span("criu-dump"):
+        criu.dump(pid, images, options, netns_inode(plan.netns))
+    dump_stats = criu_stats(images, "dump")
+    extra = hostfiles.extra_files(images)
+    extra_src = {f.path: hostfiles.snapshot_file(f.path, f, private_dir(images.parent / "extra") / str(i))
+                 for i, f in enumerate(extra)}
+    with tl.span("validate"):
+        adapter.after_restore(plan.workload_address, plan.port, True, "recovery")
+        probe.wait_ready(alive=lambda: alive(pid))
+        first = probe.complete()
+        probe.complete(expected=first.text)  # determinism: a restore will be held to this text
+    progress(f"the template, resumed once, served: {first.text!r}")
+    files = _captured_files(images, wdir) + extra
+    profile = capsule_profile(
+        "criu-template", request, criu, info, first.text, options=options,
+        engine_version=info.get("version") or launch.engine_version, model=model, weights_mode="recovery",
+        kv_discarded=True, launch=request.launch.model_copy(update={"command": launch.argv, "env": launch.env,
+                                                                    "workdir": launch.cwd}),
+        network=plan, workload_name=cold.state.name, files=files)
+    packed = thin_and_pack(images, files, profile, tag, None, tl, progress, extra_src, journal=journal)
+    return {**packed, "tag": tag, "workload": cold.state.name, "snapshot_driver": "criu-template",
+            "template_ready_s": round(cold.ready - cold.started, 3), "validated_text": first.text,
+            "weights_mode": "recovery", "criu_options": options.cli_flags(), "criu_stats": dump_stats}, profile
 
 
 def engine_info(host: str, port: int) -> dict:
@@ -254,7 +316,8 @@ def capsule_profile(driver: str, request: CaptureRequest, criu: CriuDriver, info
 
 def thin_and_pack(images: Path, files: list[CapturedFile], profile: CapsuleProfile, tag: str | None,
                   released: dict | None, tl: Timeline, progress: Progress,
-                  sources: dict[str, str] | None = None, journal: Journal | None = None) -> dict:
+                  sources: dict[str, str] | None = None, journal: Journal | None = None,
+                  template_capsule: str | None = None) -> dict:
     """Drop the dump's zero pages, pack the capsule; returns what the receipt says of it. Its layers are written in
     a scratch directory of the store (journaled: a pack killed midway leaves nothing once someone looks), and the
     blobs it writes or reuses are protected from gc while the capture lives."""
@@ -269,7 +332,7 @@ def thin_and_pack(images: Path, files: list[CapturedFile], profile: CapsuleProfi
             progress("packing the capsule")
             weights_apart = weights_travel_apart(profile, released)
             digest = write_capsule(store, private_dir(scratch), files, images, profile, tag, sources,
-                                   payload=weights_apart, journal=journal)
+                                   payload=weights_apart, journal=journal, template_capsule=template_capsule)
     except BaseException as e:
         discard(store, store.written, journal)  # what this capture wrote and nothing else uses: room for the next try
         if isinstance(e, OSError):
@@ -302,7 +365,7 @@ def weights_travel_apart(profile: CapsuleProfile, released: dict | None) -> bool
 
 def write_capsule(store: CapsuleStore, scratch: Path, files: list[CapturedFile], images: Path,
                   profile: CapsuleProfile, tag: str | None, sources: dict[str, str] | None = None,
-                  payload: bool = False, journal: Journal | None = None) -> str:
+                  payload: bool = False, journal: Journal | None = None, template_capsule: str | None = None) -> str:
     """The capsule's layers packed in scratch (a directory of the store's file system the caller removes), moved
     into the store as blobs, then its manifest indexed."""
     def keep(desc):
@@ -339,4 +402,6 @@ def write_capsule(store: CapsuleStore, scratch: Path, files: list[CapturedFile],
         annotations[mt.ANNOTATION_PAYLOAD] = write_payload(store, profile.model.weights, keep=keep, scratch=scratch)
     if profile.model:
         annotations[mt.ANNOTATION_MODEL] = f"{profile.model.id}@{profile.model.revision}"
+    if template_capsule:
+        annotations[mt.ANNOTATION_TEMPLATE] = template_capsule
     return store.write_capsule(profile, layers, annotations, tag)

@@ -19,7 +19,7 @@ from coldsnap.workload.state import WorkloadState, run_dir
 class ColdStart:
     state: WorkloadState
     probe: ValidationProbe
-    first: ProbeResult
+    first: ProbeResult | None  # None: a template, which serves nothing until it is resumed
     started: float  # monotonic: when the start was issued
     ready: float  # monotonic: when /health first answered
     journaled: list[dict] = field(default_factory=list)  # its entries in the caller's journal, to drop at hand-over
@@ -31,11 +31,11 @@ class ColdStart:
 
 def start_cold(name: str, plan: NetworkPlan | int, argv: list[str], env: dict[str, str], cwd: str | None,
                validation: Validation, expected: str | None = None,
-               journal: Journal | None = None) -> ColdStart:
+               journal: Journal | None = None, template: bool = False) -> ColdStart:
     """Network, start, ready, one validated completion. On failure nothing is left running. plan: the network to
     create, or the port the workload serves on (a free network is chosen, ColdStart.state.network says which). With
     a journal, the network and the workload are recorded in it before they exist (the caller drops them once it owns
-    them)."""
+    them). template: the engine starts as a pre-device template; ready once it says so, with nothing validated."""
     wdir = run_dir(name)
     log = wdir / "engine.log"
     log.unlink(missing_ok=True)
@@ -66,8 +66,11 @@ def start_cold(name: str, plan: NetworkPlan | int, argv: list[str], env: dict[st
         pid = start_in_namespaces(argv, workload_env(env), plan, log, cwd=cwd)
         journal.update(workload, pid=pid, start=start_time(pid))
         probe = ValidationProbe(plan.workload_address, plan.port, validation)
-        ready = probe.wait_ready(alive=lambda: alive(pid))
-        first = probe.complete(expected=expected)
+        if template:  # ready to be captured before the device is touched: nothing to validate yet
+            ready, first = probe.wait_template(alive=lambda: alive(pid)), None
+        else:
+            ready = probe.wait_ready(alive=lambda: alive(pid))
+            first = probe.complete(expected=expected)
     except BaseException as e:
         if pid is not None:
             kill_tree(pid)

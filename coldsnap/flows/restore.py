@@ -47,10 +47,15 @@ def restore(request: RestoreRequest, progress: Progress = _quiet) -> Receipt:
     with receipt_on_failure(request, op_id, op, tl):
         with tl.span("admit"):
             capsule = load_capsule(request.capsule, request.policy.allow_unpinned)
-            # A prepare stages a capsule of either driver (a container capsule is then restored by its runtime,
-            # coldsnap-runtime, from the staged copy); a restore here is a process restore.
-            driver = capsule.profile.snapshot_driver if op == "prepare" else "criu-process"
-            verdict = admit_capsule(capsule, request.policy, driver)
+            verdict = admit_capsule(capsule, request.policy, _driver_for(capsule, op))
+            instead_of = None
+            if not verdict.admitted and not verdict.untrusted and (template := _template_of(capsule)):
+                # the full capsule's device state cannot restore here; its template rebuilds it
+                template_verdict = admit_capsule(template, request.policy, "criu-template")
+                if template_verdict.admitted:
+                    progress(f"{verdict.refusal().message}; restoring its template {template.digest[:19]}… instead")
+                    instead_of = {"capsule": capsule.digest, "refused": verdict.sentence()}
+                    capsule, verdict = template, template_verdict
         for w in verdict.warnings:
             progress(f"note: {w} (relaxed compatibility)")
         if not verdict.admitted:
@@ -58,15 +63,37 @@ def restore(request: RestoreRequest, progress: Progress = _quiet) -> Receipt:
         with tl.span("stage"):
             staged = stage(capsule)
         progress(f"staged {capsule.digest[:19]}… (all digests verified)")
+        chosen = {"instead_of": instead_of} if instead_of else {}
         if op == "prepare":
             return finish_receipt(request, op_id, op, tl, "succeeded",
                                   result={"capsule": capsule.digest, "staged": str(staged.images.parent),
-                                          "admission": "admitted"})
+                                          "admission": "admitted", **chosen})
         try:
             result = _restore_staged(request, staged, tl, progress)
         except ColdSnapError as e:
             return _fall_back(request, capsule, tl, op_id, e, progress)
-        return finish_receipt(request, op_id, op, tl, "succeeded", result=result)
+        return finish_receipt(request, op_id, op, tl, "succeeded", result={**result, **chosen})
+
+
+def _driver_for(capsule: LoadedCapsule, op: str) -> str:
+    """The snapshot driver this operation restores with: a prepare stages a capsule of any driver (a container
+    capsule is then restored by its runtime, coldsnap-runtime, from the staged copy); a restore here is a process
+    restore, of a full capsule (criu-process) or a template (criu-template)."""
+    driver = capsule.profile.snapshot_driver
+    return driver if op == "prepare" or driver == "criu-template" else "criu-process"
+
+
+def _template_of(capsule: LoadedCapsule) -> LoadedCapsule | None:
+    """The template capsule a full capsule names (captured with it, --snapshot-driver both), when this store has it."""
+    from coldsnap.contracts import capsule as mt
+
+    digest = (capsule.manifest.get("annotations") or {}).get(mt.ANNOTATION_TEMPLATE)
+    if not digest:
+        return None
+    try:
+        return load_capsule(digest, allow_unpinned=False)
+    except ColdSnapError:
+        return None
 
 
 def workload_name(request: RestoreRequest, profile) -> str:
@@ -144,7 +171,8 @@ def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progr
         ok = True
         journal.drop(workload)  # its state file owns it now
         journal.drop(network)
-        return {"capsule": staged.capsule.digest, "workload": name, "pid": pid,
+        return {"capsule": staged.capsule.digest, "snapshot_driver": profile.snapshot_driver, "workload": name,
+                "pid": pid,
                 "url": f"http://{plan.workload_address}:{plan.port}",
                 "time_to_first_token_s": round(ttft, 4), "validated_text": res.text,
                 "first_token_monotonic_s": round(res.first_token_s, 6),  # CLOCK_MONOTONIC: host-wide, for benches
@@ -192,6 +220,22 @@ def _validation(request: RestoreRequest, profile) -> Validation:
     return request.validation or profile.validation
 
 
+def _start_template_cold(name: str, profile, validation: Validation):
+    """A cold start of a template capsule's launch: the template, then the device work it does when resumed."""
+    cold = start_cold(name, profile.network.port, profile.launch.command, profile.launch.env, profile.launch.workdir,
+                      validation, template=True)
+    try:
+        plan = cold.state.plan
+        get_adapter(profile.engine.name).after_restore(plan.workload_address, plan.port, True, "recovery")
+        cold.probe.wait_ready(alive=lambda: alive(cold.state.pid))
+        cold.first = cold.probe.complete(expected=profile.expected_text)
+    except BaseException:
+        kill_tree(cold.state.pid)
+        destroy_network(cold.state.plan)
+        raise
+    return cold
+
+
 # --- cold fallback -----------------------------------------------------------------------------------------------
 def _fall_back(request: RestoreRequest, capsule: LoadedCapsule, tl: Timeline, op_id: str, cause: ColdSnapError,
                progress: Progress) -> Receipt:
@@ -209,8 +253,11 @@ def _fall_back(request: RestoreRequest, capsule: LoadedCapsule, tl: Timeline, op
 def cold_start(profile, request: RestoreRequest, progress: Progress) -> dict:
     """Start the captured workload's launch cold, on a network of its own, and validate it."""
     name = workload_name(request, profile)
-    cold = start_cold(name, profile.network.port, profile.launch.command, profile.launch.env, profile.launch.workdir,
-                      _validation(request, profile), expected=profile.expected_text)
+    if profile.snapshot_driver == "criu-template":  # its launch starts a template: started, then resumed
+        cold = _start_template_cold(name, profile, _validation(request, profile))
+    else:
+        cold = start_cold(name, profile.network.port, profile.launch.command, profile.launch.env,
+                          profile.launch.workdir, _validation(request, profile), expected=profile.expected_text)
     cold.state.engine, cold.state.weights_mode = profile.engine.name, profile.weights_mode
     save_state(cold.state)
     progress(f"cold start validated: first token {cold.time_to_first_token:.2f} s after start")

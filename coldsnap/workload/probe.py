@@ -64,6 +64,27 @@ class ValidationProbe:
         raise ColdSnapError(ErrorCode.VALIDATION_TIMEOUT,
                             f"the workload did not become ready within {timeout:.0f} s ({self.validation.health_path})")
 
+    def wait_template(self, alive: Callable[[], bool] | None = None, timeout: float | None = None) -> float:
+        """Poll /coldsnap/info until the engine says it is a template ready to be captured (it listens, but serves
+        nothing until it is resumed). Returns the monotonic time it said so."""
+        timeout = timeout or self.validation.ready_timeout_s
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                conn = self._conn(2.0)
+                conn.request("GET", "/coldsnap/info", headers={"Connection": "close"})
+                resp = conn.getresponse()
+                info = json.loads(resp.read()) if resp.status == 200 else {}
+                conn.close()
+                if info.get("template") is True:
+                    return time.monotonic()
+            except (OSError, http.client.HTTPException, ValueError):
+                pass
+            if alive is not None and not alive():
+                raise ColdSnapError(ErrorCode.WORKLOAD_FAILED, "the workload exited before its template was ready")
+            time.sleep(0.02)
+        raise ColdSnapError(ErrorCode.VALIDATION_TIMEOUT, f"the template did not become ready within {timeout:.0f} s")
+
     def _served_model(self) -> str:
         """The first model id /v1/models lists (OpenAI servers insist on a known model name)."""
         try:

@@ -45,6 +45,7 @@ class ReferenceAdapter(EngineAdapter):
     name = "reference"
     supports_recovery = True
     supports_prefetch = True
+    supports_template = True
 
     def prepare(self, request: CaptureRequest) -> PreparedLaunch:
         from coldsnap import __version__
@@ -72,6 +73,12 @@ class ReferenceAdapter(EngineAdapter):
         model = request.model
         return PreparedLaunch(argv=argv, env=env, weights_mode=mode, model=model, engine_version=__version__,
                               cwd=request.launch.workdir, mounts=container_mounts(weights))
+
+    def template_launch(self, request: CaptureRequest) -> PreparedLaunch:
+        launch = self.prepare(request.model_copy(update={"policy": request.policy.model_copy(
+            update={"weights_mode": "recovery"})}))  # weights file-backed (mmap): reloaded from the pinned file
+        launch.argv = [*launch.argv, "--template"]
+        return launch
 
     def describe_model(self, weights_path: str) -> Model:
         """Called once the engine has started (it writes its seeded weights on first use)."""

@@ -1,0 +1,140 @@
+"""The second snapshot driver, criu-template, for real on the CPU (reference engine, real CRIU): `capture
+--snapshot-driver both` captures the engine as a pre-device template (imports, config, weights file opened; the
+device untouched), resumes it once for the completion restores are held to, then captures the full workload and
+names the template in its annotations. A template capsule restores (CRIU, then the engine does its device work)
+and serves the same text; a full capsule that admission refuses for its GPU falls to its template, not to a cold
+start, and the receipt says so. On the CPU the template is the whole state; on a GPU the same code path skips the
+CUDA checkpoint (packaging/device: not yet run on the H200). vLLM and SGLang say they do not support it yet."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import CRIU_PREFIX, needs_root_criu
+
+from coldsnap.base.paths import settings
+from coldsnap.capsule import CapsuleStore
+from coldsnap.capsule.gc import list_capsules
+from coldsnap.contracts import (
+    CaptureRequest,
+    ColdSnapError,
+    ErrorCode,
+    GpuInfo,
+    HostProfile,
+    Policy,
+    RestoreRequest,
+)
+from coldsnap.contracts import capsule as mt
+from coldsnap.engines import get_adapter
+from coldsnap.flows.admission import admit
+from coldsnap.flows.capture import capture
+from coldsnap.flows.restore import restore
+from coldsnap.workload.process import stop_workload
+from coldsnap.workload.state import list_states
+
+NAME = "pyt-template"
+
+
+@pytest.fixture(scope="module")
+def both(tmp_path_factory):
+    needs_root_criu()
+    root = tmp_path_factory.mktemp("template")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("COLDSNAP_HOME", str(root / "home"))
+        mp.setenv("COLDSNAP_RUN", str(root / "run"))
+        mp.setenv("COLDSNAP_CRIU_PREFIX", CRIU_PREFIX)
+        mp.delenv("COLDSNAP_STORE", raising=False)
+        req = CaptureRequest(operation="capture", engine={"name": "reference", "options": {"compile": False}},
+                             lifecycle={"name": NAME}, tag="tpl", snapshot_driver="both")
+        yield capture(req)
+        for ws in list_states():
+            stop_workload(ws)
+
+
+def _stop(name: str) -> None:
+    for ws in list_states():
+        if ws.name == name:
+            stop_workload(ws)
+
+
+def test_both_writes_a_template_and_a_full_capsule_that_names_it(both):
+    result = both.receipt.result
+    template = result["template"]
+    store = CapsuleStore(settings().store)
+    full = store.load(both.capsule)
+    assert full.profile.snapshot_driver == "criu-process"
+    assert full.manifest["annotations"][mt.ANNOTATION_TEMPLATE] == template["capsule"]
+    tpl = store.load(template["capsule"])
+    assert tpl.profile.snapshot_driver == "criu-template" and tpl.profile.weights_mode == "recovery"
+    assert tpl.profile.cuda_pids == 0 and "--template" in tpl.profile.launch.command
+    assert template["validated_text"] == result["validated_text"]  # the resumed template served the same text
+    assert {s["name"] for s in template["spans"]} >= {"cold-start", "criu-dump", "validate", "pack"}
+    tags = {r["tag"]: r["digest"] for r in list_capsules(store)}
+    assert tags["tpl-template"] == template["capsule"] and tags["tpl"] == both.capsule  # tagged side by side
+
+
+def test_a_template_restores_then_does_its_device_work_and_serves_the_same_text(both):
+    template = both.receipt.result["template"]["capsule"]
+    r = restore(RestoreRequest(operation="restore", capsule=template, policy=Policy(fallback_to_cold=False)))
+    try:
+        assert r.state == "succeeded" and r.result["snapshot_driver"] == "criu-template"
+        assert r.result["validated_text"] == both.profile.expected_text
+        spans = [s.name for s in r.spans]
+        assert spans[-3:] == ["criu-restore", "hydrate", "validate"]
+    finally:
+        _stop(r.result["workload"])
+
+
+def test_a_full_capsule_refused_for_its_gpu_falls_to_its_template_not_to_a_cold_start(both):
+    # Simulated refusal: the full capsule's profile rewritten to claim a GPU this host does not have (an H200
+    # capsule on a B200 host reads the same: "GPU 0 NVIDIA H200 vs NVIDIA B200 here").
+    store = CapsuleStore(settings().store)
+    full = store.load(both.capsule)
+    gpu = GpuInfo(index=0, name="NVIDIA H200", uuid="GPU-00000000-0000-0000-0000-000000000000", memory_mib=143771,
+                  compute_capability="9.0")
+    claimed = full.profile.model_copy(update={"host": full.profile.host.model_copy(update={
+        "gpus": [gpu], "driver_version": "580.159.04", "cuda_version": "13.0"})})
+    foreign = store.write_capsule(claimed, full.layers, dict(full.manifest["annotations"]))
+    r = restore(RestoreRequest(operation="restore", capsule=foreign, policy=Policy(fallback_to_cold=False)))
+    try:
+        assert r.state == "succeeded", r.error
+        assert r.result["snapshot_driver"] == "criu-template"
+        assert r.result["capsule"] == both.receipt.result["template"]["capsule"]
+        assert r.result["instead_of"]["capsule"] == foreign and "GPU" in r.result["instead_of"]["refused"]
+        assert r.result["validated_text"] == both.profile.expected_text
+    finally:
+        _stop(r.result["workload"])
+    with pytest.raises(ColdSnapError) as e:  # without its template, the same refusal is a refusal
+        no_template = {k: v for k, v in full.manifest["annotations"].items() if k != mt.ANNOTATION_TEMPLATE}
+        restore(RestoreRequest(operation="restore", capsule=store.write_capsule(claimed, full.layers, no_template),
+                               policy=Policy(fallback_to_cold=False)))
+    assert e.value.code == ErrorCode.INCOMPATIBLE
+
+
+def _host(gpu: str, cc: str, driver: str) -> HostProfile:
+    return HostProfile(arch="x86_64", cpu_model="AMD EPYC", cpu_flags=["avx2"], kernel="6.8.0", criu_version="4.2.1",
+                       driver_version=driver, cuda_version="13.0",
+                       gpus=[GpuInfo(index=0, name=gpu, uuid="GPU-x", memory_mib=1, compute_capability=cc)])
+
+
+def test_a_template_needs_the_architecture_family_not_the_gpu_model_or_driver():
+    captured = _host("NVIDIA H100 80GB HBM3", "9.0", "570.86.15")
+    assert not admit(captured, _host("NVIDIA H200", "9.0", "580.159.04")).admitted  # full state: same model/driver
+    assert admit(captured, _host("NVIDIA H200", "9.0", "580.159.04"), device_state=False).admitted
+    other = admit(captured, _host("NVIDIA B200", "10.0", "580.159.04"), device_state=False)
+    assert not other.admitted and "architecture family" in other.sentence()
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_vllm_and_sglang_say_they_do_not_support_templates_yet(engine):
+    with pytest.raises(ColdSnapError) as e:
+        get_adapter(engine).template_launch(CaptureRequest(operation="capture", engine={"name": engine},
+                                                           snapshot_driver="template"))
+    assert e.value.code == ErrorCode.INVALID_REQUEST and "does not support the criu-template" in e.value.message
+
+
+def test_capabilities_name_the_template_driver():
+    from coldsnap.host.capabilities import capabilities
+
+    assert "criu-template" in json.loads(capabilities().model_dump_json())["snapshot_drivers"]
