@@ -207,6 +207,7 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress, template
         return {
             **packed,
             "tag": request.tag,
+            "snapshot_driver": "criu-process",
             "workload": name,
             "pid": pid,
             "left_running": leave_running,
