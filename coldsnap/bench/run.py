@@ -41,6 +41,7 @@ class BenchOptions:
     name: str | None = None  # result file stem (default ENGINE-DEVICE-MODE)
     drop_caches: bool = False
     via: str | None = None  # podman | docker: the reference engine in a container (bench.via)
+    template: bool = False  # three ways: vanilla, the template capsule's restore, the full capsule's restore
     command: str = ""  # the command line that made the result, recorded in it
 
 
@@ -64,7 +65,7 @@ def run_bench(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
     req = CaptureRequest(operation="capture", engine={"name": opts.engine, "options": opts.engine_options},
                          launch=Launch(devices=[] if device == "cpu" else [device]),
                          policy=Policy(weights_mode=opts.weights_mode), lifecycle={"name": name},
-                         tag=f"bench-{opts.engine}-{device}")
+                         tag=f"bench-{opts.engine}-{device}", snapshot_driver="both" if opts.template else "full")
     adapter = get_adapter(opts.engine)
     launch = adapter.prepare(req)
 
@@ -115,6 +116,7 @@ def run_bench(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
         restored.append(res["time_to_first_token_s"])
         validated_restore += int(res["validated_text"] == expected)
         progress(f"restore {i + 1}/{n}: first token {res['time_to_first_token_s']:.3f} s")
+    template = _template_samples(cap, n, opts.drop_caches, progress) if opts.template else None
     if not vanilla or not restored:
         raise ColdSnapError(ErrorCode.VALIDATION_FAILED, f"nothing to compare: {validated_vanilla}/{nv} vanilla "
                             f"samples validated, {len(restored)}/{n} restores did not fall back")
@@ -149,16 +151,45 @@ def run_bench(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
         "vanilla_samples": nv,
         "validations": {"vanilla": f"{validated_vanilla}/{nv}", "restore": f"{validated_restore}/{n}"},
         "fell_back": len(fell_back), "fell_back_samples_s": [round(x, 4) for x in fell_back],
+        **({"template": template} if template else {}),
         "bandwidth": bw, "physical_limit": limit,
         "capsule": {"digest": cap.capsule, "bytes": capsule_bytes, "staging_s": round(staging_s, 3),
                     "capture_spans": {s.name: s.duration_s for s in cap.receipt.spans}},
     }
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / (opts.name or f"{opts.engine}-{device.replace(':', '')}-{cap.profile.weights_mode}")
+    stem = out / (opts.name or f"{opts.engine}-{device.replace(':', '')}-{cap.profile.weights_mode}"
+                  + ("-template" if opts.template else ""))
     stem.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
     _chart(data, stem.with_suffix(".png"))
     return BenchResult(data, side_by_side(data) + f"\nwrote {stem}.json and {stem}.png")
+
+
+SPANS = ("criu-restore", "hydrate", "validate")
+
+
+def _template_samples(cap, n: int, drop_caches: bool, progress) -> dict:
+    """n restores of the template captured beside the full capsule (bench --template): their time to first token,
+    and the median of each span (hydrate is the template's device work: load, build, compile, graphs, warm-up)."""
+    digest = cap.receipt.result["template"]["capsule"]
+    restore(RestoreRequest(operation="prepare", capsule=digest))
+    times, spans, validated = [], {k: [] for k in SPANS}, 0
+    for i in range(n):
+        if drop_caches:
+            drop_page_cache()
+        r = restore(RestoreRequest(operation="restore", capsule=digest))
+        stop_workload(load_state(r.result["workload"]))
+        if r.state != "succeeded":
+            progress(f"template restore {i + 1}/{n}: {r.state.upper()} ({r.result.get('fallback_reason')})")
+            continue
+        times.append(r.result["time_to_first_token_s"])
+        validated += int(r.result["validated_text"] == cap.profile.expected_text)
+        for s in r.spans:
+            if s.name in spans:
+                spans[s.name].append(s.duration_s)
+        progress(f"template restore {i + 1}/{n}: first token {times[-1]:.3f} s")
+    return {"capsule": digest, **_stats(times), "validated": f"{validated}/{n}",
+            "span_medians_s": {k: round(statistics.median(v), 4) for k, v in spans.items() if v}}
 
 
 def drop_page_cache() -> None:
@@ -187,7 +218,13 @@ def _chart(data: dict, path: Path) -> None:
     labels = ["vanilla start", "ColdSnap restore"]
     series = [data["vanilla"]["samples_s"], data["restore"]["samples_s"]]
     meds = [data["vanilla"]["median_s"], data["restore"]["median_s"]]
-    ax.bar(labels, meds, color=["#9a9a9a", "#2b7bba"], alpha=0.8)
+    colors = ["#9a9a9a", "#2b7bba"]
+    if data.get("template", {}).get("samples_s"):  # bench --template: the template's restore between the two
+        labels.insert(1, "template restore")
+        series.insert(1, data["template"]["samples_s"])
+        meds.insert(1, data["template"]["median_s"])
+        colors.insert(1, "#ff7f0e")
+    ax.bar(labels, meds, color=colors, alpha=0.8)
     for i, xs in enumerate(series):
         ax.scatter([i] * len(xs), xs, color="black", s=12, zorder=3)
         top = max(xs) if xs else meds[i]  # above the highest dot, so the label stays readable
@@ -218,6 +255,10 @@ def side_by_side(data: dict) -> str:
     if "fell_back" in data:
         rows.append(("fell back to cold", "", str(data["fell_back"])))
     lines = [f"{a:<22}{b:>16}{c:>20}" for a, b, c in rows]
+    t = data.get("template")
+    if t and t.get("samples_s"):
+        lines.append(f"template restore: first token {t['median_s']:.3f} s median ({t['validated']} validated; "
+                     f"spans {t['span_medians_s']})")
     lines.append(f"{data['engine']} on {data['device']}, weights {data['weights_mode']}: restore reaches the first "
                  f"token {data['ratio_median']}x sooner; capsule {data['capsule']['bytes'] / 2**20:.0f} MiB, "
                  f"staging {data['capsule']['staging_s']:.2f} s (excluded)")

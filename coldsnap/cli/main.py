@@ -365,7 +365,7 @@ def _bench_options(args, **fixed):
     opts = BenchOptions(
         engine=args.engine, samples=args.samples, vanilla_samples=args.vanilla_samples, device=args.device,
         weights_mode=args.weights_mode, engine_options=engine_options(args.engine_opt), out=args.out,
-        name=args.name, drop_caches=args.drop_caches, via=args.via,
+        name=args.name, drop_caches=args.drop_caches, via=args.via, template=getattr(args, "template", False),
         command="coldsnap " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
     for key, value in fixed.items():
         setattr(opts, key, value)
@@ -625,6 +625,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--drop-caches", action="store_true", help="drop the page cache before every sample")
     sp.add_argument("--replicas", type=int, metavar="N", help="N restores of one capsule issued at once vs N vanilla "
                     "starts at once, for 1 … N (ENGINE-DEVICE-replicas)")
+    sp.add_argument("--template", action="store_true", help="three ways in one run: vanilla, the restore of a "
+                    "template capsule (criu-template, captured with the full one) and of the full capsule")
     sp.add_argument("--cold-node", action="store_true", help="the first restore on a node that never saw the "
                     "capsule: pull from a local registry + restore, from issue to first token, vs vanilla "
                     "(ENGINE-DEVICE-cold-node)")
