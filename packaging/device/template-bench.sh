@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # criu-template on the GPU machine: (1) `coldsnap bench --template` (vanilla vs template restore vs full restore,
 # same run, N samples; 10.9 GB of weights by default), then (2) the portability case: a full capsule rewritten to
-# claim another GPU model (a simulated refusal, named as such in the output) restored with CUDA_VISIBLE_DEVICES on
-# this H200: admission refuses it and the restore falls to its template, whose receipt says so.
+# claim another GPU model (a simulated refusal, named as such in the output) restored on this H200: admission
+# refuses it and the restore falls to its template, whose receipt says so. (A template initialises CUDA with the
+# environment it was captured with: CUDA_VISIBLE_DEVICES of the capture.)
 # Usage (repo root there, .whl and .carry carried): [N=5] [BENCH=1] [PORTABLE=1] packaging/device/template-bench.sh
 source packaging/device/env.sh
 CS="python3 -m coldsnap.cli.main"
@@ -30,8 +31,7 @@ print(store.write_capsule(claimed, full.layers, dict(full.manifest["annotations"
 PY
 )
   echo "full capsule rewritten to claim another GPU model (simulated refusal): $FOREIGN"
-  U=$(nvidia-smi --query-gpu=uuid --format=csv,noheader | head -1)
-  CUDA_VISIBLE_DEVICES=$U $CS restore --capsule "$FOREIGN" --no-fallback --json > "$OUT/portable-restore.json"
+  $CS restore --capsule "$FOREIGN" --no-fallback --json > "$OUT/portable-restore.json"
   echo "restore rc=$?"
   python3 -c "import json;r=json.load(open('$OUT/portable-restore.json'));x=r['result'];print(r['state'],x.get('snapshot_driver'),x.get('instead_of'),x.get('time_to_first_token_s'))"
   $CS stop portable
