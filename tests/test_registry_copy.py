@@ -1,7 +1,8 @@
 """A capsule is one OCI graph that standard tools copy whole: pushed with a weights payload, its tag names an index
-of capsule and payload; the real `oras cp -r` (Debian sid's, packaging/debian/binary.sh) copies it to another
-repository, and the copy pulls and restores on a host that has neither the capsule nor its weights, its signature
-included."""
+of capsule and payload; the real `oras cp -r` (Debian sid's, packaging/debian/binary.sh) and the real `skopeo copy
+--all` (Debian's, packaging/registry/ensure.sh) copy it to another repository, and the copy pulls and restores on a
+host that has neither the capsule nor its weights, its signature included (skopeo copies tags, not referrers: the
+signature's tag, sha256-<hex>, is copied beside it, as for cosign's)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from coldsnap.workload.state import load_state
 pytestmark = pytest.mark.slow
 BINARY_SH = Path(__file__).resolve().parents[1] / "packaging" / "debian" / "binary.sh"
 ORAS = Path("/var/lib/coldsnap/oras/bin/oras")
+ENSURE = Path(__file__).resolve().parents[1] / "packaging" / "registry" / "ensure.sh"
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +41,53 @@ def oras():
     return ORAS
 
 
+@pytest.fixture(scope="module")
+def skopeo():
+    if os.geteuid() != 0:
+        pytest.skip("Debian's skopeo is installed as root (packaging/registry/ensure.sh)")
+    r = subprocess.run([str(ENSURE), "skopeo"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-800:]
+    return shutil.which("skopeo")
+
+
+def _restores_on_a_fresh_host(registry, cap, ref, tmp_path, monkeypatch):  # noqa: F811
+    """ref pulls into an empty store, weights file gone, with its payload and signature; the capsule restores."""
+    weights = cap.profile.model.weights[0]
+    payload = CapsuleStore(settings().store).load(cap.capsule).manifest["annotations"][mt.ANNOTATION_PAYLOAD]
+    shutil.move(str(settings().store), str(tmp_path / "origin-store"))
+    os.rename(weights.path, weights.path + ".gone")
+    try:
+        monkeypatch.setenv("COLDSNAP_STORE", str(tmp_path / "fresh-store"))
+        fresh = CapsuleStore(settings().store).init()
+        got = pull(fresh, ref, insecure=True, allow_unpinned=True)
+        assert str(got) == cap.capsule and got.payload_bytes > 0 and got.signatures >= 1
+        assert fresh.has_blob(payload)
+        r = restore(RestoreRequest(operation="restore", capsule=cap.capsule, policy=Policy(fallback_to_cold=False)))
+        assert r.state == "succeeded" and r.result["validated_text"] == cap.profile.expected_text
+        stop_workload(load_state(r.result["workload"]))
+    finally:
+        if os.path.exists(weights.path + ".gone"):
+            os.replace(weights.path + ".gone", weights.path)
+
+
+def test_skopeo_copy_all_carries_capsule_payload_and_signature(registry, skopeo, tmp_path,  # noqa: F811
+                                                               monkeypatch):
+    needs_root_criu()
+    monkeypatch.setenv("COLDSNAP_CRIU_PREFIX", CRIU_PREFIX)
+    monkeypatch.setenv("COLDSNAP_RUN", str(tmp_path / "run"))
+    monkeypatch.setenv("COLDSNAP_HOME", str(tmp_path / "origin"))
+    monkeypatch.setenv("COLDSNAP_POLICY_FILE", str(tmp_path / "policy.json"))
+    cap = fast_capture("pyt-skopeo", "skopeo")
+    pushed = push(CapsuleStore(settings().store), cap.capsule, f"{registry}/coldsnap/src:v2", insecure=True)
+    assert pushed["index"] and pushed["signatures"] == 1
+    for tag in ("v2", cap.capsule.replace(":", "-")):  # the capsule's tag, then its signature's
+        r = subprocess.run([skopeo, "copy", "--all", "--src-tls-verify=false", "--dest-tls-verify=false",
+                            f"docker://{registry}/coldsnap/src:{tag}", f"docker://{registry}/coldsnap/scopy:{tag}"],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-1500:]
+    _restores_on_a_fresh_host(registry, cap, f"{registry}/coldsnap/scopy:v2", tmp_path, monkeypatch)
+
+
 def test_oras_cp_r_carries_capsule_payload_and_signature(registry, oras, tmp_path, monkeypatch):  # noqa: F811
     needs_root_criu()
     monkeypatch.setenv("COLDSNAP_CRIU_PREFIX", CRIU_PREFIX)
@@ -47,7 +96,6 @@ def test_oras_cp_r_carries_capsule_payload_and_signature(registry, oras, tmp_pat
     monkeypatch.setenv("COLDSNAP_POLICY_FILE", str(tmp_path / "policy.json"))
     cap = fast_capture("pyt-copy", "copy")
     origin = CapsuleStore(settings().store)
-    payload = origin.load(cap.capsule).manifest["annotations"][mt.ANNOTATION_PAYLOAD]
     pushed = push(origin, cap.capsule, f"{registry}/coldsnap/src:v1", insecure=True)
     assert pushed["index"] and pushed["signatures"] == 1
 
@@ -60,18 +108,4 @@ def test_oras_cp_r_carries_capsule_payload_and_signature(registry, oras, tmp_pat
     assert fetched.returncode == 0 and fetched.stdout == origin.blob_path(cap.capsule).read_bytes()  # byte-identical
 
     # A host without the capsule or its weights: the copy's tag is enough.
-    weights = cap.profile.model.weights[0]
-    shutil.move(str(settings().store), str(tmp_path / "origin-store"))
-    os.rename(weights.path, weights.path + ".gone")
-    try:
-        monkeypatch.setenv("COLDSNAP_STORE", str(tmp_path / "fresh-store"))
-        fresh = CapsuleStore(settings().store).init()
-        got = pull(fresh, f"{registry}/coldsnap/copy:v1", insecure=True, allow_unpinned=True)
-        assert str(got) == cap.capsule and got.payload_bytes > 0 and got.signatures >= 1
-        assert fresh.has_blob(payload)
-        r = restore(RestoreRequest(operation="restore", capsule=cap.capsule, policy=Policy(fallback_to_cold=False)))
-        assert r.state == "succeeded" and r.result["validated_text"] == cap.profile.expected_text
-        stop_workload(load_state(r.result["workload"]))
-    finally:
-        if os.path.exists(weights.path + ".gone"):
-            os.replace(weights.path + ".gone", weights.path)
+    _restores_on_a_fresh_host(registry, cap, f"{registry}/coldsnap/copy:v1", tmp_path, monkeypatch)

@@ -497,6 +497,27 @@ def _fetch_blob(client: _Client, store: CapsuleStore, desc: Descriptor, progress
     raise AssertionError("unreachable")
 
 
+def _the_capsule_listed(client: "_Client", listed: list) -> str | None:
+    """The digest of the one ColdSnap capsule among an index's manifests (each fetched and hashed), or None when
+    there is not exactly one (or the index lists too many to look at)."""
+    digests = [d for d in listed if isinstance(d, str) and DIGEST_RE.match(d)]
+    if not digests or len(digests) > 8:
+        return None
+    found = []
+    for d in digests:
+        r = client.request("GET", f"{client.base}/manifests/{d}", ok=(200,), what=f"manifest {d}",
+                           headers={"Accept": f"{mt.MANIFEST_MEDIA_TYPE}, {mt.INDEX_MEDIA_TYPE}"},
+                           not_found=ErrorCode.CAPSULE_NOT_FOUND, stream=True)
+        with r:
+            raw = r.raw.read(MANIFEST_LIMIT + 1, decode_content=True)
+        if len(raw) > MANIFEST_LIMIT or "sha256:" + hashlib.sha256(raw).hexdigest() != d:
+            raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"manifest {d} does not hash to its digest")
+        doc = strict_json(raw, f"manifest {d}", code=ErrorCode.CAPSULE_CORRUPT)
+        if isinstance(doc, dict) and doc.get("artifactType") == mt.ARTIFACT_TYPE:
+            found.append(d)
+    return found[0] if len(found) == 1 else None
+
+
 def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: bool = False,
          progress: Progress | None = None, artifact_type: str = mt.ARTIFACT_TYPE) -> PullResult:
     """Fetch the capsule `ref` into `store`; returns its manifest digest (a PullResult: .bytes_transferred …)."""
@@ -535,6 +556,12 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
         return pull(store, f"{tagged}@{capsule}", insecure, True, progress, artifact_type)
     if manifest.get("mediaType") == mt.INDEX_MEDIA_TYPE or "manifests" in manifest:
         listed = [m.get("digest") for m in manifest.get("manifests") or [] if isinstance(m, dict)]
+        # A copy tool that rewrites the index (skopeo copy --all) drops its artifactType markers, keeping the
+        # manifests as they are: the one capsule among them is still the capsule this tag names.
+        capsule = _the_capsule_listed(client, listed) if artifact_type == mt.ARTIFACT_TYPE else None
+        if capsule is not None:
+            tagged = remote.name + (f":{remote.tag}" if remote.tag else "")
+            return pull(store, f"{tagged}@{capsule}", insecure, True, progress, artifact_type)
         raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"{remote} names an OCI image index of {len(listed)} "
                             f"manifest(s) ({', '.join(str(d) for d in listed[:3])}{'…' if len(listed) > 3 else ''}), "
                             "not a capsule: pull a capsule by its own digest")
