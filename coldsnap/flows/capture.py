@@ -65,6 +65,10 @@ def capture(request: CaptureRequest, progress: Progress = _quiet) -> CaptureResu
     tl = Timeline()
     op_id = request.id or f"capture-{uuid.uuid4().hex[:12]}"
     with receipt_on_failure(request, op_id, "capture", tl):
+        if request.snapshot_driver == "template" and request.lifecycle.leave_running:
+            raise ColdSnapError(ErrorCode.INVALID_REQUEST, "a template capture stops its workload (it serves once, "
+                                "to learn the text restores are held to); with --snapshot-driver both, "
+                                "--leave-running keeps the full capture's workload")
         template = None
         if request.snapshot_driver in ("template", "both"):
             progress("capturing the pre-device template")
