@@ -138,3 +138,21 @@ def test_capabilities_name_the_template_driver():
     from coldsnap.host.capabilities import capabilities
 
     assert "criu-template" in json.loads(capabilities().model_dump_json())["snapshot_drivers"]
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--leave-running"], "a template capture stops its workload"),
+    (["--engine", "vllm"], "does not support the criu-template"),
+])
+def test_a_template_capture_that_cannot_be_is_one_line_and_exit_2(tmp_path, args, says):
+    import os
+    import subprocess
+    import sys
+
+    needs_root_criu()
+    env = {**os.environ, "COLDSNAP_HOME": str(tmp_path / "home"), "COLDSNAP_RUN": str(tmp_path / "run"),
+           "COLDSNAP_CRIU_PREFIX": CRIU_PREFIX}
+    r = subprocess.run([sys.executable, "-m", "coldsnap.cli", "capture", "--snapshot-driver", "template", *args],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "run" / "workloads").exists() or not any((tmp_path / "run" / "workloads").iterdir())

@@ -69,6 +69,9 @@ def capture(request: CaptureRequest, progress: Progress = _quiet) -> CaptureResu
             raise ColdSnapError(ErrorCode.INVALID_REQUEST, "a template capture stops its workload (it serves once, "
                                 "to learn the text restores are held to); with --snapshot-driver both, "
                                 "--leave-running keeps the full capture's workload")
+        adapter = get_adapter(request.engine.name)
+        if request.snapshot_driver != "full" and not adapter.supports_template:
+            adapter.template_launch(request)  # says why, before anything starts
         template = None
         if request.snapshot_driver in ("template", "both"):
             progress("capturing the pre-device template")
