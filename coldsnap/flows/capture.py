@@ -73,20 +73,18 @@ def capture(request: CaptureRequest, progress: Progress = _quiet) -> CaptureResu
         if request.snapshot_driver != "full" and not adapter.supports_template:
             adapter.template_launch(request)  # says why, before anything starts
         template = None
-        if request.snapshot_driver in ("template", "both"):
+        if request.snapshot_driver != "full":
             progress("capturing the pre-device template")
-            template_tl = Timeline() if request.snapshot_driver == "both" else tl
-            template, profile = _capture(request.model_copy(update={"lifecycle": request.lifecycle.model_copy(
-                update={"leave_running": False})}) if request.snapshot_driver == "both" else request,
-                template_tl, progress, template=True)
+            template_tl = tl if request.snapshot_driver == "template" else Timeline()
+            once = request.model_copy(update={"lifecycle": request.lifecycle.model_copy(
+                update={"leave_running": False})})  # the template serves once, to learn its text, then stops
+            template, profile = _capture(once, template_tl, progress, template=True)
             result = template
-            if request.snapshot_driver == "both":
-                template["spans"] = [s.model_dump() for s in template_tl.spans]
         if request.snapshot_driver != "template":
             result, profile = _capture(request, tl, progress,
                                        template_capsule=template["capsule"] if template else None)
             if template:
-                result["template"] = template
+                result["template"] = {**template, "spans": [s.model_dump() for s in template_tl.spans]}
     receipt = finish_receipt(request, op_id, "capture", tl, "succeeded", result=result)
     return CaptureResult(capsule=result["capsule"], profile=profile, receipt=receipt)
 
