@@ -1,4 +1,4 @@
-"""Network namespaces and the PID-namespace launcher, against the real kernel."""
+"""Network namespaces and the launcher (a PID and a mount namespace of its own), against the real kernel."""
 
 import os
 import time
@@ -68,6 +68,11 @@ def test_workload_runs_as_namespace_init_reachable_from_host(plan, tmp_path):
         assert nspid[-1] == "1"  # init of its own PID namespace
         assert os.getsid(pid) == pid  # session leader
         assert os.readlink(f"/proc/{pid}/ns/net") != os.readlink("/proc/self/ns/net")
+        assert os.readlink(f"/proc/{pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt")  # a mount namespace too
+        with open(f"/proc/{pid}/mountinfo") as f:  # its own /proc, and no other workload's network namespace
+            mounts = f.read()
+        fstypes = [line.split(" - ")[1].split()[0] for line in mounts.splitlines()]
+        assert "nsfs" not in fstypes and fstypes.count("proc") >= 1, mounts
         deadline = time.time() + 15
         while True:
             try:
@@ -83,15 +88,14 @@ def test_workload_runs_as_namespace_init_reachable_from_host(plan, tmp_path):
     assert not alive(pid)
 
 
-@pytest.mark.parametrize("pid_namespace", [True, False])
-def test_a_workload_that_exits_at_once_is_a_workload_failure(plan, tmp_path, pid_namespace):
+def test_a_workload_that_exits_at_once_is_a_workload_failure(plan, tmp_path):
     """Whatever moment the workload dies in (before, during or after setsid), starting it either returns a session
     leader or says the workload failed: never another error (a /proc read of a vanished process is ESRCH)."""
     create_network(plan)
     for i in range(20):
         try:
             pid = start_in_namespaces(["python3", "-c", f"import sys; sys.exit({i % 3})"], {}, plan,
-                                      tmp_path / "log", pid_namespace=pid_namespace)
+                                      tmp_path / "log")
         except ColdSnapError as e:
             assert e.code == ErrorCode.WORKLOAD_FAILED, e
             assert "exited at once" in e.message
