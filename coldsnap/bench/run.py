@@ -220,6 +220,7 @@ def _chart(data: dict, path: Path) -> None:
     meds = [data["vanilla"]["median_s"], data["restore"]["median_s"]]
     colors = ["#9a9a9a", "#2b7bba"]
     if data.get("template", {}).get("samples_s"):  # bench --template: the template's restore between the two
+        labels[1] = "full-state restore"
         labels.insert(1, "template restore")
         series.insert(1, data["template"]["samples_s"])
         meds.insert(1, data["template"]["median_s"])
