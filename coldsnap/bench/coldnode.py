@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -30,7 +29,7 @@ from coldsnap.base.files import private_dir
 from coldsnap.base.paths import settings
 from coldsnap.bench import bandwidth
 from coldsnap.bench.registry import LocalRegistry
-from coldsnap.bench.run import BenchOptions, BenchResult, _stats, _vanilla_once
+from coldsnap.bench.run import BenchOptions, BenchResult, _stats, _vanilla_once, host_record
 from coldsnap.capsule import CapsuleStore
 from coldsnap.capsule.registry import push
 from coldsnap.capsule.signing import host_public_key_path
@@ -146,9 +145,7 @@ def run_cold_node(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
         "kind": "coldsnap.bench",
         "command": opts.command or "coldsnap " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "host": {"machine": platform.machine(), "kernel": platform.release(), "cpus": os.cpu_count() or 0,
-                 "cpu_model": cap.profile.host.cpu_model, "criu": cap.profile.host.criu_version,
-                 "gpus": [g.name for g in cap.profile.host.gpus]},
+        "host": host_record(cap.profile),
         "page_cache": "warm (the registry's storage and the vanilla weights)",
         "engine": opts.engine, "device": opts.device, "weights_mode": cap.profile.weights_mode,
         "samples": n, "vanilla_samples": nv, "cold_node": True,

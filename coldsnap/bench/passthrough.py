@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import shlex
 import shutil
 import subprocess
@@ -18,7 +17,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from coldsnap.bench.run import BenchOptions, BenchResult
+from coldsnap.bench.run import BenchOptions, BenchResult, host_record
 from coldsnap.contracts import ColdSnapError, ErrorCode
 
 
@@ -69,7 +68,7 @@ def run_passthrough(opts: BenchOptions, reps: int = 20, progress=lambda m: None)
     data = {"kind": "coldsnap.bench.passthrough",
             "command": opts.command or "coldsnap " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "host": {"machine": platform.machine(), "kernel": platform.release(), "cpus": os.cpu_count() or 0},
+            "host": host_record(),
             "runc": subprocess.run([runc, "--version"], capture_output=True, text=True).stdout.splitlines()[0],
             "clock": f"best of {reps} of each call, runc vs the same call through each door",
             "rows": rows, "worst_front_door_overhead_ms": worst}

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import shlex
 import time
 import uuid
@@ -27,7 +26,7 @@ from typing import Callable
 from coldsnap.base.paths import settings
 from coldsnap.base.procfs import alive
 from coldsnap.bench.rootfs import host_usr_rootfs
-from coldsnap.bench.run import BenchOptions, BenchResult, _chart, _stats, side_by_side
+from coldsnap.bench.run import BenchOptions, BenchResult, _chart, _stats, host_record, side_by_side
 from coldsnap.bench.via import CACHE, ENGINE_ARGS, PORT, _sh, container_bench_ready, private_base
 from coldsnap.contracts import CaptureRequest, ColdSnapError, ErrorCode, Validation
 from coldsnap.contracts import capsule as mt
@@ -200,8 +199,7 @@ def _bench(opts: BenchOptions, node, spec: PodSpec, progress: Progress) -> Bench
     data = {
         "kind": "coldsnap.bench", "via": "cri", "command": command,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "host": {"machine": platform.machine(), "kernel": platform.release(), "cpus": os.cpu_count() or 0,
-                 "cpu_model": prof.host.cpu_model, "criu": prof.host.criu_version},
+        "host": host_record(prof),
         "node": {"containerd": _sh(["containerd", "--version"]).stdout.strip(),
                  "runc": _sh(["runc", "--version"]).stdout.splitlines()[0], "runtime_handler": "coldsnap",
                  "cni": "bridge + host-local (Debian containernetworking-plugins)"},

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import shlex
 import statistics
 import sys
@@ -19,7 +18,7 @@ from pathlib import Path
 
 from coldsnap.base.paths import settings
 from coldsnap.bench import bandwidth
-from coldsnap.bench.run import BenchOptions, BenchResult
+from coldsnap.bench.run import BenchOptions, BenchResult, host_record
 from coldsnap.contracts import CaptureRequest, ColdSnapError, ErrorCode, Launch, Policy, RestoreRequest
 from coldsnap.engines import get_adapter
 from coldsnap.flows.capture import capture
@@ -89,9 +88,7 @@ def run_replicas(opts: BenchOptions, replicas: int, progress=lambda m: None) -> 
         "kind": "coldsnap.bench.replicas",
         "command": opts.command or "coldsnap " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "host": {"machine": platform.machine(), "kernel": platform.release(), "cpus": os.cpu_count() or 0,
-                 "cpu_model": cap.profile.host.cpu_model, "criu": cap.profile.host.criu_version,
-                 "gpus": [g.name for g in cap.profile.host.gpus]},
+        "host": host_record(cap.profile),
         "engine": opts.engine, "device": opts.device, "weights_mode": cap.profile.weights_mode,
         "clock": "issue of N starts (or restores) at once -> the last of them validated; staging done once before",
         "rows": rows,

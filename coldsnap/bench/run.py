@@ -51,6 +51,15 @@ class BenchResult:
     summary: str  # the side-by-side lines a person reads
 
 
+def host_record(profile=None) -> dict:
+    """The machine a result was measured on, as every bench records it (the capsule's host profile, when it has one)."""
+    host = {"machine": platform.machine(), "kernel": platform.release(), "cpus": os.cpu_count() or 0}
+    if profile is not None:
+        host.update({"cpu_model": profile.host.cpu_model, "criu": profile.host.criu_version,
+                     "gpus": [g.name for g in profile.host.gpus]})
+    return host
+
+
 def _stats(xs: list[float]) -> dict:
     return {"samples_s": [round(x, 4) for x in xs], "median_s": round(statistics.median(xs), 4),
             "min_s": round(min(xs), 4), "max_s": round(max(xs), 4)} if xs else {"samples_s": []}
@@ -140,9 +149,7 @@ def run_bench(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
         "kind": "coldsnap.bench",
         "command": opts.command or "coldsnap " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "host": {"machine": platform.machine(), "kernel": platform.release(), "cpus": os.cpu_count() or 0,
-                 "cpu_model": cap.profile.host.cpu_model, "criu": cap.profile.host.criu_version,
-                 "gpus": [g.name for g in cap.profile.host.gpus]},
+        "host": host_record(cap.profile),
         "page_cache": "dropped before every sample" if opts.drop_caches else "warm",
         "engine": opts.engine, "device": device, "weights_mode": cap.profile.weights_mode,
         "samples": n,

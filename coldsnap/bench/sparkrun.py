@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import re
 import shlex
 import socket
@@ -30,7 +29,7 @@ from typing import Callable
 
 from coldsnap.base.paths import settings
 from coldsnap.bench.rootfs import host_usr_rootfs
-from coldsnap.bench.run import BenchOptions, BenchResult, _chart, _stats, side_by_side
+from coldsnap.bench.run import BenchOptions, BenchResult, _chart, _stats, host_record, side_by_side
 from coldsnap.bench.via import PYTHON_HOME, REPO, VENV, Docker, container_bench_ready, private_base
 from coldsnap.contracts import CaptureRequest, ColdSnapError, ErrorCode
 
@@ -258,7 +257,7 @@ def _bench(opts: BenchOptions, lab: SparkrunLab, progress: Progress) -> BenchRes
         "kind": "coldsnap.bench", "via": "sparkrun",
         "command": opts.command or f"coldsnap bench --via sparkrun --engine {engine} --samples {n}",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "host": {"machine": platform.machine(), "kernel": platform.release(), "cpus": os.cpu_count() or 0},
+        "host": host_record(),
         "sparkrun": version[-1] if version else "", "docker": lab.docker("--version").stdout.strip(),
         "python": sys.version.split()[0],
         "engine": engine, "device": "cpu", "weights_mode": "native", "samples": n, "page_cache": "warm",

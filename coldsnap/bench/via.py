@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import shlex
 import shutil
 import statistics
@@ -32,7 +31,7 @@ from typing import Callable, Iterator
 from coldsnap.base.paths import settings
 from coldsnap.base.procfs import alive
 from coldsnap.bench.rootfs import host_usr_rootfs
-from coldsnap.bench.run import BenchOptions, BenchResult, _chart, _stats, side_by_side
+from coldsnap.bench.run import BenchOptions, BenchResult, _chart, _stats, host_record, side_by_side
 from coldsnap.contracts import ColdSnapError, ErrorCode, Validation
 from coldsnap.contracts import capsule as mt
 from coldsnap.workload.probe import ProbeResult, ValidationProbe
@@ -484,9 +483,7 @@ def _bench(opts: BenchOptions, engine: Engine, progress: Progress) -> BenchResul
         "via": via,
         "command": _command(opts),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "host": {"machine": platform.machine(), "kernel": platform.release(), "cpus": os.cpu_count() or 0,
-                 "cpu_model": prof.host.cpu_model, "criu": prof.host.criu_version,
-                 "gpus": [g.name for g in prof.host.gpus]},
+        "host": host_record(prof),
         "container_engine": {"cli": engine.command(), "version": engine("--version", check=False).stdout.strip(),
                              "runc": _sh(["runc", "--version"]).stdout.splitlines()[0],
                              "runtime": engine.runtime_binary, "image": engine.image,
