@@ -431,13 +431,22 @@ def test_store_hygiene(registry, src, dst, tmp_path):  # noqa: F811
         pull(dst, f"{registry}/coldsnap/hygiene-payload@{with_payload}", insecure=True)
     assert e.value.code == ErrorCode.CAPSULE_CORRUPT
     assert store_files(dst) == ([], []) and dst.index() == []
-    # (c) a tag that names an OCI image index is answered for what it is
-    index = {"schemaVersion": 2, "mediaType": mt.INDEX_MEDIA_TYPE, "manifests": [
-        {"mediaType": mt.MANIFEST_MEDIA_TYPE, "digest": digest, "size": src.blob_path(digest).stat().st_size}]}
-    assert requests.put(f"http://{registry}/v2/coldsnap/hygiene/manifests/idx", data=json.dumps(index),
-                        headers={"Content-Type": mt.INDEX_MEDIA_TYPE}).status_code == 201
+    # (c) a tag that names a plain OCI image index (as copy tools rewrite ColdSnap's): one capsule among its
+    # manifests is the capsule it names; two are answered for what they are
+    other, _ = make_capsule(src, tmp_path, [random_layer(src, tmp_path, MIB)], tag="other")
+    push(src, other, f"{registry}/coldsnap/hygiene:other", insecure=True)
+
+    def index_of(*digests):
+        return json.dumps({"schemaVersion": 2, "mediaType": mt.INDEX_MEDIA_TYPE, "manifests": [
+            {"mediaType": mt.MANIFEST_MEDIA_TYPE, "digest": d, "size": src.blob_path(d).stat().st_size}
+            for d in digests]})
+
+    for tag, listed in (("one", [digest]), ("two", [digest, other])):
+        assert requests.put(f"http://{registry}/v2/coldsnap/hygiene/manifests/{tag}", data=index_of(*listed),
+                            headers={"Content-Type": mt.INDEX_MEDIA_TYPE}).status_code == 201
+    assert str(pull(dst, f"{registry}/coldsnap/hygiene:one", insecure=True, allow_unpinned=True)) == digest
     with pytest.raises(ColdSnapError) as e:
-        pull(dst, f"{registry}/coldsnap/hygiene:idx", insecure=True, allow_unpinned=True)
+        pull(dst, f"{registry}/coldsnap/hygiene:two", insecure=True, allow_unpinned=True)
     assert e.value.code == ErrorCode.CAPSULE_CORRUPT and "image index" in e.value.message and digest in e.value.message
     # (d) `ls` lists capsules only: another tool's artifact in the layout (a signature) is no row
     sig = src.put_bytes(json.dumps({"schemaVersion": 2, "mediaType": mt.MANIFEST_MEDIA_TYPE,
