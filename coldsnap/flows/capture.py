@@ -172,13 +172,7 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress, template
 
         options = CriuOptions(leave_running=leave_running, host_mounts=True)
         progress("dumping with CRIU")
-        with tl.span("criu-dump"):
-            criu.dump(pid, images, options, netns_inode(plan.netns))
-        dump_stats = criu_stats(images, "dump")
-        # State outside the images (host /dev/shm files): snapshot their dump-time bytes before anything resumes.
-        extra = hostfiles.extra_files(images)
-        extra_src = {f.path: hostfiles.snapshot_file(f.path, f, private_dir(images.parent / "extra") / str(i))
-                     for i, f in enumerate(extra)}
+        dump_stats, extra, extra_src = _dump(criu, pid, images, options, plan, tl)
 
         if leave_running:
             with tl.span("resume"):
@@ -239,6 +233,17 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress, template
         journal.close()
 
 
+def _dump(criu: CriuDriver, pid: int, images: Path, options: CriuOptions, plan, tl: Timeline):
+    """The CRIU dump (a span of its own), its stats, and the state outside the images (host /dev/shm files) with
+    their dump-time bytes snapshotted before anything resumes: (stats, extra files, {path: snapshot})."""
+    with tl.span("criu-dump"):
+        criu.dump(pid, images, options, netns_inode(plan.netns))
+    extra = hostfiles.extra_files(images)
+    extra_src = {f.path: hostfiles.snapshot_file(f.path, f, private_dir(images.parent / "extra") / str(i))
+                 for i, f in enumerate(extra)}
+    return criu_stats(images, "dump"), extra, extra_src
+
+
 def _dump_template(request: CaptureRequest, tl: Timeline, progress: Progress, criu: CriuDriver, adapter, launch,
                    cold, info: dict, model: Model | None, images: Path, wdir: Path, tag: str | None,
                    journal: Journal) -> tuple[dict, CapsuleProfile]:
@@ -247,12 +252,7 @@ def _dump_template(request: CaptureRequest, tl: Timeline, progress: Progress, cr
     pid, plan, probe = cold.state.pid, cold.state.plan, cold.probe
     options = CriuOptions(leave_running=True, host_mounts=True)
     progress("dumping the template with CRIU")
-    with tl.span("criu-dump"):
-        criu.dump(pid, images, options, netns_inode(plan.netns))
-    dump_stats = criu_stats(images, "dump")
-    extra = hostfiles.extra_files(images)
-    extra_src = {f.path: hostfiles.snapshot_file(f.path, f, private_dir(images.parent / "extra") / str(i))
-                 for i, f in enumerate(extra)}
+    dump_stats, extra, extra_src = _dump(criu, pid, images, options, plan, tl)
     with tl.span("validate"):
         adapter.after_restore(plan.workload_address, plan.port, True, "recovery")
         probe.wait_ready(alive=lambda: alive(pid))
