@@ -112,72 +112,51 @@ def gpus() -> list[GpuInfo]:
     return discover().gpus
 
 
-def gpus_used_by(pids) -> list[str]:
-    """UUIDs of the GPUs on which any of these (host) PIDs has a CUDA context, by GPU index; [] when NVML can't say."""
+def _query(ask, unknown):
+    """ask(pynvml) between nvmlInit and nvmlShutdown; unknown when NVML is missing or fails (never raises)."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
     except Exception:  # noqa: BLE001 - no NVML: unknown
-        return []
-    wanted = {int(p) for p in pids}
-    used = []
+        return unknown
     try:
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            if any(int(p.pid) in wanted for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)):
-                used.append(_text(pynvml.nvmlDeviceGetUUID(h)))
+        return ask(pynvml)
     except Exception:  # noqa: BLE001
-        return []
+        return unknown
     finally:
         try:
             pynvml.nvmlShutdown()
         except Exception:  # noqa: BLE001
             pass
-    return used
+
+
+def _processes(pynvml):
+    """(GPU UUID, its compute processes) for each GPU, by index."""
+    for i in range(pynvml.nvmlDeviceGetCount()):
+        h = pynvml.nvmlDeviceGetHandleByIndex(i)
+        yield _text(pynvml.nvmlDeviceGetUUID(h)), pynvml.nvmlDeviceGetComputeRunningProcesses(h)
+
+
+def gpus_used_by(pids) -> list[str]:
+    """UUIDs of the GPUs on which any of these (host) PIDs has a CUDA context, by GPU index; [] when NVML can't say."""
+    wanted = {int(p) for p in pids}
+    return _query(lambda nv: [uuid for uuid, procs in _processes(nv) if any(int(p.pid) in wanted for p in procs)],
+                  [])
 
 
 def memory_used_by(pids) -> dict[str, int]:
     """GPU UUID → bytes the processes with these (host) PIDs hold there; {} when NVML can't say."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:  # noqa: BLE001 - no NVML: unknown
-        return {}
     wanted = {int(p) for p in pids}
-    used: dict[str, int] = {}
-    try:
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            held = sum(int(p.usedGpuMemory or 0) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)
-                       if int(p.pid) in wanted)
-            if held:
-                used[_text(pynvml.nvmlDeviceGetUUID(h))] = held
-    except Exception:  # noqa: BLE001
-        return {}
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001
-            pass
-    return used
+
+    def held(nv) -> dict[str, int]:
+        out = {uuid: sum(int(p.usedGpuMemory or 0) for p in procs if int(p.pid) in wanted)
+               for uuid, procs in _processes(nv)}
+        return {uuid: n for uuid, n in out.items() if n}
+
+    return _query(held, {})
 
 
 def free_bytes(uuid: str) -> int | None:
     """Free memory of the GPU with that UUID, or None when NVML can't say."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:  # noqa: BLE001
-        return None
-    try:
-        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByUUID(uuid)).free)
-    except Exception:  # noqa: BLE001
-        return None
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001
-            pass
+    return _query(lambda nv: int(nv.nvmlDeviceGetMemoryInfo(nv.nvmlDeviceGetHandleByUUID(uuid)).free), None)
