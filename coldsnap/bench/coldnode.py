@@ -29,11 +29,11 @@ from coldsnap.base.files import private_dir
 from coldsnap.base.paths import settings
 from coldsnap.bench import bandwidth
 from coldsnap.bench.registry import LocalRegistry
-from coldsnap.bench.run import BenchOptions, BenchResult, _stats, _vanilla_once, host_record
+from coldsnap.bench.run import BenchOptions, BenchResult, _stats, _vanilla_once, capture_request, host_record
 from coldsnap.capsule import CapsuleStore
 from coldsnap.capsule.registry import push
 from coldsnap.capsule.signing import host_public_key_path
-from coldsnap.contracts import CaptureRequest, ColdSnapError, ErrorCode, Launch, Policy
+from coldsnap.contracts import ColdSnapError, ErrorCode
 from coldsnap.engines import get_adapter
 from coldsnap.flows.capture import capture
 
@@ -77,11 +77,8 @@ def run_cold_node(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
     n = opts.samples
     if n < 1:
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, "--samples must be at least 1")
-    name = f"bench-{opts.engine}"
-    req = CaptureRequest(operation="capture", engine={"name": opts.engine, "options": opts.engine_options},
-                         launch=Launch(devices=[] if opts.device == "cpu" else [opts.device]),
-                         policy=Policy(weights_mode=opts.weights_mode), lifecycle={"name": name},
-                         tag=f"bench-{opts.engine}-{opts.device}-cold-node")
+    req = capture_request(opts, "-cold-node")
+    name = req.lifecycle.name
     launch = get_adapter(opts.engine).prepare(req)
     progress("warm-up cold start (not measured)")
     _vanilla_once(name, req, launch, expected=None)

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from coldsnap.base.paths import settings
 from coldsnap.bench import bandwidth
-from coldsnap.bench.run import BenchOptions, BenchResult, host_record
-from coldsnap.contracts import CaptureRequest, ColdSnapError, ErrorCode, Launch, Policy, RestoreRequest
+from coldsnap.bench.run import BenchOptions, BenchResult, capture_request, host_record
+from coldsnap.contracts import ColdSnapError, ErrorCode, Policy, RestoreRequest
 from coldsnap.engines import get_adapter
 from coldsnap.flows.capture import capture
 from coldsnap.flows.coldstart import start_cold
@@ -40,11 +40,8 @@ def _burst(n: int, one) -> tuple[float, list]:
 def run_replicas(opts: BenchOptions, replicas: int, progress=lambda m: None) -> BenchResult:
     if replicas < 1:
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, "--replicas must be at least 1")
-    name = f"bench-{opts.engine}"
-    req = CaptureRequest(operation="capture", engine={"name": opts.engine, "options": opts.engine_options},
-                         launch=Launch(devices=[] if opts.device == "cpu" else [opts.device]),
-                         policy=Policy(weights_mode=opts.weights_mode), lifecycle={"name": name},
-                         tag=f"bench-{opts.engine}-{opts.device}-replicas")
+    req = capture_request(opts, "-replicas")
+    name = req.lifecycle.name
     launch = get_adapter(opts.engine).prepare(req)
     progress(f"capturing {opts.engine} on {opts.device}")
     cap = capture(req, progress=progress)

@@ -51,6 +51,14 @@ class BenchResult:
     summary: str  # the side-by-side lines a person reads
 
 
+def capture_request(opts: BenchOptions, tag_suffix: str = "", snapshot_driver: str = "full") -> CaptureRequest:
+    """The capture every bench of one workload makes: workload bench-ENGINE, tagged bench-ENGINE-DEVICE[-SUFFIX]."""
+    return CaptureRequest(operation="capture", engine={"name": opts.engine, "options": opts.engine_options},
+                          launch=Launch(devices=[] if opts.device == "cpu" else [opts.device]),
+                          policy=Policy(weights_mode=opts.weights_mode), lifecycle={"name": f"bench-{opts.engine}"},
+                          tag=f"bench-{opts.engine}-{opts.device}{tag_suffix}", snapshot_driver=snapshot_driver)
+
+
 def host_record(profile=None) -> dict:
     """The machine a result was measured on, as every bench records it (the capsule's host profile, when it has one)."""
     host = {"machine": platform.machine(), "kernel": platform.release(), "cpus": os.cpu_count() or 0}
@@ -70,11 +78,8 @@ def run_bench(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
     if n < 1:
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, "--samples must be at least 1")
     device = opts.device
-    name = f"bench-{opts.engine}"
-    req = CaptureRequest(operation="capture", engine={"name": opts.engine, "options": opts.engine_options},
-                         launch=Launch(devices=[] if device == "cpu" else [device]),
-                         policy=Policy(weights_mode=opts.weights_mode), lifecycle={"name": name},
-                         tag=f"bench-{opts.engine}-{device}", snapshot_driver="both" if opts.template else "full")
+    req = capture_request(opts, snapshot_driver="both" if opts.template else "full")
+    name = req.lifecycle.name
     adapter = get_adapter(opts.engine)
     launch = adapter.prepare(req)
 
