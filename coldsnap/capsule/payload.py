@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from coldsnap.base.digests import sha256_file
+from coldsnap.capsule.pinned import mismatch
 from coldsnap.capsule.store import CapsuleStore, Descriptor, reuse
 from coldsnap.contracts import ColdSnapError, ErrorCode, WeightFile
 from coldsnap.contracts import capsule as mt
@@ -35,10 +35,10 @@ def write_payload(store: CapsuleStore, weights: list[WeightFile],
                     os.link(wf.path, tmp)
                 except OSError:
                     shutil.copyfile(wf.path, tmp)
-                actual, size = sha256_file(tmp)
-                if actual != digest:
-                    raise ColdSnapError(ErrorCode.INCOMPATIBLE, f"weight file {wf.path} changed: it hashes to "
-                                        f"{actual}")
+                if why := mismatch(tmp, wf):  # the link, not the path: what the store keeps is what was checked
+                    raise ColdSnapError(ErrorCode.INCOMPATIBLE, f"weight file {wf.path} changed since it was "
+                                        f"pinned: it {why}")
+                size = os.path.getsize(tmp)
                 os.replace(tmp, dest)
                 store.written.append(digest)
             finally:
