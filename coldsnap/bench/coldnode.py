@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -34,6 +35,7 @@ from coldsnap.capsule import CapsuleStore
 from coldsnap.capsule.registry import push
 from coldsnap.capsule.signing import host_public_key_path
 from coldsnap.contracts import ColdSnapError, ErrorCode
+from coldsnap.contracts import capsule as mt
 from coldsnap.engines import get_adapter
 from coldsnap.flows.capture import capture
 
@@ -61,16 +63,21 @@ def _cli(env: dict, *args: str, timeout: float = 900) -> dict:
     return json.loads(r.stdout) if "--json" in args else {}
 
 
+RATE_BYTES = 4 << 30  # enough of a blob to time the registry's rate; a 31 GB blob read twice would take a minute
+
+
 def registry_rate(registry: str, repo: str, digest: str, size: int) -> float:
-    """GB/s of one GET of a blob, whole, from the registry (its storage in page cache, as a nearby one's is)."""
+    """GB/s of one GET of (up to RATE_BYTES of) a blob from the registry (its storage in page cache, as a nearby
+    one's is)."""
     url = f"http://{registry}/v2/{repo}/blobs/{digest}"
     for _ in range(2):  # the first read warms the registry's storage; the second is timed
+        got = 0
         t = time.monotonic()
         with urllib.request.urlopen(url, timeout=600) as r:
-            while r.read(8 << 20):
-                pass
+            while got < RATE_BYTES and (data := r.read(8 << 20)):
+                got += len(data)
         seconds = time.monotonic() - t
-    return size / seconds / 1e9
+    return got / seconds / 1e9
 
 
 def run_cold_node(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
@@ -80,8 +87,7 @@ def run_cold_node(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
     req = capture_request(opts, "-cold-node")
     name = req.lifecycle.name
     launch = get_adapter(opts.engine).prepare(req)
-    progress("warm-up cold start (not measured)")
-    _vanilla_once(name, req, launch, expected=None)
+    # The capture's own cold start comes first and warms what a first start warms (imports, compile caches).
     progress(f"capturing {opts.engine} on {opts.device}")
     cap = capture(req, progress=progress)
     expected = cap.profile.expected_text
@@ -98,6 +104,9 @@ def run_cold_node(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
         moved = [(p, p + ".cold-node") for p in weights if os.path.exists(p)]
         try:
             repo = "coldsnap/bench"
+            store = CapsuleStore(settings().store)
+            for d in _payload_layers(store, cap.capsule):  # the weights: linked in, not copied (push skips them)
+                registry.hold(repo, d["digest"], store.blob_path(d["digest"]))
             pushed = push(CapsuleStore(settings().store), cap.capsule, f"{registry}/{repo}:cold-node", insecure=True)
             ref = f"{registry}/{repo}@{cap.capsule}"
             payload = pushed.get("payload") or {}
@@ -112,6 +121,7 @@ def run_cold_node(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
                 for p in weights:
                     Path(p).unlink(missing_ok=True)  # the previous sample's put-back copy
                 samples.append(_first_restore(Path(tmp) / f"node{i}", ref, cap.capsule, expected))
+                shutil.rmtree(Path(tmp) / f"node{i}", ignore_errors=True)  # its copy of the weights: disk room
                 progress(f"cold node {i + 1}/{n}: pull → first token {samples[-1]['total_s']:.3f} s "
                          f"(pull {samples[-1]['spans']['pull']:.2f} s)")
         finally:
@@ -144,6 +154,7 @@ def run_cold_node(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "host": host_record(cap.profile),
         "page_cache": "warm (the registry's storage and the vanilla weights)",
+        "storage": _storage(settings().home),
         "engine": opts.engine, "device": opts.device, "weights_mode": cap.profile.weights_mode,
         "samples": n, "vanilla_samples": nv, "cold_node": True,
         "clock": "restore: issue of `coldsnap pull REF@DIGEST` on a fresh node -> first token of `coldsnap "
@@ -168,6 +179,23 @@ def run_cold_node(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
                f"(pull {data['span_medians_s']['pull']:.3f} s){lim}; {data['validations']['restore']} validated"
                f"\nwrote {stem}.json and {stem}.png")
     return BenchResult(data, summary)
+
+
+def _storage(path: Path) -> str:
+    """The filesystem the home (weights, store, the registry's storage, the nodes) lives on, e.g. 'ext4 at /'."""
+    best = ("?", "/")
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        _, mnt, fstype, *_ = line.split()
+        if str(path).startswith(mnt.rstrip("/") + "/") and len(mnt) >= len(best[1]):
+            best = (fstype, mnt)
+    return f"{best[0]} at {best[1]}"
+
+
+def _payload_layers(store: CapsuleStore, digest: str) -> list[dict]:
+    payload = store.load(digest).manifest.get("annotations", {}).get(mt.ANNOTATION_PAYLOAD)
+    if not payload or not store.has_blob(payload):
+        return []
+    return json.loads(store.blob_path(payload).read_bytes()).get("layers", [])
 
 
 def _biggest_blob(store: CapsuleStore, digest: str, payload: dict) -> tuple[str, int]:

@@ -5,5 +5,6 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 export COLDSNAP_CRIU_PREFIX=$PWD/.carry/criu COLDSNAP_HOME=/tmp/coldsnap COLDSNAP_RUN=/tmp/coldsnap-run
 export TORCHINDUCTOR_COMPILE_THREADS=1
+[ -x .carry/registry/docker-registry ] && export PATH=$PWD/.carry/registry:$PATH
 alias coldsnap="python3 -m coldsnap.cli.main"
 set +e

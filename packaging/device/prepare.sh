@@ -2,7 +2,8 @@
 # Prepare what the GPU machine (device tool) needs carried, from this checkout: the machine has python3 3.12 with
 # torch but no network and nothing installable. Makes (idempotently) .carry/criu — a copy of the provisioned CRIU
 # prefix —, .carry/runc — this machine's runc, for GPU containers — and .whl — wheels of ColdSnap's pure-Python
-# dependencies for CPython 3.12, the versions in .venv. Both paths are ignored by git (.git/info/exclude); pass them
+# dependencies for CPython 3.12, the versions in .venv — and, with WITH_REGISTRY=1, .carry/registry (Debian's
+# docker-registry, for `bench --cold-node`). Both paths are ignored by git (.git/info/exclude); pass them
 # as the device tool's carry: [".whl", ".carry"].
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -16,12 +17,23 @@ RUNC=$(command -v runc || true)
 if [ -n "$RUNC" ] && ! cmp -s "$RUNC" .carry/runc/runc 2>/dev/null; then
   mkdir -p .carry/runc && cp "$RUNC" .carry/runc/runc
 fi
+# docker-registry for the cold-node bench (a registry on the same machine): static but for libc (20 MB).
+if [ -n "${WITH_REGISTRY:-}" ]; then
+  bash packaging/registry/ensure.sh docker-registry
+  cmp -s "$(command -v docker-registry)" .carry/registry/docker-registry 2>/dev/null ||
+    { mkdir -p .carry/registry && cp "$(command -v docker-registry)" .carry/registry/; }
+else
+  rm -rf .carry/registry  # 20 MB of the 64 MiB a call carries, only for the cold-node bench
+fi
 PY=.venv/bin/python
 pins=$($PY - <<'PY'
 from importlib.metadata import version
 print(" ".join(f"{n}=={version(n)}" for n in
                ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "pyroute2", "zstandard",
-                "cryptography", "cffi", "pycparser")))
+                "cryptography", "cffi", "pycparser",
+                # the registry client (push/pull: the cold-node bench), with what it needs
+                "oras", "requests", "urllib3", "idna", "certifi", "charset-normalizer", "jsonschema",
+                "jsonschema-specifications", "referencing", "rpds-py", "attrs")))
 PY
 )
 mkdir -p .whl

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The first restore on a node that never saw the capsule, on the GPU machine: `coldsnap bench --cold-node` with the
+# reference engine in recovery mode, LAYERS layers (6: 10.9 GB of weights, 18: 31 GB), N fresh nodes, the capsule
+# and its payload in Debian's docker-registry on loopback (carried: WITH_REGISTRY=1 packaging/device/prepare.sh).
+# SHM=1 puts the ColdSnap home, its run dir, the registry's storage and the nodes on /dev/shm (tmpfs): the
+# machine's 64 GiB disk cannot hold 31 GB of weights and a node's pulled copy beside everything else. The limit is
+# measured on the same storage in the same run, so the ratio stays honest; the result says which storage it used.
+# Usage (repo root there, .whl and .carry carried): [LAYERS=6] [N=3] [SHM=1] packaging/device/cold-node.sh
+source packaging/device/env.sh
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+command -v docker-registry >/dev/null || { echo "cold-node: no docker-registry: carry .carry/registry"; exit 12; }
+L=${LAYERS:-6}
+NAME=reference-cuda-cold-node-$L
+if [ "${SHM:-0}" = 1 ]; then
+  export COLDSNAP_HOME=/dev/shm/coldsnap COLDSNAP_RUN=/dev/shm/coldsnap-run
+  NAME=$NAME-tmpfs
+fi
+df -h / /dev/shm | tail -2
+timeout ${BENCH_TIMEOUT:-540} python3 -m coldsnap.cli.main bench --cold-node --device cuda --weights-mode recovery \
+    -n "${N:-3}" --vanilla-samples "${NV:-2}" --engine-opt layers=$L --engine-opt hidden=6144 --engine-opt heads=48 \
+    --engine-opt kv_mib=4096 --out "$OUT" --name "$NAME"
+echo "bench rc=$?"
+df -h / /dev/shm | tail -2
