@@ -77,3 +77,19 @@ def test_a_capture_packs_weights_checked_by_their_pieces(weights, tmp_path):
         write_payload(store, [wf])
     assert "changed since it was pinned" in e.value.message and not store.has_blob("sha256:" + whole)
     assert not [p for p in (tmp_path / "store").rglob("*.payload")]
+
+
+def test_a_file_hashed_as_it_was_written_is_not_read_again_until_it_changes(tmp_path, monkeypatch):
+    """A pull hashes a blob as it streams in (and a payload's weights file is that blob's inode): remembered at once,
+    so the restore right after the pull does not read 31 GB again; a later write is hashed again."""
+    monkeypatch.setenv("COLDSNAP_HOME", str(tmp_path / "home"))
+    path = tmp_path / "blob"
+    path.write_bytes(os.urandom(3 * MIB))
+    truth = "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+    digests.remember_hashed(path, truth, chunks=expected(path, MIB), chunk_bytes=MIB)
+    calls, real = [], digests.sha256_file
+    monkeypatch.setattr(digests, "sha256_file", lambda p: calls.append(p) or real(p))
+    assert digests.checked_sha256(path) == (truth, 3 * MIB) and calls == []
+    assert digests.checked_chunks(path, expected(path, MIB), MIB)
+    path.write_bytes(b"changed")
+    assert digests.checked_sha256(path)[0] == "sha256:" + hashlib.sha256(b"changed").hexdigest() and calls

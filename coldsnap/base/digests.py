@@ -51,10 +51,12 @@ def _read_memo() -> dict:
         return {}
 
 
-def _remember(key: str, before: os.stat_result, started_ns: int, **facts) -> None:
+def _remember(key: str, before: os.stat_result, started_ns: int | None, **facts) -> None:
     """Add facts about the file at `before`'s version to the memo, unless it changed while we read it or too
-    recently to tell a later change by its ctime."""
-    if _version(os.stat(key)) != _version(before) or started_ns - before.st_ctime_ns < SETTLED_NS:
+    recently to tell a later change by its ctime (started_ns None: only this process wrote it; see remember_hashed)."""
+    if _version(os.stat(key)) != _version(before):
+        return
+    if started_ns is not None and started_ns - before.st_ctime_ns < SETTLED_NS:
         return
     memo = {p: e for p, e in _read_memo().items() if os.path.exists(p)}  # forget files that are gone
     entry = memo.get(key) if isinstance(memo.get(key), dict) else {}
@@ -65,6 +67,16 @@ def _remember(key: str, before: os.stat_result, started_ns: int, **facts) -> Non
         atomic_write(_memo_path(), json.dumps(memo).encode())
     except OSError:
         pass  # no memo: the next check hashes again
+
+
+def remember_hashed(path: str | os.PathLike, digest: str, **facts) -> None:
+    """Record the digest (and facts such as chunk pins) of a file whose bytes ColdSnap hashed as it wrote them (a
+    pull streams, hashes and writes a blob in one pass) or linked from such a file, so that its first use does not
+    read it again. Recorded at the file's version now, after the writes and the rename or link (which move its
+    ctime); the settling rule is waived because nothing but this process wrote the file, under the blob's lock,
+    in a 0700 store: any later write moves its ctime past the one recorded here."""
+    key = os.path.abspath(os.fspath(path))
+    _remember(key, os.stat(key), None, sha256=digest, **facts)
 
 
 def _memo_entry(key: str, before: os.stat_result) -> dict:

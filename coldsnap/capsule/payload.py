@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
+from coldsnap.base.digests import remember_hashed
 from coldsnap.capsule.pinned import mismatch
 from coldsnap.capsule.store import CapsuleStore, Descriptor, reuse
 from coldsnap.contracts import ColdSnapError, ErrorCode, WeightFile
@@ -88,5 +89,8 @@ def materialize(store: CapsuleStore, payload_digest: str, weights: list[WeightFi
             shutil.copyfile(src, tmp)
             os.chmod(tmp, mode)
         os.replace(tmp, wf.path)
+        if os.path.samefile(src, wf.path):  # the verified blob's own inode: its pins hold (they came with the digest)
+            remember_hashed(wf.path, desc.digest, **({"chunks": wf.chunks, "chunk_bytes": wf.chunk_bytes}
+                                                     if wf.chunks and wf.chunk_bytes else {}))
         placed.append(wf.path)
     return placed

@@ -31,6 +31,7 @@ import oras.container
 import oras.provider
 import requests
 
+from coldsnap.base.digests import remember_hashed
 from coldsnap.base.files import fsync_dir as _fsync_dir
 from coldsnap.capsule import referrers, trust
 from coldsnap.capsule.bloblocks import blob_locks as _blob_locks
@@ -613,6 +614,7 @@ def _pull_capsule(store: CapsuleStore, client: "_Client", remote: RemoteRef, raw
         # Everything verified: publish blobs, then the manifest, then the tag.
         for p, d in staged:
             os.replace(p, store.blob_path(d.digest))
+            remember_hashed(store.blob_path(d.digest), d.digest)  # hashed while it streamed in: not read again
         if staged:
             _fsync_dir(store.blobs)
         had_manifest = store.has_blob(digest)

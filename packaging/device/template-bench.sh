@@ -16,14 +16,19 @@ if [ "${BENCH:-1}" = 1 ]; then
   echo "bench rc=$?"
 fi
 if [ "${PORTABLE:-1}" = 1 ]; then
-  $CS capture --device cuda --snapshot-driver both --name portable $SIZE --json > "$OUT/portable-capture.json"
-  echo "capture rc=$?"
-  FOREIGN=$(python3 - "$OUT/portable-capture.json" <<'PY'
-import json, sys
+  if [ -f "$OUT/reference-cuda-template.json" ]; then  # the bench's full capsule, which names its template
+    FULL=$(python3 -c "import json;print(json.load(open('$OUT/reference-cuda-template.json'))['capsule']['digest'])")
+  else
+    $CS capture --device cuda --snapshot-driver both --name portable $SIZE --json > "$OUT/portable-capture.json"
+    echo "capture rc=$?"
+    FULL=$(python3 -c "import json;print(json.load(open('$OUT/portable-capture.json'))['result']['capsule'])")
+  fi
+  FOREIGN=$(python3 - "$FULL" <<'PY'
+import sys
 from coldsnap.base.paths import settings
 from coldsnap.capsule import CapsuleStore
 store = CapsuleStore(settings().store)
-full = store.load(json.load(open(sys.argv[1]))["result"]["capsule"])
+full = store.load(sys.argv[1])
 host = full.profile.host
 gpus = [g.model_copy(update={"name": "NVIDIA B200 (simulated)"}) for g in host.gpus]
 claimed = full.profile.model_copy(update={"host": host.model_copy(update={"gpus": gpus})})
@@ -31,7 +36,7 @@ print(store.write_capsule(claimed, full.layers, dict(full.manifest["annotations"
 PY
 )
   echo "full capsule rewritten to claim another GPU model (simulated refusal): $FOREIGN"
-  $CS restore --capsule "$FOREIGN" --no-fallback --json > "$OUT/portable-restore.json"
+  $CS restore --capsule "$FOREIGN" --name portable --no-fallback --json > "$OUT/portable-restore.json"
   echo "restore rc=$?"
   python3 -c "import json;r=json.load(open('$OUT/portable-restore.json'));x=r['result'];print(r['state'],x.get('snapshot_driver'),x.get('instead_of'),x.get('time_to_first_token_s'))"
   $CS stop portable
