@@ -82,6 +82,10 @@ def test_a_template_restores_then_does_its_device_work_and_serves_the_same_text(
         assert r.result["validated_text"] == both.profile.expected_text
         spans = [s.name for s in r.spans]
         assert spans[-3:] == ["criu-restore", "hydrate", "validate"]
+        # the device work inside hydrate, phase by phase, as the template resumed
+        phases = r.result["hydrate"]["engine_resume"]["phases"]
+        assert list(phases)[:3] == ["cuda_init", "load", "build"] and "warmup" in phases
+        assert sum(phases.values()) <= r.result["hydrate"]["engine_resume"]["seconds"]
     finally:
         _stop(r.result["workload"])
 

@@ -5,8 +5,9 @@ the registry bench). Each sample is a fresh node: a ColdSnap home with an empty 
 checked digests, and no weights file at the pinned path; it trusts the capturing host's key through a policy
 file, as a fleet would. Its clock runs from issuing `coldsnap pull REF@DIGEST` to the first token of the
 validated completion of `coldsnap restore` (two commands as a user or a node agent issues them); the spans say
-where the time went (pull, admit, stage: verify + unpack + weights put back, CRIU, hydrate, validate). Vanilla's
-clock runs from issuing a cold start to its first token, its weights read from local disk (page cache warm).
+where the time went (pull, admit, verify, weights put back and checked, unpack, CRIU, the CUDA driver, the engine's
+resume, validate). Vanilla's clock runs from issuing a cold start to its first token, its weights read from local
+disk (page cache warm).
 
 The limit beside it is the bytes a first restore must move at rates measured in the same run: what it pulls at
 the registry's own rate (one blob fetched whole over HTTP, timed), then the restore's limit (bench.bandwidth)."""
@@ -39,7 +40,11 @@ from coldsnap.contracts import capsule as mt
 from coldsnap.engines import get_adapter
 from coldsnap.flows.capture import capture
 
-SPANS = ("pull", "admit", "stage", "criu-restore", "hydrate", "validate", "process starts")
+# Where a first restore's time goes, in order: the pull, then the restore receipt's spans (staging's parts: verify
+# the capsule's blobs, put back and check the weights, unpack the images; hydrate's: the CUDA driver's restore, then
+# the engine's resume: weights, KV cache, CUDA graphs), then what lies outside them.
+SPANS = ("pull", "admit", "verify", "weights", "unpack", "criu-restore", "cuda driver", "engine resume", "validate",
+         "process starts")
 CLI = [sys.executable, "-m", "coldsnap.cli"]
 
 
@@ -217,12 +222,8 @@ def _first_restore(node: Path, ref: str, digest: str, expected: str) -> dict:
     result = receipt["result"]
     try:
         total = result["first_token_monotonic_s"] - t_issue
-        spans = {"pull": round(t_pulled - t_issue, 4),
-                 **{k: next((x["duration_s"] for x in receipt["spans"] if x["name"] == k), 0.0) for k in SPANS[1:-1]}}
-        # the validate span ends after the whole completion: up to its first token here; the rest is the two
-        # commands' own start-up (an interpreter each) and what lies between the spans
-        spans["validate"] = next((x["duration_s"] for x in receipt["spans"] if x["name"] == "validate"), 0.0)
-        spans["process starts"] = 0.0
+        spans = {"pull": round(t_pulled - t_issue, 4), **_restore_spans(receipt)}
+        # the rest is the two commands' own start-up (an interpreter each) and what lies between the spans
         spans["process starts"] = round(max(total - sum(spans.values()), 0.0), 4)
         return {"total_s": round(total, 4), "spans": spans,
                 "restore_ttft_s": result["time_to_first_token_s"],
@@ -230,6 +231,18 @@ def _first_restore(node: Path, ref: str, digest: str, expected: str) -> dict:
                 "validated": result["validated_text"] == expected and receipt["state"] == "succeeded"}
     finally:
         _cli(env, "stop", result["workload"])
+
+
+def _restore_spans(receipt: dict) -> dict[str, float]:
+    """The restore receipt's spans as the chart stacks them (SPANS between pull and process starts)."""
+    took = {x["name"]: x["duration_s"] for x in receipt["spans"]}
+    hydrate = receipt["result"].get("hydrate") or {}
+    cuda = min(hydrate.get("cuda_restore_s") or 0.0, took.get("hydrate", 0.0))
+    return {"admit": took.get("admit", 0.0), "verify": took.get("verify", 0.0), "weights": took.get("weights", 0.0),
+            "unpack": took.get("unpack", 0.0), "criu-restore": took.get("criu-restore", 0.0),
+            "cuda driver": round(cuda, 6), "engine resume": round(took.get("hydrate", 0.0) - cuda, 6),
+            # the validate span ends after the whole completion; its first token is what the clock stops at
+            "validate": took.get("validate", 0.0)}
 
 
 def _chart(data: dict, path: Path) -> None:
@@ -240,7 +253,8 @@ def _chart(data: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = data["runs"]
-    colors = dict(zip(SPANS, ("#8c564b", "#bcbd22", "#17becf", "#2b7bba", "#ff7f0e", "#2ca02c", "#c7c7c7")))
+    colors = dict(zip(SPANS, ("#8c564b", "#bcbd22", "#9467bd", "#e377c2", "#17becf", "#2b7bba", "#d62728",
+                              "#ff7f0e", "#2ca02c", "#c7c7c7")))
     fig, ax = plt.subplots(figsize=(7.5, 4.4), dpi=120)
     ax.bar(0, data["vanilla"]["median_s"], color="#9a9a9a", label="vanilla start (median)")
     for i, run in enumerate(runs, start=1):

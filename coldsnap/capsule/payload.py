@@ -82,8 +82,13 @@ def materialize(store: CapsuleStore, payload_digest: str, weights: list[WeightFi
         tmp = wf.path + ".coldsnap-tmp"
         mode = modes.get(desc.digest, 0o644)
         try:
-            if os.stat(src).st_mode & 0o7777 != mode:
-                raise OSError("mode differs: copy instead of sharing the inode")
+            st = os.stat(src)
+            if st.st_mode & 0o7777 != mode:
+                if st.st_nlink > 1:  # another pinned path shares this inode, with its own mode: keep it as it is
+                    raise OSError("mode differs: copy instead of sharing the inode")
+                # a pulled blob only the store holds: it takes the pinned file's mode, as a captured one has it
+                # (blobs/ is 0700 either way), and is linked, not copied (31 GB on a node's first restore)
+                os.chmod(src, mode)
             os.link(src, tmp)
         except OSError:
             shutil.copyfile(src, tmp)

@@ -61,7 +61,7 @@ def restore(request: RestoreRequest, progress: Progress = _quiet) -> Receipt:
         if not verdict.admitted:
             return _fall_back(request, capsule, tl, op_id, verdict.refusal(), progress)
         with tl.span("stage"):
-            staged = stage(capsule)
+            staged = stage(capsule, tl)
         progress(f"staged {capsule.digest[:19]}… (all digests verified)")
         chosen = {"instead_of": instead_of} if instead_of else {}
         if op == "prepare":

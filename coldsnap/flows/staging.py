@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import os
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from coldsnap.base.files import private_dir
 from coldsnap.base.journal import Journal
@@ -19,6 +21,7 @@ from coldsnap.capsule.payload import materialize
 from coldsnap.capsule.pinned import verify_weights
 from coldsnap.contracts import capsule as mt
 from coldsnap.flows.resources import out_of_room
+from coldsnap.flows.spans import Timeline
 from coldsnap.gpu import codestash
 from coldsnap.workload import hostfiles
 
@@ -30,29 +33,39 @@ class Staged:
     files: Path | None
 
 
-def stage(capsule: LoadedCapsule) -> Staged:
+def stage(capsule: LoadedCapsule, timeline: Timeline | None = None) -> Staged:
     """Verify every blob digest, check pinned weights, unpack CRIU images (cached per capsule digest), put back
-    the CUDA code files the capsule's processes map."""
+    the CUDA code files the capsule's processes map. With a timeline, its parts are spans of their own (verify,
+    weights, unpack), so a receipt says which of them a first restore on a node waited for."""
+    part = timeline.span if timeline else _untimed
     store = CapsuleStore(settings().store)
-    store.verify(capsule)
+    with part("verify"):
+        store.verify(capsule)
     profile = capsule.profile
     payload = capsule.manifest.get("annotations", {}).get(mt.ANNOTATION_PAYLOAD)
     if reloads_weights(capsule):
-        if payload:
-            materialize(store, payload, profile.model.weights)
-        verify_weights(profile.model.weights)
+        with part("weights"):
+            if payload:
+                materialize(store, payload, profile.model.weights)
+            verify_weights(profile.model.weights)
     private_dir(staged_area.root())
     root = staged_area.path_of(capsule.digest)
-    try:
-        _unpack(store, capsule, root)
-    except OSError:  # a concurrent restore of the same capsule removed or published the directory under us
-        _unpack(store, capsule, root)
+    with part("unpack"):
+        try:
+            _unpack(store, capsule, root)
+        except OSError:  # a concurrent restore of the same capsule removed or published the directory under us
+            _unpack(store, capsule, root)
     staged_area.used(capsule.digest)
     staged_area.evict(keep=frozenset({capsule.digest}))  # the area stays within its cap
     files = root / "files"
     staged = Staged(capsule=capsule, images=root / "images", files=files if files.exists() else None)
     put_back_files(staged, only_code=True)  # big, and the same for every restore: here, off the restore's clock
     return staged
+
+
+@contextmanager
+def _untimed(_: str) -> Iterator[None]:
+    yield
 
 
 def _unpack(store: CapsuleStore, capsule: LoadedCapsule, root: Path) -> None:

@@ -63,6 +63,10 @@ def _rss_bytes() -> int:
         return 0
 
 
+# The device work a template does when resumed, in order (each timed as a start-up phase).
+DEVICE_PHASES = ("cuda_init", "load", "build", "compile", "cuda_graphs", "warmup")
+
+
 class BadRequest(Exception):
     def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None):
         super().__init__(message)
@@ -191,8 +195,10 @@ class Engine:
             t = time.monotonic()
             if self.runner is None:  # a template: the device work a normal start did before listening
                 self.runner = self.become_ready()
+                phases = self.info.get("startup_phases") or {}
                 return {"released": False, "from_template": True, "seconds": time.monotonic() - t,
-                        "rss_bytes": _rss_bytes()}
+                        "rss_bytes": _rss_bytes(),
+                        "phases": {k: phases[k] for k in DEVICE_PHASES if k in phases}}
             out = self.runner.resume(prefetched)
             return {"released": False, "seconds": time.monotonic() - t, "rss_bytes": _rss_bytes(), **out}
 
@@ -661,7 +667,9 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     def ready_from_template():
-        problem = device_problem()
+        t = time.monotonic()
+        problem = device_problem()  # the first question to torch about the device initialises CUDA
+        phase("cuda_init", t)
         if problem:
             raise BadRequest(problem, 500, code="device")
         built, _ = become_ready()
