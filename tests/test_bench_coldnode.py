@@ -37,6 +37,8 @@ def test_cold_node_bench_pulls_onto_fresh_nodes_and_restores(tmp_path):
         assert run["total_s"] > run["restore_ttft_s"]  # the pull and staging are inside this clock
     limit = data["physical_limit"]
     assert limit["pull_bytes"] > 0 and 0 < limit["pull_s"] < limit["limit_s"]
+    slower = min(data["bandwidth"]["registry_read_gbs"], data["bandwidth"]["storage_write_gbs"])
+    assert abs(limit["pull_s"] - limit["pull_bytes"] / (slower * 1e9)) < 0.01  # the pull at the slower rate
     assert data["ratio_median"] == round(data["vanilla"]["median_s"] / data["restore"]["median_s"], 2)
     inspect = subprocess.run([sys.executable, "-m", "coldsnap.cli", "inspect", data["capsule"]["digest"]], env=env,
                              capture_output=True, text=True)
