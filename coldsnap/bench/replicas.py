@@ -29,12 +29,17 @@ from coldsnap.workload.process import kill_tree, stop_workload
 from coldsnap.workload.state import load_state
 
 
-def _burst(n: int, one) -> tuple[float, list]:
-    """Issue one(i) for i < n at once; seconds until the last returned, and what each returned."""
+def _burst(n: int, one) -> tuple[float, list[bool]]:
+    """Issue one(i) for i < n at once. Each returns (validated, when it was validated, how to stop it): the clock
+    runs to the last of them validated; the workloads are stopped only after it, all together, so that no stop
+    runs on the clock or beside a replica still coming up."""
     t0 = time.monotonic()
     with ThreadPoolExecutor(n) as pool:
         results = list(pool.map(one, range(n)))
-    return time.monotonic() - t0, results
+    seconds = max(done for _, done, _ in results) - t0
+    with ThreadPoolExecutor(n) as pool:
+        list(pool.map(lambda r: r[2](), results))
+    return seconds, [ok for ok, _, _ in results]
 
 
 def run_replicas(opts: BenchOptions, replicas: int, progress=lambda m: None) -> BenchResult:
@@ -48,18 +53,22 @@ def run_replicas(opts: BenchOptions, replicas: int, progress=lambda m: None) -> 
     expected = cap.profile.expected_text
     restore(RestoreRequest(operation="prepare", capsule=cap.capsule))  # staged once, shared by every replica
 
-    def vanilla(i: int) -> bool:
+    def vanilla(i: int):
         cold = start_cold(f"{name}-v{i}", req.launch.port, launch.argv, launch.env, launch.cwd, req.validation,
-                          expected=expected)
-        kill_tree(cold.state.pid)
-        destroy_network(cold.state.plan)
-        return True
+                          expected=expected)  # returns once its completion served the expected text
+        done = time.monotonic()
 
-    def restored(i: int) -> bool:
+        def stop() -> None:
+            kill_tree(cold.state.pid)
+            destroy_network(cold.state.plan)
+        return True, done, stop
+
+    def restored(i: int):
         r = restore(RestoreRequest(operation="restore", capsule=cap.capsule, lifecycle={"name": f"{name}-r{i}"},
                                    policy=Policy(fallback_to_cold=False)))
-        stop_workload(load_state(r.result["workload"]))
-        return r.state == "succeeded" and r.result["validated_text"] == expected
+        done = time.monotonic()
+        ok = r.state == "succeeded" and r.result["validated_text"] == expected
+        return ok, done, lambda: stop_workload(load_state(r.result["workload"]))
 
     rows = []
     for n in range(1, replicas + 1):
@@ -87,7 +96,8 @@ def run_replicas(opts: BenchOptions, replicas: int, progress=lambda m: None) -> 
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "host": host_record(cap.profile),
         "engine": opts.engine, "device": opts.device, "weights_mode": cap.profile.weights_mode,
-        "clock": "issue of N starts (or restores) at once -> the last of them validated; staging done once before",
+        "clock": "issue of N starts (or restores) at once -> the last of them validated (admission included, the "
+                 "stops after the clock); staging done once before",
         "rows": rows,
         "growth": {"vanilla_per_replica_s": _slope(rows, "vanilla_s"), "restore_per_replica_s": _slope(rows,
                                                                                                         "restore_s")},
