@@ -42,9 +42,20 @@ def _bench_claim(data: dict) -> str:
     limit = (data.get("physical_limit") or {}).get("limit_s")
     if limit and r.get("median_s"):
         sentence += f"; {r['median_s'] / limit:.2f}x the same-run physical limit of {limit} s"
+    if isinstance(data.get("template"), dict):  # bench --template: the template capsule's restores in the same run
+        t = data["template"]
+        sentence += f"; template restore → first token {t.get('median_s')} s median ({t.get('validated')} validated)"
     if data.get("page_cache"):
         sentence += f"; page cache {data['page_cache']}"
     return sentence + f") on {_where(data)}: `{data.get('command', 'command not recorded')}`"
+
+
+def _replicas_claim(data: dict) -> str:
+    """bench --replicas: N restores of one capsule at once against N vanilla starts at once, per N."""
+    rows = "; ".join(f"{r['replicas']} at once: restore {r['restore_s']} s vs vanilla {r['vanilla_s']} s "
+                     f"({r['validated']['restore']} restores validated)" for r in data["rows"])
+    return (f"{data.get('engine')} on {data.get('device')}, N replicas of one capsule, to the last validated: {rows} "
+            f"on {_where(data)}: `{data.get('command', 'command not recorded')}`")
 
 
 def _receipts_claim(data: dict) -> str | None:
@@ -84,6 +95,8 @@ def qualifications(directory: Path | None = None) -> list[Qualification]:
             continue
         if data.get("kind") == "coldsnap.bench":
             claim = _bench_claim(data)
+        elif data.get("kind") == "coldsnap.bench.replicas" and isinstance(data.get("rows"), list):
+            claim = _replicas_claim(data)
         elif path.name.endswith(".receipts.json"):
             if path.with_name(path.name.removesuffix(".receipts.json") + ".json").exists():
                 continue  # the receipts of a bench result: the result says it
