@@ -43,3 +43,15 @@ def needs_root_criu():
         pytest.skip(f"CRIU not provisioned at {CRIU_PREFIX}: run `make setup`")
     if shutil.which("nsenter") is None or shutil.which("unshare") is None:
         pytest.skip("util-linux nsenter/unshare missing")
+
+
+def coldsnap_cli(tmp_path, *args: str, timeout: float = 1200):
+    """`python -m coldsnap.cli ARGS` under a private home and run dir in tmp_path (as a user runs it, in a process
+    of its own); the CompletedProcess, text mode."""
+    import subprocess
+
+    env = {**os.environ, "COLDSNAP_HOME": str(tmp_path / "home"), "COLDSNAP_RUN": str(tmp_path / "run"),
+           "COLDSNAP_CRIU_PREFIX": CRIU_PREFIX}
+    env.pop("COLDSNAP_STORE", None)
+    return subprocess.run([sys.executable, "-m", "coldsnap.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)

@@ -4,26 +4,19 @@ weights file at the pinned path) and restores it; the result times issue → fir
 vanilla start and the same-run limit, and the capture host's weights file is back in place afterwards."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import CRIU_PREFIX, needs_root_criu
+from conftest import coldsnap_cli, needs_root_criu
 
 pytestmark = pytest.mark.slow
 
 
 def test_cold_node_bench_pulls_onto_fresh_nodes_and_restores(tmp_path):
     needs_root_criu()
-    env = {**os.environ, "COLDSNAP_HOME": str(tmp_path / "home"), "COLDSNAP_RUN": str(tmp_path / "run"),
-           "COLDSNAP_CRIU_PREFIX": CRIU_PREFIX}
-    env.pop("COLDSNAP_STORE", None)
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, "-m", "coldsnap.cli", "bench", "--cold-node", "--samples", "2",
-                        "--vanilla-samples", "1", "--engine-opt", "compile=false", "--out", str(out), "--json"],
-                       env=env, capture_output=True, text=True, timeout=1200)
+    r = coldsnap_cli(tmp_path, "bench", "--cold-node", "--samples", "2", "--vanilla-samples", "1", "--engine-opt",
+                     "compile=false", "--out", str(out), "--json")
     assert r.returncode == 0, r.stderr[-2000:]
     data = json.loads((out / "reference-cpu-cold-node.json").read_text())
     assert data == json.loads(r.stdout)
@@ -40,7 +33,6 @@ def test_cold_node_bench_pulls_onto_fresh_nodes_and_restores(tmp_path):
     slower = min(data["bandwidth"]["registry_read_gbs"], data["bandwidth"]["storage_write_gbs"])
     assert abs(limit["pull_s"] - limit["pull_bytes"] / (slower * 1e9)) < 0.01  # the pull at the slower rate
     assert data["ratio_median"] == round(data["vanilla"]["median_s"] / data["restore"]["median_s"], 2)
-    inspect = subprocess.run([sys.executable, "-m", "coldsnap.cli", "inspect", data["capsule"]["digest"]], env=env,
-                             capture_output=True, text=True)
+    inspect = coldsnap_cli(tmp_path, "inspect", data["capsule"]["digest"])
     weights = Path(json.loads(inspect.stdout)["profile"]["model"]["weights"][0]["path"])
     assert weights.is_file() and not Path(str(weights) + ".cold-node").exists()  # the capture host is as it was

@@ -3,25 +3,17 @@ once and N restores of one capsule at once, each burst clocked to the last repli
 per N with its same-run limit, and every workload is gone afterwards."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
-from conftest import CRIU_PREFIX, needs_root_criu
+from conftest import coldsnap_cli, needs_root_criu
 
 pytestmark = pytest.mark.slow
 
 
 def test_replicas_bench_restores_n_at_once_and_leaves_nothing_running(tmp_path):
     needs_root_criu()
-    env = {**os.environ, "COLDSNAP_HOME": str(tmp_path / "home"), "COLDSNAP_RUN": str(tmp_path / "run"),
-           "COLDSNAP_CRIU_PREFIX": CRIU_PREFIX}
-    env.pop("COLDSNAP_STORE", None)
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, "-m", "coldsnap.cli", "bench", "--replicas", "2", "--engine-opt",
-                        "compile=false", "--out", str(out), "--json"], env=env, capture_output=True, text=True,
-                       timeout=900)
+    r = coldsnap_cli(tmp_path, "bench", "--replicas", "2", "--engine-opt", "compile=false", "--out", str(out), "--json")
     assert r.returncode == 0, r.stderr[-2000:]
     data = json.loads((out / "reference-cpu-replicas.json").read_text())
     assert data == json.loads(r.stdout) and (out / "reference-cpu-replicas.png").stat().st_size > 0
@@ -31,6 +23,5 @@ def test_replicas_bench_restores_n_at_once_and_leaves_nothing_running(tmp_path):
         assert row["validated"] == {"vanilla": f"{n}/{n}", "restore": f"{n}/{n}"}
         assert 0 < row["restore_s"] < row["vanilla_s"] and row["limit_s"] > 0
     assert data["rows"][1]["limit_s"] > data["rows"][0]["limit_s"]  # two replicas move twice the bytes
-    status = subprocess.run([sys.executable, "-m", "coldsnap.cli", "status", "--json"], env=env,
-                            capture_output=True, text=True)
+    status = coldsnap_cli(tmp_path, "status", "--json")
     assert status.returncode == 0 and json.loads(status.stdout)["workloads"] == []  # all stopped, after the clock

@@ -32,7 +32,15 @@ from coldsnap.base.files import private_dir
 from coldsnap.base.paths import settings
 from coldsnap.bench import bandwidth
 from coldsnap.bench.registry import LocalRegistry
-from coldsnap.bench.run import BenchOptions, BenchResult, _stats, _vanilla_once, capture_request, host_record
+from coldsnap.bench.run import (
+    BenchOptions,
+    BenchResult,
+    _stats,
+    _vanilla_once,
+    capture_request,
+    clock_parts,
+    host_record,
+)
 from coldsnap.capsule import CapsuleStore
 from coldsnap.capsule.registry import push
 from coldsnap.capsule.signing import host_public_key_path
@@ -44,8 +52,8 @@ from coldsnap.flows.capture import capture
 # Where a first restore's time goes, in order: the pull, then the restore receipt's spans (staging's parts: verify
 # the capsule's blobs, put back and check the weights, unpack the images; hydrate's: the CUDA driver's restore, then
 # the engine's resume: weights, KV cache, CUDA graphs), then what lies outside them.
-SPANS = ("pull", "admit", "verify", "weights", "unpack", "criu-restore", "cuda driver", "engine resume", "validate",
-         "process starts")
+SPANS = ("pull", "admit", "verify", "weights", "unpack", "network", "criu-restore", "cuda driver", "engine resume",
+         "validate", "process starts")
 CLI = [sys.executable, "-m", "coldsnap.cli"]
 
 
@@ -258,13 +266,12 @@ def _first_restore(node: Path, ref: str, digest: str, expected: str) -> dict:
 def _restore_spans(receipt: dict) -> dict[str, float]:
     """The restore receipt's spans as the chart stacks them (SPANS between pull and process starts)."""
     took = {x["name"]: x["duration_s"] for x in receipt["spans"]}
-    hydrate = receipt["result"].get("hydrate") or {}
-    cuda = min(hydrate.get("cuda_restore_s") or 0.0, took.get("hydrate", 0.0))
+    parts = clock_parts(took, receipt["result"])
     return {"admit": took.get("admit", 0.0), "verify": took.get("verify", 0.0), "weights": took.get("weights", 0.0),
-            "unpack": took.get("unpack", 0.0), "criu-restore": took.get("criu-restore", 0.0),
-            "cuda driver": round(cuda, 6), "engine resume": round(took.get("hydrate", 0.0) - cuda, 6),
+            "unpack": took.get("unpack", 0.0), "network": parts["network"], "criu-restore": parts["criu-restore"],
+            "cuda driver": parts["cuda driver"], "engine resume": parts["engine resume"],
             # the validate span ends after the whole completion; its first token is what the clock stops at
-            "validate": took.get("validate", 0.0)}
+            "validate": parts["first token"]}
 
 
 def _chart(data: dict, path: Path) -> None:
@@ -275,8 +282,8 @@ def _chart(data: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = data["runs"]
-    colors = dict(zip(SPANS, ("#8c564b", "#bcbd22", "#9467bd", "#e377c2", "#17becf", "#2b7bba", "#d62728",
-                              "#ff7f0e", "#2ca02c", "#c7c7c7")))
+    colors = dict(zip(SPANS, ("#8c564b", "#7f7f7f", "#9467bd", "#e377c2", "#17becf", "#bcbd22", "#2b7bba",
+                              "#d62728", "#ff7f0e", "#2ca02c", "#c7c7c7")))
     fig, ax = plt.subplots(figsize=(7.5, 4.4), dpi=120)
     ax.bar(0, data["vanilla"]["median_s"], color="#9a9a9a", label="vanilla start (median)")
     for i, run in enumerate(runs, start=1):

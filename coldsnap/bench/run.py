@@ -73,6 +73,26 @@ def _stats(xs: list[float]) -> dict:
             "min_s": round(min(xs), 4), "max_s": round(max(xs), 4)} if xs else {"samples_s": []}
 
 
+# A restore's clock, in order: what each part of it took (the receipt's spans, hydrate split in two), up to the
+# first token. Stacked per restore in the charts, beside the same-run limit.
+CLOCK_PARTS = ("network", "criu-restore", "cuda driver", "engine resume", "first token")
+
+
+def clock_parts(took: dict[str, float], result: dict) -> dict[str, float]:
+    """Split a restore's time to first token (result's) into CLOCK_PARTS from its spans (took: name → seconds):
+    hydrate into the CUDA driver's restore and the engine's resume (weights, KV cache, graphs), and the first token
+    as what remains after them (the validation request up to its first token)."""
+    cuda = (result.get("hydrate") or {}).get("cuda_restore_s") or 0.0
+    if isinstance(cuda, dict):  # by step: restore, unlock
+        cuda = sum(v for v in cuda.values() if isinstance(v, (int, float)))
+    hydrate = took.get("hydrate", 0.0)
+    cuda = min(cuda, hydrate)
+    parts = {"network": took.get("network", 0.0), "criu-restore": took.get("criu-restore", 0.0),
+             "cuda driver": cuda, "engine resume": hydrate - cuda}
+    parts["first token"] = max((result.get("time_to_first_token_s") or 0.0) - sum(parts.values()), 0.0)
+    return {k: round(v, 4) for k, v in parts.items()}
+
+
 def run_bench(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
     n = opts.samples
     if n < 1:
@@ -116,7 +136,7 @@ def run_bench(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
 
     # Restores run as a user's would, falling back to a cold start when they must: a fallback is counted and its
     # time kept apart (it is not a restore), a restore that served another text is not validated.
-    restored, validated_restore, fell_back = [], 0, []
+    restored, validated_restore, fell_back, parts = [], 0, [], []
     for i in range(n):
         if opts.drop_caches:
             drop_page_cache()
@@ -128,6 +148,7 @@ def run_bench(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
             progress(f"restore {i + 1}/{n}: FELL BACK to a cold start ({res['fallback_reason']})")
             continue
         restored.append(res["time_to_first_token_s"])
+        parts.append(clock_parts({s.name: s.duration_s for s in r.spans}, res))
         validated_restore += int(res["validated_text"] == expected)
         progress(f"restore {i + 1}/{n}: first token {res['time_to_first_token_s']:.3f} s")
     template = _template_samples(cap, n, opts.drop_caches, progress) if opts.template else None
@@ -160,6 +181,7 @@ def run_bench(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
         "samples": n,
         "clock": "issue of start/restore -> first non-empty streamed token; staging excluded and reported apart",
         "vanilla": v, "restore": rr, "ratio_median": ratio,
+        "restore_parts": parts,  # per restore: where its clock went (CLOCK_PARTS)
         "vanilla_samples": nv,
         "validations": {"vanilla": f"{validated_vanilla}/{nv}", "restore": f"{validated_restore}/{n}"},
         "fell_back": len(fell_back), "fell_back_samples_s": [round(x, 4) for x in fell_back],
@@ -230,7 +252,12 @@ def _chart(data: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    parts = data.get("restore_parts") or []
+    if parts:  # beside the comparison: each restore's clock, part by part, against the same-run limit
+        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=120, gridspec_kw={"width_ratios": [1.1, 1]})
+        stack_parts(ax2, parts, (data.get("physical_limit") or {}).get("limit_s"))
+    else:
+        fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
     labels = ["vanilla start", "ColdSnap restore"]
     series = [data["vanilla"]["samples_s"], data["restore"]["samples_s"]]
     meds = [data["vanilla"]["median_s"], data["restore"]["median_s"]]
@@ -258,6 +285,26 @@ def _chart(data: dict, path: Path) -> None:
     fig.tight_layout(rect=(0, 0.03, 1, 1))
     fig.savefig(path)
     plt.close(fig)
+
+
+PART_COLORS = {"network": "#bcbd22", "criu-restore": "#2b7bba", "cuda driver": "#d62728",
+               "engine resume": "#ff7f0e", "first token": "#2ca02c"}
+
+
+def stack_parts(ax, parts: list[dict], limit: float | None) -> None:
+    """One bar per restore, its CLOCK_PARTS stacked, and the same-run limit as a line."""
+    for i, run in enumerate(parts):
+        bottom = 0.0
+        for k in CLOCK_PARTS:
+            ax.bar(i, run.get(k, 0.0), bottom=bottom, color=PART_COLORS[k], label=k if i == 0 else None)
+            bottom += run.get(k, 0.0)
+    if limit:
+        ax.axhline(limit, color="black", linestyle="--", linewidth=1, label=f"limit {limit} s (same run)")
+    ax.set_xticks(range(len(parts)), [str(i + 1) for i in range(len(parts))], fontsize=7)
+    ax.set_xlabel("restore")
+    ax.set_ylabel("seconds from restore to first token")
+    ax.set_title("where each restore's time went", fontsize=10)
+    ax.legend(fontsize=7)
 
 
 def side_by_side(data: dict) -> str:
