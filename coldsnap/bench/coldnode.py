@@ -267,8 +267,10 @@ def _restore_spans(receipt: dict) -> dict[str, float]:
     """The restore receipt's spans as the chart stacks them (SPANS between pull and process starts)."""
     took = {x["name"]: x["duration_s"] for x in receipt["spans"]}
     parts = clock_parts(took, receipt["result"])
-    return {"admit": took.get("admit", 0.0), "verify": took.get("verify", 0.0), "weights": took.get("weights", 0.0),
-            "unpack": took.get("unpack", 0.0), "network": parts["network"], "criu-restore": parts["criu-restore"],
+    staging = receipt["result"].get("stage_parts") or {}
+    return {"admit": took.get("admit", 0.0), "verify": staging.get("verify", 0.0),
+            "weights": staging.get("weights", 0.0), "unpack": staging.get("unpack", 0.0),
+            "network": parts["network"], "criu-restore": parts["criu-restore"],
             "cuda driver": parts["cuda driver"], "engine resume": parts["engine resume"],
             # the validate span ends after the whole completion; its first token is what the clock stops at
             "validate": parts["first token"]}

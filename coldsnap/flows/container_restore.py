@@ -149,7 +149,7 @@ def restore_at_create(runc: str, parsed: RuncArgv, spec: dict) -> CreateOutcome:
         if not verdict.admitted:
             raise verdict.refusal()
         with tl.span("stage"):
-            staged = stage(capsule, tl)
+            staged = stage(capsule)
             # what the images would give the processes, held to this container's spec before anything runs
             beyond = exceeds_spec(image_creds(staged.images), spec)
             if beyond:

@@ -61,9 +61,10 @@ def restore(request: RestoreRequest, progress: Progress = _quiet) -> Receipt:
         if not verdict.admitted:
             return _fall_back(request, capsule, tl, op_id, verdict.refusal(), progress)
         with tl.span("stage"):
-            staged = stage(capsule, tl)
+            staged = stage(capsule)
         progress(f"staged {capsule.digest[:19]}… (all digests verified)")
         chosen = {"instead_of": instead_of} if instead_of else {}
+        chosen["stage_parts"] = staged.parts
         if op == "prepare":
             return finish_receipt(request, op_id, op, tl, "succeeded",
                                   result={"capsule": capsule.digest, "staged": str(staged.images.parent),

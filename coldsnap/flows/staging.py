@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -21,7 +22,6 @@ from coldsnap.capsule.payload import materialize
 from coldsnap.capsule.pinned import verify_weights
 from coldsnap.contracts import capsule as mt
 from coldsnap.flows.resources import out_of_room
-from coldsnap.flows.spans import Timeline
 from coldsnap.gpu import codestash
 from coldsnap.workload import hostfiles
 
@@ -31,26 +31,27 @@ class Staged:
     capsule: LoadedCapsule
     images: Path
     files: Path | None
+    parts: dict[str, float] = field(default_factory=dict)  # seconds of verify, weights, unpack: inside "stage"
 
 
-def stage(capsule: LoadedCapsule, timeline: Timeline | None = None) -> Staged:
+def stage(capsule: LoadedCapsule) -> Staged:
     """Verify every blob digest, check pinned weights, unpack CRIU images (cached per capsule digest), put back
-    the CUDA code files the capsule's processes map. With a timeline, its parts are spans of their own (verify,
-    weights, unpack), so a receipt says which of them a first restore on a node waited for."""
-    part = timeline.span if timeline else _untimed
+    the CUDA code files the capsule's processes map. Each part is timed (Staged.parts, which receipts carry as
+    `stage_parts`), so a receipt says which of them a first restore on a node waited for."""
+    parts: dict[str, float] = {}
     store = CapsuleStore(settings().store)
-    with part("verify"):
+    with _timed(parts, "verify"):
         store.verify(capsule)
     profile = capsule.profile
     payload = capsule.manifest.get("annotations", {}).get(mt.ANNOTATION_PAYLOAD)
     if reloads_weights(capsule):
-        with part("weights"):
+        with _timed(parts, "weights"):
             if payload:
                 materialize(store, payload, profile.model.weights)
             verify_weights(profile.model.weights)
     private_dir(staged_area.root())
     root = staged_area.path_of(capsule.digest)
-    with part("unpack"):
+    with _timed(parts, "unpack"):
         try:
             _unpack(store, capsule, root)
         except OSError:  # a concurrent restore of the same capsule removed or published the directory under us
@@ -58,14 +59,18 @@ def stage(capsule: LoadedCapsule, timeline: Timeline | None = None) -> Staged:
     staged_area.used(capsule.digest)
     staged_area.evict(keep=frozenset({capsule.digest}))  # the area stays within its cap
     files = root / "files"
-    staged = Staged(capsule=capsule, images=root / "images", files=files if files.exists() else None)
+    staged = Staged(capsule=capsule, images=root / "images", files=files if files.exists() else None, parts=parts)
     put_back_files(staged, only_code=True)  # big, and the same for every restore: here, off the restore's clock
     return staged
 
 
 @contextmanager
-def _untimed(_: str) -> Iterator[None]:
-    yield
+def _timed(parts: dict[str, float], name: str) -> Iterator[None]:
+    start = time.monotonic()
+    try:
+        yield
+    finally:
+        parts[name] = round(time.monotonic() - start, 6)
 
 
 def _unpack(store: CapsuleStore, capsule: LoadedCapsule, root: Path) -> None:
