@@ -63,17 +63,17 @@ def restore(request: RestoreRequest, progress: Progress = _quiet) -> Receipt:
         with tl.span("stage"):
             staged = stage(capsule)
         progress(f"staged {capsule.digest[:19]}… (all digests verified)")
-        chosen = {"instead_of": instead_of} if instead_of else {}
-        chosen["stage_parts"] = staged.parts
+        # what every receipt of this restore or prepare carries: where staging went, and a template's reason
+        staged_facts = {"stage_parts": staged.parts, **({"instead_of": instead_of} if instead_of else {})}
         if op == "prepare":
             return finish_receipt(request, op_id, op, tl, "succeeded",
                                   result={"capsule": capsule.digest, "staged": str(staged.images.parent),
-                                          "admission": "admitted", **chosen})
+                                          "admission": "admitted", **staged_facts})
         try:
             result = _restore_staged(request, staged, tl, progress)
         except ColdSnapError as e:
             return _fall_back(request, capsule, tl, op_id, e, progress)
-        return finish_receipt(request, op_id, op, tl, "succeeded", result={**result, **chosen})
+        return finish_receipt(request, op_id, op, tl, "succeeded", result={**result, **staged_facts})
 
 
 def _driver_for(capsule: LoadedCapsule, op: str) -> str:
