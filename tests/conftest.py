@@ -23,6 +23,34 @@ def coldsnap_home(tmp_path, monkeypatch):
     return home
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_workload_outlives_the_suite():
+    """A test that fails midway can leave its workload behind (network namespace and engine), and the next run
+    trips over them: the network namespaces this run made and left are emptied and removed at its end, with a
+    warning that names them."""
+    if os.geteuid() != 0 or not os.path.isdir("/run/netns"):
+        yield
+        return
+    before = set(_coldsnap_netns())
+    yield
+    from pyroute2 import netns
+
+    from coldsnap.flows.recovery import kill_network_namespace
+
+    left = sorted(set(_coldsnap_netns()) - before)
+    for name in left:
+        kill_network_namespace(name)
+        netns.remove(name)
+    if left:
+        import warnings
+
+        warnings.warn(f"removed network namespaces this run left behind: {', '.join(left)}", stacklevel=1)
+
+
+def _coldsnap_netns() -> list[str]:
+    return [n for n in os.listdir("/run/netns") if n.startswith("coldsnap-")] if os.path.isdir("/run/netns") else []
+
+
 def kill_and_reap(*pids) -> None:
     """SIGKILL each pid given (None skipped) and reap it when it is our child; gone already is fine."""
     import signal

@@ -57,7 +57,7 @@ def recover(progress: Progress = _quiet) -> list[str]:
 
 
 # --- workloads -------------------------------------------------------------------------------------------------
-def _kill_network_namespace(netns: str) -> int:
+def kill_network_namespace(netns: str) -> int:
     """SIGKILL every process in the named network namespace and wait until they are gone; how many there were."""
     try:
         inode = netns_inode(netns)
@@ -123,7 +123,7 @@ def _undo(j: Journal) -> str:
         kind = t.get("kind")
         if kind == "workload" and not kept and t.get("netns"):
             if not _claimed(t["netns"], j):
-                killed += _kill_network_namespace(t["netns"])
+                killed += kill_network_namespace(t["netns"])
         elif kind == "network" and not kept:
             plan = NetworkPlan.model_validate(t["plan"])
             if not _claimed(plan.netns, j):
