@@ -83,3 +83,16 @@ def coldsnap_cli(tmp_path, *args: str, timeout: float = 1200):
     env.pop("COLDSNAP_STORE", None)
     return subprocess.run([sys.executable, "-m", "coldsnap.cli", *args], env=env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def run_bench(tmp_path, name: str, *args: str) -> dict:
+    """`coldsnap bench ARGS --out OUT --json` on CPU under a private home (compile off: the suite times nothing);
+    its result, checked to be what it printed, with a chart beside it."""
+    import json
+
+    out = tmp_path / "out"
+    r = coldsnap_cli(tmp_path, "bench", *args, "--engine-opt", "compile=false", "--out", str(out), "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    data = json.loads((out / f"{name}.json").read_text())
+    assert data == json.loads(r.stdout) and (out / f"{name}.png").stat().st_size > 0
+    return data

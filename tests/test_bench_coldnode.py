@@ -7,20 +7,14 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import coldsnap_cli, needs_root_criu
+from conftest import coldsnap_cli, needs_root_criu, run_bench
 
 pytestmark = pytest.mark.slow
 
 
 def test_cold_node_bench_pulls_onto_fresh_nodes_and_restores(tmp_path):
     needs_root_criu()
-    out = tmp_path / "out"
-    r = coldsnap_cli(tmp_path, "bench", "--cold-node", "--samples", "2", "--vanilla-samples", "1", "--engine-opt",
-                     "compile=false", "--out", str(out), "--json")
-    assert r.returncode == 0, r.stderr[-2000:]
-    data = json.loads((out / "reference-cpu-cold-node.json").read_text())
-    assert data == json.loads(r.stdout)
-    assert (out / "reference-cpu-cold-node.png").stat().st_size > 0
+    data = run_bench(tmp_path, "reference-cpu-cold-node", "--cold-node", "--samples", "2", "--vanilla-samples", "1")
     assert data["cold_node"] and data["validations"]["restore"] == "2/2"
     for run in data["runs"]:
         assert run["validated"] and run["pulled_bytes"] >= data["capsule"]["bytes"]  # everything came over the wire

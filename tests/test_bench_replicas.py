@@ -5,18 +5,14 @@ per N with its same-run limit, and every workload is gone afterwards."""
 import json
 
 import pytest
-from conftest import coldsnap_cli, needs_root_criu
+from conftest import coldsnap_cli, needs_root_criu, run_bench
 
 pytestmark = pytest.mark.slow
 
 
 def test_replicas_bench_restores_n_at_once_and_leaves_nothing_running(tmp_path):
     needs_root_criu()
-    out = tmp_path / "out"
-    r = coldsnap_cli(tmp_path, "bench", "--replicas", "2", "--engine-opt", "compile=false", "--out", str(out), "--json")
-    assert r.returncode == 0, r.stderr[-2000:]
-    data = json.loads((out / "reference-cpu-replicas.json").read_text())
-    assert data == json.loads(r.stdout) and (out / "reference-cpu-replicas.png").stat().st_size > 0
+    data = run_bench(tmp_path, "reference-cpu-replicas", "--replicas", "2")
     assert [row["replicas"] for row in data["rows"]] == [1, 2]
     for row in data["rows"]:
         n = row["replicas"]

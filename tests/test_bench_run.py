@@ -2,22 +2,16 @@
 and template restores in one run; each restore's clock split into its parts (they add up to its time to first
 token), the template's device work phase by phase, and a chart."""
 
-import json
-
 import pytest
-from conftest import coldsnap_cli, needs_root_criu
+from conftest import needs_root_criu, run_bench
 
 pytestmark = pytest.mark.slow
 
 
 def test_bench_splits_each_restore_and_times_the_templates_device_work(tmp_path):
     needs_root_criu()
-    out = tmp_path / "out"
-    r = coldsnap_cli(tmp_path, "bench", "--template", "--samples", "2", "--vanilla-samples", "1", "--engine-opt",
-                     "compile=false", "--out", str(out), "--json")
-    assert r.returncode == 0, r.stderr[-2000:]
-    data = json.loads((out / "reference-cpu-recovery-template.json").read_text())
-    assert data == json.loads(r.stdout) and (out / "reference-cpu-recovery-template.png").stat().st_size > 0
+    data = run_bench(tmp_path, "reference-cpu-recovery-template", "--template", "--samples", "2",
+                     "--vanilla-samples", "1")
     assert data["validations"] == {"vanilla": "1/1", "restore": "2/2"}
     assert len(data["restore_parts"]) == 2
     for parts, ttft in zip(data["restore_parts"], data["restore"]["samples_s"]):
