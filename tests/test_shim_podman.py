@@ -45,6 +45,9 @@ from coldsnap.contracts import capsule as mt
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 IMAGE = "localhost/coldsnap-shim-test:1"
 LIMITS = ["--ulimit", "nofile=20000:20000", "--ulimit", "nproc=32768:32768"]  # podman's defaults exceed ours
+# In a network namespace made beforehand podman leaves the container's hostname unresolvable, and every gloo group
+# vLLM makes on CPU waits 10 s for DNS on it (130 s a start): a hosts entry, as a pod's network would give.
+NAMED = ["--hostname", "coldsnap-pod", "--add-host", "coldsnap-pod:127.0.0.1"]
 
 
 class Podman:
@@ -157,7 +160,7 @@ def run_launch(podman: Podman, name: str, launch, netns: str, *extra: str) -> su
     clients reach it from the host."""
     return podman("run", "-d", "--name", name, "--runtime", str(podman.runtime),
                   "--network", f"ns:/var/run/netns/{netns}",
-                  *LIMITS, *launch_run_args(launch), *extra, IMAGE, *launch.argv, check=False)
+                  *LIMITS, *NAMED, *launch_run_args(launch), *extra, IMAGE, *launch.argv, check=False)
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +206,7 @@ def test_podman_restores_an_engine_container_with_the_same_completions(podman, p
     argv = json.loads(printed.stdout)["argv"]
     assert argv[:3] == ["podman", "run", "-d"] and f"{mt.ANNOTATION_CAPSULE}={res.capsule}" in argv
     assert argv[-len(launch.argv):] == launch.argv and IMAGE in argv
-    r = podman(*argv[1:3], *LIMITS, *argv[3:], check=False)
+    r = podman(*argv[1:3], *LIMITS, *NAMED, *argv[3:], check=False)
     assert r.returncode == 0, r.stderr
     info = podman.inspect(restored)
     rec = receipt(info["Id"])
