@@ -130,6 +130,22 @@ def test_four_restores_of_one_capsule_at_once(host):
     assert not any(ns.startswith("coldsnap-shared-r") for ns in netns())
 
 
+def test_a_capsule_restores_while_a_replica_of_it_serves(host):
+    env, capsule, captured = host
+    serving_one = restored(env, capsule, "--name", "shared-serving")["result"]
+    try:
+        second = restored(env, capsule, "--name", "shared-second")["result"]
+        try:
+            assert second["validated_text"] == captured["result"]["validated_text"]
+            assert second["url"] != serving_one["url"]
+            assert serving(serving_one["url"]) and serving(second["url"])  # the first served throughout
+        finally:
+            assert cli(env, "stop", "shared-second").returncode == 0
+        assert serving(serving_one["url"])  # stopping one replica leaves the other
+    finally:
+        assert cli(env, "stop", "shared-serving").returncode == 0
+
+
 def test_a_restore_of_a_running_workload_is_refused_and_touches_nothing(host):
     env, capsule, _ = host
     first = restored(env, capsule)["result"]
