@@ -3,19 +3,23 @@
 device untouched), resumes it once for the completion restores are held to, then captures the full workload and
 names the template in its annotations. A template capsule restores (CRIU, then the engine does its device work)
 and serves the same text; a full capsule that admission refuses for its GPU falls to its template, not to a cold
-start, and the receipt says so. On the CPU the template is the whole state; on a GPU the same code path skips the
-CUDA checkpoint (packaging/device: not yet run on the H200). vLLM and SGLang say they do not support it yet."""
+start, and the receipt says so; a full capsule pushed to a registry takes its template along, and a pull brings
+both. On the CPU the template is the whole state; on a GPU the same code path skips the CUDA checkpoint
+(packaging/device/template-bench.sh runs it on the H200). vLLM and SGLang say they do not support it yet."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import requests
 from conftest import CRIU_PREFIX, needs_root_criu
+from registry_fixture import registry  # noqa: F401  (fixture)
 
 from coldsnap.base.paths import settings
 from coldsnap.capsule import CapsuleStore
 from coldsnap.capsule.gc import list_capsules
+from coldsnap.capsule.registry import pull, push
 from coldsnap.contracts import (
     CaptureRequest,
     ColdSnapError,
@@ -94,12 +98,7 @@ def test_a_full_capsule_refused_for_its_gpu_falls_to_its_template_not_to_a_cold_
     # Simulated refusal: the full capsule's profile rewritten to claim a GPU this host does not have (an H200
     # capsule on a B200 host reads the same: "GPU 0 NVIDIA H200 vs NVIDIA B200 here").
     store = CapsuleStore(settings().store)
-    full = store.load(both.capsule)
-    gpu = GpuInfo(index=0, name="NVIDIA H200", uuid="GPU-00000000-0000-0000-0000-000000000000", memory_mib=143771,
-                  compute_capability="9.0")
-    claimed = full.profile.model_copy(update={"host": full.profile.host.model_copy(update={
-        "gpus": [gpu], "driver_version": "580.159.04", "cuda_version": "13.0"})})
-    foreign = store.write_capsule(claimed, full.layers, dict(full.manifest["annotations"]))
+    foreign = _claiming_another_gpu(store, both.capsule)
     r = restore(RestoreRequest(operation="restore", capsule=foreign, policy=Policy(fallback_to_cold=False)))
     try:
         assert r.state == "succeeded", r.error
@@ -110,10 +109,48 @@ def test_a_full_capsule_refused_for_its_gpu_falls_to_its_template_not_to_a_cold_
     finally:
         _stop(r.result["workload"])
     with pytest.raises(ColdSnapError) as e:  # without its template, the same refusal is a refusal
-        no_template = {k: v for k, v in full.manifest["annotations"].items() if k != mt.ANNOTATION_TEMPLATE}
-        restore(RestoreRequest(operation="restore", capsule=store.write_capsule(claimed, full.layers, no_template),
-                               policy=Policy(fallback_to_cold=False)))
+        no_template = _claiming_another_gpu(store, both.capsule, drop=mt.ANNOTATION_TEMPLATE)
+        restore(RestoreRequest(operation="restore", capsule=no_template, policy=Policy(fallback_to_cold=False)))
     assert e.value.code == ErrorCode.INCOMPATIBLE
+
+
+def _claiming_another_gpu(store: CapsuleStore, digest: str, drop: str = "") -> str:
+    """Simulated refusal: the full capsule's profile rewritten to claim a GPU this host does not have (without the
+    annotation `drop`)."""
+    full = store.load(digest)
+    gpu = GpuInfo(index=0, name="NVIDIA H200", uuid="GPU-00000000-0000-0000-0000-000000000000", memory_mib=143771,
+                  compute_capability="9.0")
+    claimed = full.profile.model_copy(update={"host": full.profile.host.model_copy(update={
+        "gpus": [gpu], "driver_version": "580.159.04", "cuda_version": "13.0"})})
+    return store.write_capsule(claimed, full.layers,
+                               {k: v for k, v in full.manifest["annotations"].items() if k != drop})
+
+
+def test_a_pushed_full_capsule_takes_its_template_and_a_pull_brings_both(both, registry, tmp_path,  # noqa: F811
+                                                                         monkeypatch):
+    template = both.receipt.result["template"]["capsule"]
+    pushed = push(CapsuleStore(settings().store), both.capsule, f"{registry}/coldsnap/tpl:one", insecure=True)
+    assert pushed["template"]["digest"] == template and pushed["template"]["blobs_uploaded"]
+
+    monkeypatch.setenv("COLDSNAP_STORE", str(tmp_path / "fresh"))  # another node's empty store
+    fresh = CapsuleStore(settings().store).init()
+    got = pull(fresh, f"{registry}/coldsnap/tpl@{both.capsule}", insecure=True)
+    assert str(got) == both.capsule and got.template == {"digest": template, "pulled": True}
+    assert fresh.load(template).profile.snapshot_driver == "criu-template"
+    r = restore(RestoreRequest(operation="restore", capsule=_claiming_another_gpu(fresh, both.capsule),
+                               policy=Policy(fallback_to_cold=False)))
+    try:  # the pulled template is what a refused restore falls to there
+        assert r.state == "succeeded" and r.result["capsule"] == template, r.error
+        assert r.result["instead_of"]["refused"]
+    finally:
+        _stop(r.result["workload"])
+
+    # A registry without the template (a copy that left it behind): the capsule pulls, and the pull says so.
+    gone = requests.delete(f"http://{registry}/v2/coldsnap/tpl/manifests/{template}", timeout=10)
+    assert gone.status_code == 202, gone.text
+    monkeypatch.setenv("COLDSNAP_STORE", str(tmp_path / "fresh2"))
+    got = pull(CapsuleStore(settings().store).init(), f"{registry}/coldsnap/tpl@{both.capsule}", insecure=True)
+    assert str(got) == both.capsule and got.template == {"digest": template, "pulled": False}
 
 
 def _host(gpu: str, cc: str, driver: str) -> HostProfile:

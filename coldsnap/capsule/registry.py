@@ -319,6 +319,14 @@ def push(store: CapsuleStore, digest: str, ref: str, insecure: bool = False,
     payload_result = None
     if payload:  # the weights payload goes first, by digest: a capsule in a registry never points at nothing
         payload_result = push(store, payload, f"{remote.host}/{remote.repository}@{payload}", insecure, progress)
+    # The template a refused restore falls to travels with its full capsule, by digest, before it.
+    template = manifest.get("annotations", {}).get(mt.ANNOTATION_TEMPLATE)
+    template_result = None
+    if template and store.has_blob(template):
+        template_result = push(store, template, f"{remote.host}/{remote.repository}@{template}", insecure, progress)
+    elif template:
+        template_result = {"digest": template, "skipped": "not in this store: a restore refused the full capsule "
+                           "where this one is pulled will start cold"}
     descs = _descriptors(manifest, digest)
     for d in descs:
         path = store.blob_path(d.digest)
@@ -351,9 +359,10 @@ def push(store: CapsuleStore, digest: str, ref: str, insecure: bool = False,
     signatures = referrers.push(client, store, digest, len(raw)) if not payload_of_capsule(manifest) else 0
     return {"digest": digest, "signatures": signatures, "index": index_digest,
             "ref": f"{remote.name}{':' + remote.tag if remote.tag else ''}@{digest}",
-            "bytes_transferred": sent + (payload_result or {}).get("bytes_transferred", 0),
-            "manifest_bytes": len(raw), "blobs_uploaded": uploaded,
-            "blobs_present": present, "payload": payload_result, "seconds": round(time.monotonic() - t0, 3)}
+            "bytes_transferred": sent + (payload_result or {}).get("bytes_transferred", 0)
+            + (template_result or {}).get("bytes_transferred", 0),
+            "manifest_bytes": len(raw), "blobs_uploaded": uploaded, "blobs_present": present,
+            "payload": payload_result, "template": template_result, "seconds": round(time.monotonic() - t0, 3)}
 
 
 # --- pull -----------------------------------------------------------------------------------------------------
@@ -367,12 +376,13 @@ class PullResult(str):
     seconds: float
     tag: str | None
     manifest_written: str | None  # the manifest blob, when this pull wrote it (not there before)
+    template: dict | None = None  # a full capsule's template: {digest, pulled} (False: not in the registry)
 
     def as_dict(self) -> dict:
         return {"digest": str(self), "tag": self.tag, "bytes_transferred": self.bytes_transferred,
                 "blobs_fetched": self.blobs_fetched, "blobs_present": self.blobs_present,
                 "resumed_bytes": self.resumed_bytes, "seconds": self.seconds,
-                "signatures": getattr(self, "signatures", 0)}
+                "signatures": getattr(self, "signatures", 0), "template": self.template}
 
 
 def _hash_prefix(path: Path, length: int):
@@ -570,20 +580,38 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
         raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"{remote} is not a ColdSnap "
                             f"{'capsule' if artifact_type == mt.ARTIFACT_TYPE else 'payload'} "
                             f"(artifactType {manifest.get('artifactType')!r})")
-    payload = manifest.get("annotations", {}).get(mt.ANNOTATION_PAYLOAD) if artifact_type == mt.ARTIFACT_TYPE else None
-    payload_result = None
-    if payload:  # shared weights first: only their missing blobs move
-        payload_result = pull(store, f"{remote.host}/{remote.repository}@{payload}", insecure, True, progress,
-                              artifact_type=mt.PAYLOAD_ARTIFACT_TYPE)
+    annotations = manifest.get("annotations", {}) if artifact_type == mt.ARTIFACT_TYPE else {}
+    payload, template = annotations.get(mt.ANNOTATION_PAYLOAD), annotations.get(mt.ANNOTATION_TEMPLATE)
+    pulled: list[PullResult] = []  # what this pull brought before the capsule itself
     try:
-        return _pull_capsule(store, client, remote, raw, digest, manifest, artifact_type, progress, payload_result,
-                             t0)
+        if payload:  # shared weights first: only their missing blobs move
+            pulled.append(pull(store, f"{remote.host}/{remote.repository}@{payload}", insecure, True, progress,
+                               artifact_type=mt.PAYLOAD_ARTIFACT_TYPE))
+        if template:  # pinned by this manifest; verified and trusted as a capsule of its own
+            got = _pull_template(store, f"{remote.host}/{remote.repository}@{template}", insecure, progress)
+            pulled += [got] if got is not None else []
+            template_found = got is not None
+        result = _pull_capsule(store, client, remote, raw, digest, manifest, artifact_type, progress,
+                               pulled[0] if payload else None, t0)
     except ColdSnapError as e:
-        if e.code == ErrorCode.CAPSULE_CORRUPT and payload_result is not None:  # a refused pull keeps nothing
+        if e.code == ErrorCode.CAPSULE_CORRUPT and pulled:  # a refused pull keeps nothing
             from coldsnap.capsule.gc import discard
 
-            discard(store, [d for d in (*payload_result.blobs_fetched, payload_result.manifest_written) if d])
+            discard(store, [d for p in pulled for d in (*p.blobs_fetched, p.manifest_written) if d])
         raise
+    if template:
+        result.template = {"digest": template, "pulled": template_found}
+    return result
+
+
+def _pull_template(store: CapsuleStore, ref: str, insecure: bool, progress) -> "PullResult | None":
+    """A full capsule's template, when its registry has it: without one, a refused restore starts cold."""
+    try:
+        return pull(store, ref, insecure, True, progress)
+    except ColdSnapError as e:
+        if e.code != ErrorCode.CAPSULE_NOT_FOUND:
+            raise
+        return None
 
 
 def _pull_capsule(store: CapsuleStore, client: "_Client", remote: RemoteRef, raw: bytes, digest: str, manifest: dict,

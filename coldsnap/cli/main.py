@@ -325,9 +325,14 @@ def cmd_pull(args) -> int:
 
     r = pull(_store(), args.ref, insecure=args.insecure, allow_unpinned=args.allow_unpinned)
     data = {"digest": str(r), "bytes_transferred": r.bytes_transferred, "payload_bytes": r.payload_bytes,
-            "blobs_fetched": r.blobs_fetched, "resumed_bytes": r.resumed_bytes, "seconds": r.seconds, "tag": r.tag}
+            "blobs_fetched": r.blobs_fetched, "resumed_bytes": r.resumed_bytes, "seconds": r.seconds, "tag": r.tag,
+            "template": r.template}
+    with_template = bool(r.template and r.template["pulled"])
+    if r.template and not with_template:
+        _progress(args)(f"its template {r.template['digest']} is not in the registry: a restore that refuses "
+                        "this capsule will start cold")
     _emit(args, data, f"pulled {r} ({r.bytes_transferred / 2**20:.1f} MiB moved, "
-                      f"{len(r.blobs_present)} blobs already here)")
+                      f"{len(r.blobs_present)} blobs already here{', with its template' if with_template else ''})")
     return 0
 
 
