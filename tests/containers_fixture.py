@@ -134,16 +134,15 @@ def make_bundle(path: Path, rootfs: Path, args: list[str], netns: str | None = N
 
 
 class NetNS:
-    """A named network namespace with lo up (runc restores a netns it created itself with lo down). Made with
-    pyroute2, as ColdSnap makes its own: no iproute2 needed (the GPU machine has none)."""
+    """A named network namespace with lo up (runc restores a netns it created itself with lo down). Made by
+    ColdSnap's own coldsnap.net.netns: no iproute2 needed (the GPU machine has none)."""
 
     def __init__(self, prefix: str = "cstest"):
-        from pyroute2 import NetNS as Namespace
-        from pyroute2 import netns
+        from coldsnap.net.netns import create_namespace, namespace_route
 
         self.name = f"{prefix}-{uuid.uuid4().hex[:8]}"
-        netns.create(self.name)
-        with Namespace(self.name) as ns:
+        create_namespace(self.name)
+        with namespace_route(self.name) as ns:
             ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
 
     def delete(self) -> None:

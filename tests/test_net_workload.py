@@ -127,3 +127,31 @@ def test_kill_tree_removes_the_socket_files_the_tree_bound(plan, tmp_path):
     assert not mine.exists()
     assert other.is_socket()  # not the tree's
     theirs.close()
+
+
+
+def test_namespaces_are_made_and_entered_without_forking(monkeypatch):
+    """A child forked from a process with other threads can wait forever on a lock one of them held (pyroute2's
+    netns.create and NetNS fork one each; seen in the suite). ColdSnap's own make and enter the namespace on a
+    thread instead: with fork forbidden they still work, and the caller stays in the host's namespace."""
+    from pyroute2 import netns
+
+    from coldsnap.net.netns import create_namespace, namespace_route, netns_path
+
+    def no_fork():
+        raise AssertionError("forked a child")
+
+    monkeypatch.setattr(os, "fork", no_fork)
+    name = f"cstest-thr-{os.getpid()}"
+    host = os.readlink("/proc/self/ns/net")
+    try:
+        create_namespace(name)
+        with namespace_route(name) as ns:
+            links = [link.get_attr("IFLA_IFNAME") for link in ns.get_links()]
+            ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
+            assert ns.get_links(ns.link_lookup(ifname="lo")[0])[0]["flags"] & 1  # IFF_UP
+        assert links == ["lo"]  # a namespace of its own, not the host's
+        assert os.readlink("/proc/self/ns/net") == host
+        assert os.stat(netns_path(name)).st_ino != os.stat("/proc/self/ns/net").st_ino
+    finally:
+        netns.remove(name)

@@ -10,14 +10,17 @@ one lock (/run/coldsnap-net.lock), and a refusal removes nothing it did not make
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import os
+import socket
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from pyroute2 import IPRoute, NetNS, netns
+from pyroute2 import IPRoute, netns
 
 from coldsnap.contracts import ColdSnapError, ErrorCode, NetworkPlan
 
@@ -25,6 +28,57 @@ BASE = "169.254.237."
 MAX_SLOTS = 63
 NETNS_DIR = Path("/run/netns")
 HOST_LOCK = Path("/run/coldsnap-net.lock")
+
+
+CLONE_NEWNET = 0x40000000
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _on_a_thread(fn: Callable[[], object]) -> object:
+    """fn's result, run on a short-lived thread of its own. unshare and setns of CLONE_NEWNET act on the calling
+    thread only, so a thread enters a namespace without forking. (pyroute2's netns.create and NetNS fork a child
+    for it, and a child forked from a process with other threads can wait forever on a lock one of them held: seen
+    in the suite, five such children in a row gave no answer.)"""
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["result"] = fn()
+        except BaseException as e:  # handed to the caller's thread
+            out["error"] = e
+
+    t = threading.Thread(target=run, name="coldsnap-netns")
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out["result"]
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def create_namespace(name: str) -> None:
+    """A new named network namespace (/run/netns/NAME, as `ip netns add` makes it)."""
+    def make() -> None:
+        _check(_libc.unshare(CLONE_NEWNET), f"unshare of a network namespace for {name}")
+        netns.attach(name, f"{os.getpid()}/task/{threading.get_native_id()}")  # binds this thread's namespace
+    _on_a_thread(make)
+
+
+def namespace_route(name: str) -> IPRoute:
+    """An rtnetlink handle inside the named network namespace (its socket is made on a thread that entered it)."""
+    def enter() -> int:
+        fd = os.open(netns_path(name), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            _check(_libc.setns(fd, CLONE_NEWNET), f"entering network namespace {name}")
+        finally:
+            os.close(fd)
+        return socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, socket.NETLINK_ROUTE).detach()
+    return IPRoute(fileno=_on_a_thread(enter))
 
 
 @contextmanager
@@ -112,7 +166,7 @@ def _create(plan: NetworkPlan) -> None:
         raise ColdSnapError(ErrorCode.RESOURCE_BUSY, f"address {plan.host_address} is already in use on this host")
     if plan.host_veth in _host_links():
         raise ColdSnapError(ErrorCode.RESOURCE_BUSY, f"interface {plan.host_veth} already exists on this host")
-    netns.create(plan.netns)
+    create_namespace(plan.netns)
     veth_made = False
     try:
         with IPRoute() as ipr:
@@ -122,7 +176,7 @@ def _create(plan: NetworkPlan) -> None:
             idx = ipr.link_lookup(ifname=plan.host_veth)[0]
             ipr.addr("add", index=idx, address=plan.host_address, prefixlen=plan.prefix_len)
             ipr.link("set", index=idx, state="up")
-        with NetNS(plan.netns) as ns:
+        with namespace_route(plan.netns) as ns:
             lo = ns.link_lookup(ifname="lo")[0]
             ns.link("set", index=lo, state="up")
             idx = ns.link_lookup(ifname=plan.workload_veth)[0]
