@@ -17,7 +17,7 @@ WRAP
 done
 export PATH="$BIN:$PATH" COLDSNAP_TEST_RUNTIME="$BIN/coldsnap-runtime"; mkdir -p "${OUT:-/tmp/out}"
 runc --version | head -1; nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader
-timeout ${TEST_TIMEOUT:-500} $PY -m pytest -q -s -p no:cacheprovider -o addopts="" tests/test_gpu_container.py ${CASE:+-k "$CASE"} \
+timeout ${TEST_TIMEOUT:-500} $PY -m pytest -q -s -p no:cacheprovider -o addopts="" -o tmp_path_retention_policy=all tests/test_gpu_container.py ${CASE:+-k "$CASE"} \
     -rfs > "${OUT:-/tmp/out}/gpu-container.log" 2>&1
 grep -E "measured|passed|failed|Error|assert|SKIP" "${OUT:-/tmp/out}/gpu-container.log" | tail -20
 

@@ -2,13 +2,14 @@
 # Shared hosts on the GPU machine: tests/test_shared_hosts.py's cuda cases (the reference workload in recovery mode,
 # COLDSNAP_TEST_CUDA_SIZE its engine options: a restore while the capture's PIDs are taken, 20 restore/stop cycles, 4 restores of
 # one capsule at once, a restore refused while its workload runs, one refused for want of GPU room), then, with
-# REPLICAS=N, `coldsnap bench --replicas N` on the GPU.
+# REPLICAS=N, `coldsnap bench --replicas N` on the GPU. The tests keep their temp dirs (retention all), whose
+# receipts are archived.
 # Usage (repo root there, .whl and .carry carried): [TESTS=0] [REPLICAS=4] packaging/device/shared-hosts.sh
 source packaging/device/env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
 if [ "${TESTS:-1}" = 1 ]; then
-  timeout ${TEST_TIMEOUT:-540} python3 -m pytest -q -x -p no:cacheprovider -o addopts="" tests/test_shared_hosts.py \
+  timeout ${TEST_TIMEOUT:-540} python3 -m pytest -q -x -p no:cacheprovider -o addopts="" -o tmp_path_retention_policy=all tests/test_shared_hosts.py \
       -k cuda -rfs --durations=0 > "$OUT/shared-hosts.log" 2>&1
   echo "pytest rc=$?"
   grep -E "passed|failed|Error|assert|SKIP|s call" "$OUT/shared-hosts.log" | cut -c1-400 | tail -30
