@@ -65,7 +65,8 @@ def create_namespace(name: str) -> None:
     """A new named network namespace (/run/netns/NAME, as `ip netns add` makes it)."""
     def make() -> None:
         _check(_libc.unshare(CLONE_NEWNET), f"unshare of a network namespace for {name}")
-        netns.attach(name, f"{os.getpid()}/task/{threading.get_native_id()}")  # binds this thread's namespace
+        # attach bind-mounts /proc/PID/ns/net at /run/netns/NAME; this thread's own is /proc/PID/task/TID/ns/net
+        netns.attach(name, f"{os.getpid()}/task/{threading.get_native_id()}")
     _on_a_thread(make)
 
 
