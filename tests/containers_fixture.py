@@ -142,8 +142,12 @@ class NetNS:
 
         self.name = f"{prefix}-{uuid.uuid4().hex[:8]}"
         create_namespace(self.name)
-        with namespace_route(self.name) as ns:
-            ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
+        try:
+            with namespace_route(self.name) as ns:
+                ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
+        except BaseException:
+            self.delete()  # a half-made namespace would outlive the test
+            raise
 
     def delete(self) -> None:
         from pyroute2 import netns
