@@ -23,6 +23,15 @@ def weights(tmp_path, monkeypatch):
     return path
 
 
+def after_clock_tick(path):
+    """Wait until a write would stamp a later ctime than the file's: file timestamps come from a coarse clock."""
+    probe = path.with_suffix(".tick")
+    while True:
+        probe.write_bytes(b"")
+        if probe.stat().st_ctime_ns > path.stat().st_ctime_ns:
+            return
+
+
 def expected(path, size):
     data = path.read_bytes()
     return [hashlib.sha256(data[o:o + size]).hexdigest() for o in range(0, len(data), size)]
@@ -42,6 +51,7 @@ def test_verification_finds_a_changed_byte_or_length_and_remembers_a_match(weigh
     monkeypatch.setattr(digests, "chunk_sha256s", lambda *a: calls.append(a) or [])
     assert digests.checked_chunks(weights, chunks, MIB) and calls == []  # remembered: nothing hashed
     monkeypatch.setattr(digests, "chunk_sha256s", real)
+    after_clock_tick(weights)  # the test remembered at once (SETTLED_NS 0): a write in the same tick keeps the ctime
     with open(weights, "r+b") as f:
         f.seek(3 * MIB + 7)
         f.write(b"\x00" if f.read(1) != b"\x00" else b"\x01")
