@@ -164,6 +164,29 @@ def test_interrupted_pull_resumes(registry, src, dst, tmp_path):  # noqa: F811
     assert not part.exists()
 
 
+def test_a_pulled_blob_is_written_back_as_it_arrives(registry, src, dst, tmp_path, monkeypatch):  # noqa: F811
+    """The disk writes a pulled blob while the rest arrives (coldsnap.base.files.WriteBehind), from where a resumed
+    pull continues: the final fsync waits for the last windows, not for gigabytes at the disk's rate."""
+    from coldsnap.base import files
+
+    digest, (layer,) = make_capsule(src, tmp_path)
+    push(src, digest, f"{registry}/coldsnap/writeback:v1", insecure=True)
+    monkeypatch.setattr(files, "WRITEBACK_WINDOW", 4 * MIB)
+    calls, real = [], files._sync_file_range
+    monkeypatch.setattr(files, "_sync_file_range", lambda fd, o, n, fl: calls.append((o, n, fl, real(fd, o, n, fl))))
+    part = dst.root / "tmp" / f"{layer.digest[7:]}.partial"
+    part.write_bytes(src.blob_path(layer.digest).read_bytes()[:3 * MIB])  # a partial from an earlier pull
+    pull(dst, f"{registry}/coldsnap/writeback@{digest}", insecure=True)
+    assert dst.blob_path(layer.digest).read_bytes() == src.blob_path(layer.digest).read_bytes()
+    started = [(o, n) for o, n, fl, _ in calls if fl == 2]
+    assert started[0][0] == 3 * MIB and all(n >= 4 * MIB for _, n in started)  # from the resumed end, by windows
+    assert all(a + n == b for (a, n), (b, _) in zip(started, started[1:]))  # in order, nothing skipped
+    assert layer.size - (started[-1][0] + started[-1][1]) < 4 * MIB  # only the tail is left to the fsync
+    waited = [(o, n) for o, n, fl, _ in calls if fl == 7]
+    assert waited == started[:len(started) - 2]  # each window waited for two windows later: bounded dirty pages
+    assert {rc for *_, rc in calls} == {0}  # the kernel took every call on this file system
+
+
 def test_resume_restarts_when_the_server_ignores_range(registry, src, dst, tmp_path, monkeypatch):  # noqa: F811
     digest, (layer,) = make_capsule(src, tmp_path)
     push(src, digest, f"{registry}/coldsnap/norange:v1", insecure=True)

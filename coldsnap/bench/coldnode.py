@@ -28,7 +28,7 @@ import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
 
-from coldsnap.base.files import private_dir
+from coldsnap.base.files import WriteBehind, private_dir
 from coldsnap.base.paths import settings
 from coldsnap.bench import bandwidth
 from coldsnap.bench.registry import LocalRegistry
@@ -96,15 +96,17 @@ def registry_rate(registry: str, repo: str, digest: str, size: int) -> float:
 
 def storage_write_rate(directory: Path, size: int) -> float:
     """GB/s of writing `size` bytes (up to RATE_BYTES) to a new file in `directory` and making them durable
-    (fsync), as a pull does with the blobs it keeps: the node's storage, in the same run."""
+    (fsync), as a pull does with the blobs it keeps, and written back as they are written, as a pull does too
+    (coldsnap.base.files.WriteBehind): the node's storage at its best, in the same run."""
     size = max(64 << 20, min(size, RATE_BYTES))
     block = os.urandom(16 << 20)
     path = directory / f".write-rate.{os.getpid()}"
     t = time.monotonic()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
+        behind = WriteBehind(fd)
         for _ in range(0, size, len(block)):
-            os.write(fd, block)
+            behind.wrote(os.write(fd, block))
         os.fsync(fd)
         return size / (time.monotonic() - t) / 1e9
     finally:

@@ -32,6 +32,7 @@ import oras.provider
 import requests
 
 from coldsnap.base.digests import remember_hashed
+from coldsnap.base.files import WriteBehind
 from coldsnap.base.files import fsync_dir as _fsync_dir
 from coldsnap.capsule import referrers, trust
 from coldsnap.capsule.bloblocks import blob_locks as _blob_locks
@@ -396,13 +397,21 @@ def _hash_prefix(path: Path, length: int):
 
 class _Sink:
     """Hash and write received chunks in two threads (hashlib and file writes release the GIL), so receiving,
-    hashing and writing overlap. Bounded queues: at most 2 x 8 chunks in flight."""
+    hashing and writing overlap. Bounded queues: at most 2 x 8 chunks in flight. The file, appended to at `offset`,
+    is written back to disk as it grows (WriteBehind), so the fsync that keeps it waits for the last windows only."""
 
-    def __init__(self, h, f):
+    def __init__(self, h, f, offset: int):
+        behind = WriteBehind(f.fileno(), offset)
+
+        def write(chunk: bytes) -> None:
+            f.write(chunk)
+            f.flush()
+            behind.wrote(len(chunk))
+
         self.error: BaseException | None = None
         self.queues = [queue.Queue(8), queue.Queue(8)]
         self.threads = [threading.Thread(target=self._run, args=(q, fn), daemon=True)
-                        for q, fn in zip(self.queues, (h.update, f.write))]
+                        for q, fn in zip(self.queues, (h.update, write))]
         for t in self.threads:
             t.start()
 
@@ -456,7 +465,7 @@ def _download(client: _Client, desc: Descriptor, part: Path, progress: Progress 
                     h = hashlib.sha256()
                     if r.status_code != 200:
                         continue
-                sink = _Sink(h, f)
+                sink = _Sink(h, f, offset)
                 try:
                     try:
                         for chunk in r.iter_content(READ_CHUNK):
