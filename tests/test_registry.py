@@ -178,13 +178,25 @@ def test_a_pulled_blob_is_written_back_as_it_arrives(registry, src, dst, tmp_pat
     part.write_bytes(src.blob_path(layer.digest).read_bytes()[:3 * MIB])  # a partial from an earlier pull
     pull(dst, f"{registry}/coldsnap/writeback@{digest}", insecure=True)
     assert dst.blob_path(layer.digest).read_bytes() == src.blob_path(layer.digest).read_bytes()
-    started = [(o, n) for o, n, fl, _ in calls if fl == 2]
+    started = [(o, n) for o, n, fl, _ in calls if fl == 2]  # SYNC_FILE_RANGE_WRITE: start, do not wait
     assert started[0][0] == 3 * MIB and all(n >= 4 * MIB for _, n in started)  # from the resumed end, by windows
     assert all(a + n == b for (a, n), (b, _) in zip(started, started[1:]))  # in order, nothing skipped
     assert layer.size - (started[-1][0] + started[-1][1]) < 4 * MIB  # only the tail is left to the fsync
-    waited = [(o, n) for o, n, fl, _ in calls if fl == 7]
-    assert waited == started[:len(started) - 2]  # each window waited for two windows later: bounded dirty pages
     assert {rc for *_, rc in calls} == {0}  # the kernel took every call on this file system
+
+
+def test_write_behind_can_be_left_to_the_kernel(tmp_path, monkeypatch):
+    from coldsnap.base import files
+
+    calls = []
+    monkeypatch.setattr(files, "_sync_file_range", lambda *a: calls.append(a) or 0)
+    for mib, expected in (("0", 0), ("1", 3), ("not a number", 0)):  # the default window is 32 MiB: not reached
+        monkeypatch.setenv("COLDSNAP_WRITEBACK_MIB", mib)
+        calls.clear()
+        behind = files.WriteBehind(0)
+        for _ in range(3):
+            behind.wrote(MIB)
+        assert len(calls) == expected, mib
 
 
 def test_resume_restarts_when_the_server_ignores_range(registry, src, dst, tmp_path, monkeypatch):  # noqa: F811

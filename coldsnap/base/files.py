@@ -59,12 +59,13 @@ def atomic_write(path: str | os.PathLike, data: bytes, mode: int = 0o600, defaul
 
 # --- write-behind -------------------------------------------------------------------------------------------------
 # A file of gigabytes written and then fsynced sits dirty in the page cache until the fsync, which then writes all of
-# it at the disk's rate: receiving and writing add up instead of overlapping, and the writer stalls whenever the
-# kernel throttles a large dirty backlog. Starting the disk write of each window as soon as it is written (and
-# waiting for the one two windows back, which bounds what is dirty) lets the disk work while the next bytes arrive;
-# the final fsync waits only for the last windows. The pages stay cached: a restore reads them next.
+# it at the disk's rate: receiving and writing add up instead of overlapping. Starting the disk write of each window
+# as soon as it is written lets the disk work while the next bytes arrive; the final fsync waits only for what is
+# still in flight. The pages stay cached: a restore reads them next. It does not wait for earlier windows (which
+# would bound what is dirty): on this project's machines that made pulls slower; the kernel throttles writers anyway.
+# COLDSNAP_WRITEBACK_MIB sets the window; 0 leaves write-back to the kernel (the registry bench compares the two).
 WRITEBACK_WINDOW = 32 << 20
-_SYNC_FILE_RANGE_WAIT_BEFORE, _SYNC_FILE_RANGE_WRITE, _SYNC_FILE_RANGE_WAIT_AFTER = 1, 2, 4
+_SYNC_FILE_RANGE_WRITE = 2
 _libc = None
 
 
@@ -83,19 +84,15 @@ class WriteBehind:
 
     def __init__(self, fd: int, offset: int = 0):
         self.fd, self.end, self.started = fd, offset, offset
-        self.windows: list[tuple[int, int]] = []  # started, not yet waited for
+        mib = os.environ.get("COLDSNAP_WRITEBACK_MIB", "")
+        self.window = int(mib) << 20 if mib.isdigit() else WRITEBACK_WINDOW
 
     def wrote(self, nbytes: int) -> None:
         self.end += nbytes
-        if self.end - self.started < WRITEBACK_WINDOW:
+        if not self.window or self.end - self.started < self.window:
             return
         _sync_file_range(self.fd, self.started, self.end - self.started, _SYNC_FILE_RANGE_WRITE)
-        self.windows.append((self.started, self.end - self.started))
         self.started = self.end
-        if len(self.windows) > 2:
-            offset, length = self.windows.pop(0)
-            _sync_file_range(self.fd, offset, length, _SYNC_FILE_RANGE_WAIT_BEFORE | _SYNC_FILE_RANGE_WRITE |
-                             _SYNC_FILE_RANGE_WAIT_AFTER)
 
 
 def private_dir(path: Path) -> Path:

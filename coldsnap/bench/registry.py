@@ -161,12 +161,12 @@ def _settle() -> None:
     time.sleep(1)
 
 
-def _run_child(*args: str) -> dict:
+def _run_child(*args: str, env: dict | None = None) -> dict:
     _settle()
     cmd = [sys.executable, "-m", "coldsnap.bench.registry", "--child", *args]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ, **(env or {})}).stdout
     res = json.loads(out.strip().splitlines()[-1])
-    res["command"] = " ".join(cmd)
+    res["command"] = " ".join([*(f"{k}={v}" for k, v in (env or {}).items()), *cmd])
     return res
 
 
@@ -209,8 +209,8 @@ def run(out_dir, size_mib: int = 2048, repeats: int = 3) -> dict:
     digest = src.write_capsule(profile, [layer], {"io.coldsnap.engine": "reference"}, tag="bench")
     blob = src.blob_path(layer.digest)
     result: dict = {"size_bytes": layer.size, "layer_digest": layer.digest, "manifest_digest": digest,
-                    "push": [], "pull": [], "curl_put": [], "curl_get_devnull": [], "curl_get_file": [],
-                    "pull_tmpfs": []}
+                    "push": [], "pull": [], "pull_no_writeback": [], "curl_put": [], "curl_get_devnull": [],
+                    "curl_get_file": [], "pull_tmpfs": []}
     shm = Path("/dev/shm") / f"coldsnap-registry-bench-{os.getpid()}"
     with LocalRegistry.start(work / "registry") as reg:
         base = f"http://{reg}/v2"
@@ -233,8 +233,12 @@ def run(out_dir, size_mib: int = 2048, repeats: int = 3) -> dict:
                                        "command": "curl -sS --fail " + " ".join(cmd)})
         for i in range(repeats):
             dst = work / f"dst{i}"
-            result["pull"].append(_run_child("pull", str(dst), "-", f"{reg}/bench/ours0:v1@{digest}"))
-            _drop(dst)
+            # The pull, and the same pull with write-back left to the kernel (what starting the disk write early
+            # buys), in turns: first one, then the other, so neither always follows the same transfer.
+            kinds = [("pull", {}), ("pull_no_writeback", {"COLDSNAP_WRITEBACK_MIB": "0"})]
+            for key, env in kinds if i % 2 == 0 else kinds[::-1]:
+                result[key].append(_run_child("pull", str(dst), "-", f"{reg}/bench/ours0:v1@{digest}", env=env))
+                _drop(dst)
             # The same pull into tmpfs: no disk, so the rate of the software itself.
             if shm.parent.is_dir() and shutil.disk_usage(shm.parent).free > 2 * layer.size:
                 result["pull_tmpfs"].append(_run_child("pull", str(shm / f"dst{i}"), "-",
@@ -265,15 +269,17 @@ def run(out_dir, size_mib: int = 2048, repeats: int = 3) -> dict:
         "curl_get_file_fsynced_MB_s": best("curl_get_file"),
         "pull_vs_curl_devnull": round(best("pull") / best("curl_get_devnull"), 2),
         "pull_vs_curl_file_fsynced": round(best("pull") / best("curl_get_file"), 2),
+        "pull_no_writeback_MB_s": best("pull_no_writeback"),
+        "pull_vs_no_writeback_median": round(median("pull") / median("pull_no_writeback"), 2),
         "pull_tmpfs_MB_s": best("pull_tmpfs") if result["pull_tmpfs"] else None,
         "pull_tmpfs_vs_curl_devnull": (round(best("pull_tmpfs") / best("curl_get_devnull"), 2)
                                        if result["pull_tmpfs"] else None),
-        "median_MB_s": {k: median(k) for k in ("push", "curl_put", "pull", "pull_tmpfs", "curl_get_devnull",
-                                                "curl_get_file") if result[k]},
+        "median_MB_s": {k: median(k) for k in ("push", "curl_put", "pull", "pull_no_writeback", "pull_tmpfs",
+                                                "curl_get_devnull", "curl_get_file") if result[k]},
         "peak_rss_mib_push": max(r["peak_rss_mib"] for r in result["push"]),
         "peak_rss_mib_pull": max(r["peak_rss_mib"] for r in result["pull"] + result["pull_tmpfs"]),
     }
-    result["command"] = f"{sys.executable} -m coldsnap.bench.registry {out} {size_mib}"
+    result["command"] = f"coldsnap bench --registry --size-mib {size_mib} --samples {repeats} --out {out}"
     _drop(work)
     _drop(shm)
     (out / "registry_bench.json").write_text(json.dumps(result, indent=1))
@@ -288,8 +294,9 @@ def _chart(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     med = result["summary"]["median_MB_s"]
-    labels = [k for k in ("push", "curl_put", "pull", "pull_tmpfs", "curl_get_file", "curl_get_devnull") if k in med]
-    fig, ax = plt.subplots(figsize=(8, 4.2), dpi=120)
+    labels = [k for k in ("push", "curl_put", "pull", "pull_no_writeback", "pull_tmpfs", "curl_get_file",
+                          "curl_get_devnull") if k in med]
+    fig, ax = plt.subplots(figsize=(10, 4.2), dpi=120)
     colors = ["#2b7bba" if not k.startswith("curl") else "#9a9a9a" for k in labels]
     ax.bar(labels, [med[k] for k in labels], color=colors)
     for i, k in enumerate(labels):

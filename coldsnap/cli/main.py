@@ -399,7 +399,7 @@ def cmd_bench(args) -> int:
 
         progress = _progress(args)
         progress(f"registry benchmark: a {args.size_mib} MiB capsule through a local registry vs curl")
-        data = run(args.out, size_mib=args.size_mib)
+        data = run(args.out, size_mib=args.size_mib, repeats=args.samples)
         s = data["summary"]
         _emit(args, data, f"push {s['push_MB_s']} MB/s ({s['push_vs_curl']}x curl PUT), pull {s['pull_MB_s']} MB/s "
                           f"({s['pull_vs_curl_file_fsynced']}x curl to a synced file, {s['pull_vs_curl_devnull']}x "
@@ -620,7 +620,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("bench", cmd_bench, "vanilla start vs restore, N samples each, against the same-run physical limit; "
                                  "writes JSON + PNG under --out and prints the table (--json: the result)")
     sp.add_argument("--engine", default="reference", choices=ENGINE_NAMES)
-    sp.add_argument("--samples", "-n", type=int, default=5, help="restore samples (and vanilla, unless given)")
+    sp.add_argument("--samples", "-n", type=int, default=5,
+                    help="restore samples (and vanilla, unless given); with --registry, transfers of each kind")
     sp.add_argument("--vanilla-samples", type=int, help="vanilla samples when they cost too much to match --samples")
     sp.add_argument("--device", default="cpu")
     sp.add_argument("--weights-mode", default="auto", choices=["native", "recovery", "auto"])
