@@ -22,7 +22,7 @@ import queue
 import re
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.cookiejar import DefaultCookiePolicy
 from pathlib import Path
 from typing import Callable
@@ -539,8 +539,11 @@ def _the_capsule_listed(client: "_Client", listed: list) -> str | None:
 
 
 def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: bool = False,
-         progress: Progress | None = None, artifact_type: str = mt.ARTIFACT_TYPE) -> PullResult:
-    """Fetch the capsule `ref` into `store`; returns its manifest digest (a PullResult: .bytes_transferred …)."""
+         progress: Progress | None = None, artifact_type: str = mt.ARTIFACT_TYPE,
+         on_blobs: Callable[[str, dict], None] | None = None) -> PullResult:
+    """Fetch the capsule `ref` into `store`; returns its manifest digest (a PullResult: .bytes_transferred …).
+    For a capsule with a weights payload, on_blobs(digest, manifest) is called once the capsule's own blobs are in
+    the store (verified), before the payload moves; the capsule itself is not listed yet."""
     t0 = time.monotonic()
     remote = parse_remote(ref)
     if not remote.digest and not allow_unpinned:
@@ -573,7 +576,7 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
         if capsule is None:
             raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"{remote} is a ColdSnap index that lists no capsule")
         tagged = remote.name + (f":{remote.tag}" if remote.tag else "")
-        return pull(store, f"{tagged}@{capsule}", insecure, True, progress, artifact_type)
+        return pull(store, f"{tagged}@{capsule}", insecure, True, progress, artifact_type, on_blobs)
     if manifest.get("mediaType") == mt.INDEX_MEDIA_TYPE or "manifests" in manifest:
         listed = [m.get("digest") for m in manifest.get("manifests") or [] if isinstance(m, dict)]
         # A copy tool that rewrites the index (skopeo copy --all) drops its artifactType markers, keeping the
@@ -581,7 +584,7 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
         capsule = _the_capsule_listed(client, listed) if artifact_type == mt.ARTIFACT_TYPE else None
         if capsule is not None:
             tagged = remote.name + (f":{remote.tag}" if remote.tag else "")
-            return pull(store, f"{tagged}@{capsule}", insecure, True, progress, artifact_type)
+            return pull(store, f"{tagged}@{capsule}", insecure, True, progress, artifact_type, on_blobs)
         raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"{remote} names an OCI image index of {len(listed)} "
                             f"manifest(s) ({', '.join(str(d) for d in listed[:3])}{'…' if len(listed) > 3 else ''}), "
                             "not a capsule: pull a capsule by its own digest")
@@ -592,8 +595,17 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
     annotations = manifest.get("annotations", {}) if artifact_type == mt.ARTIFACT_TYPE else {}
     payload, template = annotations.get(mt.ANNOTATION_PAYLOAD), annotations.get(mt.ANNOTATION_TEMPLATE)
     pulled: list[PullResult] = []  # what this pull brought before the capsule itself
+    early = _Fetched()
     try:
-        if payload:  # shared weights first: only their missing blobs move
+        if payload:
+            # The capsule's own blobs first (its profile and CRIU images, small): a restore that pulls can unpack
+            # the images while the weights stream in (on_blobs). The capsule is listed only once all is here.
+            descs = _descriptors(manifest, digest)
+            with _blob_locks(store, [d.digest for d in descs]):
+                early = _fetch_missing(store, client, descs, progress)
+            if on_blobs is not None:
+                on_blobs(digest, manifest)
+            # then the shared weights: only their missing blobs move
             pulled.append(pull(store, f"{remote.host}/{remote.repository}@{payload}", insecure, True, progress,
                                artifact_type=mt.PAYLOAD_ARTIFACT_TYPE))
         if template:  # pinned by this manifest; verified and trusted as a capsule of its own
@@ -601,12 +613,12 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
             pulled += [got] if got is not None else []
             template_found = got is not None
         result = _pull_capsule(store, client, remote, raw, digest, manifest, artifact_type, progress,
-                               pulled[0] if payload else None, t0)
+                               pulled[0] if payload else None, t0, early)
     except ColdSnapError as e:
-        if e.code == ErrorCode.CAPSULE_CORRUPT and pulled:  # a refused pull keeps nothing
+        if e.code == ErrorCode.CAPSULE_CORRUPT and (pulled or early.digests):  # a refused pull keeps nothing
             from coldsnap.capsule.gc import discard
 
-            discard(store, [d for p in pulled for d in (*p.blobs_fetched, p.manifest_written) if d])
+            discard(store, [d for p in pulled for d in (*p.blobs_fetched, p.manifest_written) if d] + early.digests)
         raise
     if template:
         result.template = {"digest": template, "pulled": template_found}
@@ -623,43 +635,58 @@ def _pull_template(store: CapsuleStore, ref: str, insecure: bool, progress) -> "
         return None
 
 
+@dataclass
+class _Fetched:
+    """What fetching a manifest's missing blobs moved."""
+    received: int = 0
+    resumed: int = 0
+    digests: list[str] = field(default_factory=list)
+
+
+def _fetch_missing(store: CapsuleStore, client: "_Client", descs: list[Descriptor], progress) -> _Fetched:
+    """Fetch the blobs the store lacks, then publish them once every one verified (a refused one: none, and no
+    partial kept). The caller holds their locks."""
+    got = _Fetched()
+    staged: list[tuple[Path, Descriptor]] = []
+    try:
+        for d in descs:
+            if store.has_blob(d.digest):
+                continue
+            received, resumed = _fetch_blob(client, store, d, progress)
+            got.received += received
+            got.resumed += resumed
+            got.digests.append(d.digest)
+            staged.append((partial_path(store, d.digest), d))
+    except ColdSnapError as e:
+        if e.code == ErrorCode.CAPSULE_CORRUPT:  # a refused pull leaves the store as it was
+            for p, _ in staged:
+                p.unlink(missing_ok=True)
+        raise
+    for p, d in staged:
+        os.replace(p, store.blob_path(d.digest))
+        remember_hashed(store.blob_path(d.digest), d.digest)  # hashed while it streamed in: not read again
+    if staged:
+        _fsync_dir(store.blobs)
+    return got
+
+
 def _pull_capsule(store: CapsuleStore, client: "_Client", remote: RemoteRef, raw: bytes, digest: str, manifest: dict,
-                  artifact_type: str, progress, payload_result, t0: float) -> PullResult:
+                  artifact_type: str, progress, payload_result, t0: float, early: _Fetched) -> PullResult:
     descs = _descriptors(manifest, digest)
     tag = f"{remote.name}:{remote.tag}" if remote.tag else None
-
-    received = resumed = 0
-    fetched: list[str] = []
-    staged: list[tuple[Path, Descriptor]] = []
     # Lock every blob of the capsule, present or not: gc leaves locked blobs alone, and a concurrent pull of a
     # shared blob waits here and then finds it present.
     with _blob_locks(store, [d.digest for d in descs] + [digest]):
-        try:
-            for d in descs:
-                if store.has_blob(d.digest):
-                    continue
-                got, res = _fetch_blob(client, store, d, progress)
-                received += got
-                resumed += res
-                fetched.append(d.digest)
-                staged.append((partial_path(store, d.digest), d))
-        except ColdSnapError as e:
-            if e.code == ErrorCode.CAPSULE_CORRUPT:  # a refused pull leaves the store as it was
-                for p, _ in staged:
-                    p.unlink(missing_ok=True)
-            raise
-        # Everything verified: publish blobs, then the manifest, then the tag.
-        for p, d in staged:
-            os.replace(p, store.blob_path(d.digest))
-            remember_hashed(store.blob_path(d.digest), d.digest)  # hashed while it streamed in: not read again
-        if staged:
-            _fsync_dir(store.blobs)
+        got = _fetch_missing(store, client, descs, progress)
+        # Every blob here and verified: the manifest, then the tag.
         had_manifest = store.has_blob(digest)
         mdesc = store.put_bytes(raw, manifest.get("mediaType", mt.MANIFEST_MEDIA_TYPE))
         indexed = any(m.get("digest") == digest for m in store.index())
         # payloads are reached through their capsules, not listed; a capsule pulled again by digest is listed once
         if artifact_type == mt.ARTIFACT_TYPE and (tag or not indexed):
             store.add_to_index(mdesc, tag)
+    fetched = early.digests + got.digests
+    received, resumed = early.received + got.received, early.resumed + got.resumed
     signatures = 0
     if artifact_type == mt.ARTIFACT_TYPE:  # where it came from and who vouches for it: the restore policy's input
         trust.record(store, digest, "pull", f"{remote.name}:{remote.tag}" if remote.tag else remote.name)
