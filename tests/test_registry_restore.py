@@ -66,3 +66,42 @@ def test_pull_into_an_empty_store_restores_and_shares_weights(registry, tmp_path
     got2 = pull(fresh, f"{registry}/coldsnap/ref@{second.capsule}", insecure=True)
     assert got2.payload_bytes == 0  # the second capsule of the same model moves no weight bytes
     assert got2.bytes_transferred > 0
+
+
+def test_a_restore_of_a_registry_reference_pulls_unpacks_while_weights_arrive_and_restores(
+        registry, tmp_path, monkeypatch):  # noqa: F811
+    needs_root_criu()
+    from coldsnap.contracts import ColdSnapError, ErrorCode
+
+    monkeypatch.setenv("COLDSNAP_CRIU_PREFIX", CRIU_PREFIX)
+    monkeypatch.setenv("COLDSNAP_RUN", str(tmp_path / "run"))
+    monkeypatch.setenv("COLDSNAP_HOME", str(tmp_path / "origin"))
+    cap = fast_capture("pyt-reg-ref", "one")
+    weights = cap.profile.model.weights[0]
+    push(CapsuleStore(settings().store), cap.capsule, f"{registry}/coldsnap/byref:one", insecure=True)
+    shutil.move(str(settings().store), str(tmp_path / "origin-store"))  # a fresh host: no blobs, no weights
+    os.rename(weights.path, weights.path + ".gone")
+    monkeypatch.setenv("COLDSNAP_STORE", str(tmp_path / "fresh-store"))
+
+    ref = f"{registry}/coldsnap/byref@{cap.capsule}"
+    said = []
+    r = restore(RestoreRequest(operation="restore", capsule=ref, insecure_registry=True,
+                               policy=Policy(fallback_to_cold=False)), progress=said.append)
+    assert r.state == "succeeded" and r.result["validated_text"] == cap.profile.expected_text
+    assert [s.name for s in r.spans][:3] == ["pull", "admit", "stage"]
+    pulled = r.result["pull"]
+    assert pulled["pulled"] and pulled["digest"] == cap.capsule and pulled["bytes"] > os.path.getsize(weights.path)
+    assert "unpacked_s" in pulled and "unpack_error" not in pulled  # the images, unpacked during the pull
+    assert any("unpacking its images while the weights arrive" in m for m in said)
+    assert os.path.exists(weights.path)  # the payload brought the weights
+    stop_workload(load_state(r.result["workload"]))
+
+    again = restore(RestoreRequest(operation="restore", capsule=ref, insecure_registry=True,
+                                   policy=Policy(fallback_to_cold=False)))
+    assert again.state == "succeeded" and again.result["pull"] == {"from": ref, "pulled": False}  # here already
+    stop_workload(load_state(again.result["workload"]))
+
+    with pytest.raises(ColdSnapError) as e:  # a tag is not a pin
+        restore(RestoreRequest(operation="restore", capsule=f"{registry}/coldsnap/byref:one", insecure_registry=True,
+                               policy=Policy(fallback_to_cold=False)))
+    assert e.value.code == ErrorCode.CAPSULE_UNPINNED and e.value.receipt is not None

@@ -191,7 +191,7 @@ def cmd_restore(args) -> int:
         if len(gpu_map) != len(args.gpu_map or []):
             raise ColdSnapError(ErrorCode.INVALID_REQUEST, "--gpu-map expects CAPTURED_UUID=LOCAL_UUID")
         req = RestoreRequest(operation="prepare" if args.prepare_only else "restore", capsule=args.capsule,
-                             gpu_map=gpu_map, lifecycle=Lifecycle(name=args.name),
+                             insecure_registry=args.insecure, gpu_map=gpu_map, lifecycle=Lifecycle(name=args.name),
                              policy=Policy(fallback_to_cold=not args.no_fallback, allow_unpinned=args.allow_unpinned,
                                            compatibility="relaxed" if args.relaxed else "strict"))
     r = restore(req, progress=_progress(args))
@@ -527,7 +527,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("restore", cmd_restore, "restore a workload from a capsule (or start it cold when refused, unless "
                                      "--no-fallback); prints where it serves and the receipt's path (--json: the "
                                      "receipt, also on failure)")
-    sp.add_argument("--capsule", help="capsule reference pinned by digest: sha256:… or NAME@sha256:…")
+    sp.add_argument("--capsule", help="capsule reference pinned by digest: sha256:… or NAME@sha256:…; or a registry "
+                    "reference HOST[:PORT]/REPO@sha256:…, pulled unless the store has it (its images unpack while "
+                    "its weights arrive)")
+    sp.add_argument("--insecure", action="store_true", help="pull a registry reference over plain HTTP")
     sp.add_argument("--request", help="restore request file (JSON)")
     sp.add_argument("--name", help="the restored workload's name (default: the captured one's); each restore of a "
                     "capsule under its own name runs beside the others, on a network of its own")

@@ -142,7 +142,10 @@ class CaptureRequest(_Request):
 
 class RestoreRequest(_Request):
     operation: Literal["restore", "prepare"]
-    capsule: str = Field(min_length=1, description="Capsule reference, pinned: sha256:…, NAME@sha256:… or a path.")
+    capsule: str = Field(min_length=1, description="Capsule reference, pinned: sha256:…, NAME@sha256:… or a path; "
+                         "or a registry reference HOST[:PORT]/REPO@sha256:…, pulled first unless the store has it.")
+    insecure_registry: bool = Field(default=False, description="Pull a registry reference over plain HTTP (a "
+                                    "registry on loopback or a private network).")
     policy: Policy = Field(default_factory=Policy)
     validation: Validation | None = Field(default=None, description="Override the validation recorded at capture.")
     lifecycle: Lifecycle = Field(default_factory=Lifecycle)

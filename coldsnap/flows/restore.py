@@ -1,4 +1,4 @@
-"""restore: admit → stage → restore → hydrate → validate → receipt.
+"""restore: (pull →) admit → stage → restore → hydrate → validate → receipt.
 
 A refused or failed restore falls back to a cold start when the policy allows it: never worse than vanilla.
 `prepare` (restore --prepare-only) runs admit and stage only and touches no workload."""
@@ -23,6 +23,7 @@ from coldsnap.engines.lease import hold as hold_lease
 from coldsnap.flows.admission import admit_capsule, load_capsule
 from coldsnap.flows.coldstart import start_cold
 from coldsnap.flows.fallback import may_fall_back
+from coldsnap.flows.fetch import fetch, is_registry_reference
 from coldsnap.flows.receipts import finish_receipt, receipt_on_failure
 from coldsnap.flows.spans import Timeline
 from coldsnap.flows.staging import Staged, put_back_files, reloads_weights, stage
@@ -45,6 +46,10 @@ def restore(request: RestoreRequest, progress: Progress = _quiet) -> Receipt:
     op = "prepare" if request.operation == "prepare" else "restore"
     op_id = request.id or f"{op}-{uuid.uuid4().hex[:12]}"
     with receipt_on_failure(request, op_id, op, tl):
+        pulled = {}
+        if is_registry_reference(request.capsule):
+            with tl.span("pull"):
+                request, pulled = fetch(request, progress)
         with tl.span("admit"):
             capsule = load_capsule(request.capsule, request.policy.allow_unpinned)
             verdict = admit_capsule(capsule, request.policy, _driver_for(capsule, op))
@@ -64,7 +69,8 @@ def restore(request: RestoreRequest, progress: Progress = _quiet) -> Receipt:
             staged = stage(capsule)
         progress(f"staged {capsule.digest[:19]}… (all digests verified)")
         # what every receipt of this restore or prepare carries: where staging went, and a template's reason
-        staged_facts = {"stage_parts": staged.parts, **({"instead_of": instead_of} if instead_of else {})}
+        staged_facts = {"stage_parts": staged.parts, **({"instead_of": instead_of} if instead_of else {}),
+                        **({"pull": pulled} if pulled else {})}
         if op == "prepare":
             return finish_receipt(request, op_id, op, tl, "succeeded",
                                   result={"capsule": capsule.digest, "staged": str(staged.images.parent),

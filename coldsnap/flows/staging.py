@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -73,22 +74,38 @@ def _timed(parts: dict[str, float], name: str) -> Iterator[None]:
         parts[name] = round(time.monotonic() - start, 6)
 
 
+def unpack_ahead(store: CapsuleStore, digest: str, manifest: dict) -> None:
+    """Unpack a capsule's images into the staging area before the capsule is listed or admitted: a restore that
+    pulls does this while the weights payload streams in (coldsnap.flows.fetch). unpack_layer takes hostile layers
+    (no escaping paths, no links, bounded expansion), the blobs are verified against the pinned manifest, and
+    nothing staged runs before stage() has admitted and verified the capsule."""
+    layers = {d.get("mediaType"): d.get("digest") for d in manifest.get("layers") or [] if isinstance(d, dict)}
+    if not layers.get(mt.LAYER_CRIU):
+        return
+    private_dir(staged_area.root())
+    _unpack_layers(store, digest, layers[mt.LAYER_CRIU], layers.get(mt.LAYER_FILES), staged_area.path_of(digest))
+
+
 def _unpack(store: CapsuleStore, capsule: LoadedCapsule, root: Path) -> None:
-    """The capsule's CRIU images and files under root, published whole (root/.complete) or not at all."""
+    files = capsule.layer(mt.LAYER_FILES)
+    _unpack_layers(store, capsule.digest, capsule.layer(mt.LAYER_CRIU).digest, files.digest if files else None, root)
+
+
+def _unpack_layers(store: CapsuleStore, digest: str, criu: str, files: str | None, root: Path) -> None:
+    """A capsule's CRIU images and files under root, published whole (root/.complete) or not at all."""
     done = root / ".complete"
     if done.exists():
         return
     shutil.rmtree(root, ignore_errors=True)
-    tmp = root.with_name(root.name + f".tmp{os.getpid()}")
-    journal = Journal.begin("stage", capsule=capsule.digest)  # a stager killed midway leaves no temp dir for long
+    tmp = root.with_name(root.name + f".tmp{os.getpid()}.{threading.get_ident()}")
+    journal = Journal.begin("stage", capsule=digest)  # a stager killed midway leaves no temp dir for long
     journal.add("dir", path=str(tmp))
     private_dir(tmp)
     try:
-        unpack_layer(store.blob_path(capsule.layer(mt.LAYER_CRIU).digest), tmp / "images")
-        files_layer = capsule.layer(mt.LAYER_FILES)
-        if files_layer:
-            unpack_layer(store.blob_path(files_layer.digest), tmp / "files")
-        (tmp / ".complete").write_text(capsule.digest)
+        unpack_layer(store.blob_path(criu), tmp / "images")
+        if files:
+            unpack_layer(store.blob_path(files), tmp / "files")
+        (tmp / ".complete").write_text(digest)
         try:
             os.replace(tmp, root)
         except OSError:
@@ -97,7 +114,7 @@ def _unpack(store: CapsuleStore, capsule: LoadedCapsule, root: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise out_of_room(e, tmp.parent, store.blob_path(capsule.layer(mt.LAYER_CRIU).digest)) from None
+        raise out_of_room(e, tmp.parent, store.blob_path(criu)) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
