@@ -2,16 +2,16 @@
 
 The capsule and its weights payload are pushed to a private registry on loopback (Debian's docker-registry, as in
 the registry bench). Each sample is a fresh node: a ColdSnap home with an empty store, nothing staged, no memo of
-checked digests, and no weights file at the pinned path; it trusts the capturing host's key through a policy
-file, as a fleet would. Its clock runs from issuing `coldsnap pull REF@DIGEST` to the first token of the
-validated completion of `coldsnap restore` (two commands as a user or a node agent issues them); the spans say
-where the time went (pull, admit, verify, weights put back and checked, unpack, CRIU, the CUDA driver, the engine's
-resume, validate). Vanilla's clock runs from issuing a cold start to its first token, its weights read from local
-disk (page cache warm).
+checked digests, and no weights file at the pinned path; it trusts the capturing host's key through a policy file,
+as a fleet would. Its clock runs from issuing `coldsnap restore --capsule REF@DIGEST` (one command as a user or a
+node agent issues it: it pulls, unpacking the capsule's images while the weights arrive, then restores) to the first
+token of its validated completion; the spans say where the time went (pull, admit, verify, weights put back and
+checked, what was left to unpack, CRIU, the CUDA driver, the engine's resume, validate). Vanilla's clock runs from
+issuing a cold start to its first token, its weights read from local disk (page cache warm).
 
-The limit beside it is the bytes a first restore must move at rates measured in the same run: what it pulls at
-the slower of the registry's own rate (one blob fetched whole over HTTP, timed) and the node storage's durable
-write rate (a pull keeps what it fetches), then the restore's limit (bench.bandwidth)."""
+The limit beside it is the bytes a first restore must move at rates measured in the same run: what it pulls at the
+slower of the registry's own rate (one blob fetched whole over HTTP, timed) and the node storage's durable write
+rate (a pull keeps what it fetches), then the restore's limit (bench.bandwidth)."""
 
 from __future__ import annotations
 
@@ -155,7 +155,7 @@ def run_cold_node(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
             for i in range(n):
                 for p in weights:
                     Path(p).unlink(missing_ok=True)  # the previous sample's put-back copy
-                samples.append(_first_restore(Path(tmp) / f"node{i}", ref, cap.capsule, expected))
+                samples.append(_first_restore(Path(tmp) / f"node{i}", ref, expected))
                 shutil.rmtree(Path(tmp) / f"node{i}", ignore_errors=True)  # its copy of the weights: disk room
                 progress(f"cold node {i + 1}/{n}: pull → first token {samples[-1]['total_s']:.3f} s "
                          f"(pull {samples[-1]['spans']['pull']:.2f} s)")
@@ -194,9 +194,9 @@ def run_cold_node(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
         "storage": _storage(settings().home),
         "engine": opts.engine, "device": opts.device, "weights_mode": cap.profile.weights_mode,
         "samples": n, "vanilla_samples": nv, "cold_node": True,
-        "clock": "restore: issue of `coldsnap pull REF@DIGEST` on a fresh node -> first token of `coldsnap "
-                 "restore`'s validated completion; vanilla: issue of a cold start -> first token, weights from "
-                 "local disk",
+        "clock": "restore: issue of `coldsnap restore --capsule REF@DIGEST` on a fresh node (it pulls, unpacking "
+                 "the images while the weights arrive, then restores) -> first token of its validated completion; "
+                 "vanilla: issue of a cold start -> first token, weights from local disk",
         "vanilla": v, "restore": r, "ratio_median": round(v["median_s"] / r["median_s"], 2),
         "validations": {"vanilla": f"{nv}/{nv}", "restore": f"{sum(s['validated'] for s in samples)}/{n}"},
         "fell_back": 0, "span_medians_s": {k: round(statistics.median(s["spans"][k] for s in samples), 4)
@@ -245,21 +245,24 @@ def _biggest_blob(store: CapsuleStore, digest: str, payload: dict) -> tuple[str,
     return best["digest"], best["size"]
 
 
-def _first_restore(node: Path, ref: str, digest: str, expected: str) -> dict:
+def _first_restore(node: Path, ref: str, expected: str) -> dict:
+    """One command, as a node issues it: `coldsnap restore --capsule REF@DIGEST` pulls (the images unpack while the
+    weights arrive), admits, stages and restores."""
     env = _node_env(node)
     t_issue = time.monotonic()
-    pulled = _cli(env, "pull", ref, "--insecure", "--json")
-    t_pulled = time.monotonic()
-    receipt = _cli(env, "restore", "--capsule", digest, "--no-fallback", "--json")
+    receipt = _cli(env, "restore", "--capsule", ref, "--insecure", "--no-fallback", "--json")
     result = receipt["result"]
     try:
         total = result["first_token_monotonic_s"] - t_issue
-        spans = {"pull": round(t_pulled - t_issue, 4), **_restore_spans(receipt)}
-        # the rest is the two commands' own start-up (an interpreter each) and what lies between the spans
+        took = {x["name"]: x["duration_s"] for x in receipt["spans"]}
+        spans = {"pull": took.get("pull", 0.0), **_restore_spans(receipt)}
+        # the rest is the command's own start-up (an interpreter) and what lies between the spans
         spans["process starts"] = round(max(total - sum(spans.values()), 0.0), 4)
+        pulled = result.get("pull") or {}
         return {"total_s": round(total, 4), "spans": spans,
                 "restore_ttft_s": result["time_to_first_token_s"],
-                "pulled_bytes": pulled.get("bytes_transferred") or 0,  # the payload's bytes included
+                "pulled_bytes": pulled.get("bytes") or 0,  # the payload's bytes included
+                "unpacked_while_pulling_s": pulled.get("unpacked_s"),
                 "validated": result["validated_text"] == expected and receipt["state"] == "succeeded"}
     finally:
         _cli(env, "stop", result["workload"])
