@@ -24,6 +24,10 @@ def test_cold_node_bench_pulls_onto_fresh_nodes_and_restores(tmp_path):
         assert run["spans"]["verify"] > 0 and run["spans"]["weights"] > 0 and run["spans"]["unpack"] > 0
         assert abs(sum(run["spans"].values()) - run["total_s"]) < 0.01  # the spans account for the whole clock
         assert run["total_s"] > run["restore_ttft_s"]  # the pull and staging are inside this clock
+    two = data["two_commands"]  # the same nodes restored by `pull`, then `restore`, in turns: the same run's baseline
+    assert two["validated"] == "2/2" and len(two["samples_s"]) == 2
+    assert all(r["validated"] and r["spans"]["unpack"] > 0 and r["unpacked_while_pulling_s"] is None
+               for r in two["runs"])
     limit = data["physical_limit"]
     assert limit["pull_bytes"] > 0 and 0 < limit["pull_s"] < limit["limit_s"]
     slower = min(data["bandwidth"]["registry_read_gbs"], data["bandwidth"]["storage_write_gbs"])
