@@ -466,6 +466,21 @@ def test_store_hygiene(registry, src, dst, tmp_path):  # noqa: F811
         pull(dst, f"{registry}/coldsnap/hygiene-payload@{with_payload}", insecure=True)
     assert e.value.code == ErrorCode.CAPSULE_CORRUPT
     assert store_files(dst) == ([], []) and dst.index() == []
+    # (b') a refused weights payload takes the capsule's own blobs, fetched before it, with it
+    weights2 = tmp_path / "w2.safetensors"
+    weights2.write_bytes(os.urandom(MIB))
+    wf2 = WeightFile(path=str(weights2), sha256=hashlib.sha256(weights2.read_bytes()).hexdigest())
+    with_payload2, _ = make_capsule(src, tmp_path, [random_layer(src, tmp_path, MIB)], tag="p2",
+                                    annotations={mt.ANNOTATION_PAYLOAD: write_payload(src, [wf2])})
+    push(src, with_payload2, f"{registry}/coldsnap/hygiene-payload:v2", insecure=True)
+    registry_blob_file(registry, "sha256:" + wf2.sha256).write_bytes(os.urandom(MIB))
+    seen = []
+    with pytest.raises(ColdSnapError) as e:
+        pull(dst, f"{registry}/coldsnap/hygiene-payload@{with_payload2}", insecure=True,
+             on_blobs=lambda d, m: seen.append(sorted(p.name for p in dst.blobs.iterdir())))
+    assert e.value.code == ErrorCode.CAPSULE_CORRUPT
+    assert len(seen) == 1 and len(seen[0]) == 2  # the profile and the layer were in before the weights came
+    assert store_files(dst) == ([], []) and dst.index() == []
     # (c) a tag that names a plain OCI image index (as copy tools rewrite ColdSnap's): one capsule among its
     # manifests is the capsule it names; two are answered for what they are
     other, _ = make_capsule(src, tmp_path, [random_layer(src, tmp_path, MIB)], tag="other")
