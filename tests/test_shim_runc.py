@@ -33,6 +33,7 @@ from containers_fixture import (
     unique,
     wait_for,
 )
+from registry_fixture import registry  # noqa: F401  (fixture)
 
 from coldsnap.base.paths import settings
 from coldsnap.capsule import CapsuleStore, Descriptor
@@ -214,6 +215,40 @@ def test_run_detached_restores_a_second_time_from_the_same_capsule(lab, captured
     assert receipt(cid)["state"] == "succeeded"
     assert complete(netns) == captured["cold_text"]
     assert lab.shim("delete", "-f", cid).returncode == 0 and not shim_record(cid).exists()
+
+
+def test_a_node_without_the_capsule_pulls_its_registry_reference_at_create(lab, captured, registry, tmp_path,
+                                                                             monkeypatch):  # noqa: F811
+    """The annotation names the capsule in a registry; this node's store and staging area are empty: create pulls
+    it (plain HTTP only because the node's operator lists the registry), then restores; the receipt says so."""
+    from coldsnap.capsule.registry import push
+
+    digest = captured["result"].capsule
+    push(CapsuleStore(settings().store), digest, f"{registry}/coldsnap/shim:v1", insecure=True)
+    node = tmp_path / "node"
+    monkeypatch.setenv("COLDSNAP_STORE", str(node / "store"))
+    monkeypatch.setenv("COLDSNAP_STAGED", str(node / "staged"))
+    ref = f"{registry}/coldsnap/shim@{digest}"
+    bundle, netns = lab.bundle("engine-pulled", annotations={mt.ANNOTATION_CAPSULE: ref})
+
+    cid = unique("pulled-http")  # not listed as insecure: the HTTPS pull fails and the container starts cold
+    r = run_detached(str(RUNTIME), lab.runc_root, bundle, cid)
+    assert r.returncode == 0, r.stderr
+    rec = receipt(cid)
+    assert rec["state"] == "fell-back" and "registry" in rec["result"]["fallback_reason"].lower()
+    wait_healthy(netns)
+    assert lab.shim("delete", "-f", cid).returncode == 0
+
+    monkeypatch.setenv("COLDSNAP_INSECURE_REGISTRIES", f"example.invalid:5000, {registry}")
+    cid = unique("pulled")
+    r = run_detached(str(RUNTIME), lab.runc_root, bundle, cid)
+    assert r.returncode == 0, r.stderr
+    rec = receipt(cid)
+    assert rec["state"] == "succeeded" and rec["result"]["validated_text"] == captured["cold_text"]
+    assert [s["name"] for s in rec["spans"]][:3] == ["pull", "admit", "stage"]
+    assert CapsuleStore(node / "store").has_blob(digest) and (node / "staged").is_dir()
+    assert complete(netns) == captured["cold_text"]
+    assert lab.shim("delete", "-f", cid).returncode == 0
 
 
 # --- (c) fallback ---------------------------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ from coldsnap.criu.runc import restore_container
 from coldsnap.engines import get_adapter
 from coldsnap.flows.admission import admit_capsule, load_capsule
 from coldsnap.flows.fallback import may_fall_back
+from coldsnap.flows.fetch import fetch, is_registry_reference
 from coldsnap.flows.receipts import failed_state, finish_receipt, receipt_path
 from coldsnap.flows.spans import Timeline
 from coldsnap.flows.staging import Staged, stage
@@ -143,8 +144,12 @@ def restore_at_create(runc: str, parsed: RuncArgv, spec: dict) -> CreateOutcome:
         if parsed.command == "run" and not parsed.detach:
             raise ColdSnapError(ErrorCode.RUNTIME, "a foreground `runc run` cannot be restored (use create + start "
                                 "or run --detach)")
+        ref = creq.request.capsule
+        if is_registry_reference(ref):  # a node whose store lacks it pulls it here (the request stays as written)
+            with tl.span("pull"):
+                ref = fetch(creq.request, lambda _: None)[0].capsule
         with tl.span("admit"):
-            capsule = load_capsule(creq.request.capsule, creq.request.policy.allow_unpinned)
+            capsule = load_capsule(ref, creq.request.policy.allow_unpinned)
             verdict = admit_capsule(capsule, creq.request.policy, "criu-runc", creq.image_digest, spec)
         if not verdict.admitted:
             raise verdict.refusal()

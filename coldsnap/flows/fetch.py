@@ -5,6 +5,7 @@ The pulled capsule then goes through admission and staging like any other (stage
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Callable
@@ -23,6 +24,13 @@ def is_registry_reference(ref: str) -> bool:
         return False
     host = head.split("/", 1)[0]
     return "." in host or ":" in host or host == "localhost"
+
+
+def insecure_registries() -> set[str]:
+    """HOST[:PORT]s this node pulls from over plain HTTP: COLDSNAP_INSECURE_REGISTRIES, comma-separated. The node's
+    operator sets it (as docker's insecure-registries), not a request: a container's annotations cannot ask for
+    HTTP. Digests are verified either way; HTTP gives up the transport's privacy and its server identity."""
+    return {h.strip() for h in os.environ.get("COLDSNAP_INSECURE_REGISTRIES", "").split(",") if h.strip()}
 
 
 def local_digest(store: CapsuleStore, ref: str) -> str | None:
@@ -69,7 +77,8 @@ def fetch(request: RestoreRequest, progress: Progress) -> tuple[RestoreRequest, 
 
     progress(f"pulling {ref}")
     try:
-        result = pull(store, ref, insecure=request.insecure_registry, allow_unpinned=request.policy.allow_unpinned,
+        insecure = request.insecure_registry or ref.split("/", 1)[0] in insecure_registries()
+        result = pull(store, ref, insecure=insecure, allow_unpinned=request.policy.allow_unpinned,
                       progress=bytes_progress, on_blobs=on_blobs)
     finally:
         if "thread" in ahead:
