@@ -27,7 +27,7 @@ SMALL = ModelConfig(hidden=64, layers=2, heads=4, intermediate=96, max_seq=64, p
 
 # --- sharding ------------------------------------------------------------------------------------------------------
 def test_shards_of_all_ranks_put_together_are_the_full_weights(tmp_path):
-    path, _ = ensure_weights(tmp_path / "w.safetensors", SMALL, seed=3)
+    path = ensure_weights(tmp_path / "w.safetensors", SMALL, seed=3)
     full = load_weights(path)
     parts = [load_weights(path, shards=shards(SMALL, 2, r)) for r in range(2)]
     split = shards(SMALL, 2, 0)
@@ -45,7 +45,7 @@ def test_shards_of_all_ranks_put_together_are_the_full_weights(tmp_path):
 
 @pytest.mark.parametrize("threads", [1, 3])
 def test_load_into_hydrates_each_rank_in_place(tmp_path, threads):
-    path, _ = ensure_weights(tmp_path / "w.safetensors", SMALL, seed=4)
+    path = ensure_weights(tmp_path / "w.safetensors", SMALL, seed=4)
     for rank in range(2):
         mine = shards(SMALL, 2, rank)
         want = load_weights(path, shards=mine)
@@ -78,7 +78,7 @@ def test_nccl_settings_are_parsed_strictly_and_recorded(monkeypatch):
 
 
 def test_load_into_refuses_a_model_of_another_shape(tmp_path):
-    path, _ = ensure_weights(tmp_path / "w.safetensors", SMALL, seed=5)
+    path = ensure_weights(tmp_path / "w.safetensors", SMALL, seed=5)
     want = load_weights(path, shards=shards(SMALL, 2, 0))
     params = {n: torch.zeros_like(t) for n, t in want.items()}
     with pytest.raises(ValueError, match="bytes here"):
@@ -187,7 +187,7 @@ def test_two_gpu_ranks_on_nccl_capture_and_restore_as_one_unit(tmp_path_factory,
 
 def test_uniform_generated_weights_are_not_degenerate(tmp_path):
     # The validation compares texts: make sure the small model used here does not decode to a constant.
-    path, _ = ensure_weights(tmp_path / "w.safetensors", SMALL, seed=3)
+    path = ensure_weights(tmp_path / "w.safetensors", SMALL, seed=3)
     w = load_weights(path)
     assert float(np.std(w["layers.0.attn.wq.weight"].numpy())) > 0.01
 

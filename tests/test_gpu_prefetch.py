@@ -53,7 +53,7 @@ def report_of(proc: subprocess.Popen) -> dict:
 def test_an_engine_whose_prefetch_fails_reloads_from_the_file_and_says_why(tmp_path):
     """A prefetcher that cannot load (here: no GPU with that UUID, or no GPU at all) tells the engine why over the
     socket; the engine's resume reloads from the file, gives the same output, and reports the reason."""
-    path, _ = ensure_weights(tmp_path / "w.safetensors", TINY)
+    path = ensure_weights(tmp_path / "w.safetensors", TINY)
     runner = Runner(build_model(TINY, load_weights(path, mode="copy"), "cpu"), "cpu", kv_bytes=1 << 20)
     before = decode(list(runner.generate(encode("Hello, world!"), 8)))
     runner.release(save_to=str(tmp_path / "saved.safetensors"))  # weights dropped, to be reloaded at resume
@@ -84,7 +84,7 @@ def test_the_prefetcher_refuses_a_missing_file_with_a_one_line_error(tmp_path):
                          ids=["whole", "tp-shard", "tp-shard-planned"])
 def test_prefetched_weights_reach_the_engine_bit_for_bit(tmp_path, tp_rank, planned):
     cfg = ModelConfig(layers=2, hidden=512, heads=8, intermediate=1408, max_seq=64, prefill_chunk=16)
-    path, _ = ensure_weights(tmp_path / "w.safetensors", cfg)
+    path = ensure_weights(tmp_path / "w.safetensors", cfg)
     mine = shards(cfg, 2, tp_rank) if tp_rank is not None else None
     want = load_weights(path, "cuda", shards=mine)
     params = {n: torch.zeros_like(t) for n, t in want.items()}
@@ -125,7 +125,7 @@ def test_a_ranks_plan_packs_exactly_its_shards(tmp_path, chunk):
     """Each rank's plan covers its shards (whole tensors, dim-0 ranges, a part of every row for dim 1), and the
     packed memory, cut into jobs of any size, holds the same tensors the engine loads from the file."""
     cfg = ModelConfig(layers=2, hidden=64, heads=4, intermediate=176, max_seq=64, prefill_chunk=16)
-    path, _ = ensure_weights(tmp_path / "w.safetensors", cfg)
+    path = ensure_weights(tmp_path / "w.safetensors", cfg)
     _, header = read_header(path)
     length = data_section(path)[1]
     sizes = []
@@ -159,7 +159,7 @@ def test_jobs_are_shared_out_in_file_order_and_a_piece_outside_the_file_is_refus
 
 
 def test_the_prefetcher_refuses_a_bad_plan_with_a_one_line_error(tmp_path):
-    path, _ = ensure_weights(tmp_path / "w.safetensors", TINY)
+    path = ensure_weights(tmp_path / "w.safetensors", TINY)
     (tmp_path / "plan.json").write_text("{not json")
     out = subprocess.run([sys.executable, "-m", "coldsnap.gpu.prefetch", "--file", path, "--gpu", "GPU-x",
                           "--socket", str(tmp_path / "s"), "--plan", str(tmp_path / "plan.json")],
@@ -172,7 +172,7 @@ def test_the_prefetcher_refuses_a_bad_plan_with_a_one_line_error(tmp_path):
 def test_a_restore_hands_each_gpu_its_ranks_plan_and_cleans_up(monkeypatch, tmp_path):
     from coldsnap.gpu.steps import finish_prefetch, start_prefetch
 
-    path, _ = ensure_weights(tmp_path / "w.safetensors", TINY)
+    path = ensure_weights(tmp_path / "w.safetensors", TINY)
     pieces = [[0, 256, 1, 256], [1024, 64, 4, 128]]
     profile = _profile(gpus_used=["GPU-0000aaaa", "GPU-0000bbbb"], distributed=NS(world_size=2),
                        prefetch_plans={"GPU-0000aaaa": pieces},  # GPU b: no plan, the whole file
@@ -239,7 +239,7 @@ def test_the_engine_gets_a_socket_for_one_gpu_and_a_map_for_ranks():
 def test_a_prefetcher_no_engine_took_is_killed_and_its_socket_removed(tmp_path):
     from coldsnap.gpu.steps import Prefetch, finish_prefetch
 
-    path, _ = ensure_weights(tmp_path / "w.safetensors", TINY)
+    path = ensure_weights(tmp_path / "w.safetensors", TINY)
     sock = str(tmp_path / "p.sock")
     proc = start_prefetcher(path, "GPU-00000000-0000-0000-0000-000000000000", sock)  # waits for an engine
     t = time.monotonic()
@@ -250,7 +250,7 @@ def test_a_prefetcher_no_engine_took_is_killed_and_its_socket_removed(tmp_path):
 
 def test_a_rank_takes_only_the_prefetcher_on_its_own_gpu(tmp_path):
     """{GPU UUID: socket}: a CPU engine (no GPU of its own) takes none of them and reloads from the file quietly."""
-    path, _ = ensure_weights(tmp_path / "w.safetensors", TINY)
+    path = ensure_weights(tmp_path / "w.safetensors", TINY)
     runner = Runner(build_model(TINY, load_weights(path, mode="copy"), "cpu"), "cpu", kv_bytes=1 << 20)
     runner.release(save_to=str(tmp_path / "saved.safetensors"))
     reload = runner.resume(prefetched={"GPU-00000000-0000-0000-0000-000000000000": str(tmp_path / "none.sock")})

@@ -577,14 +577,14 @@ def main(argv: list[str] | None = None) -> int:
     t = time.monotonic()
     try:
         if rank == 0:
-            wpath, digest = ensure_weights(args.weights, cfg, seed=args.seed)
-        else:  # rank 0 made (and hashed) the file
-            wpath, digest = os.path.abspath(args.weights), None
+            wpath = ensure_weights(args.weights, cfg, seed=args.seed)
+        else:  # rank 0 made the file
+            wpath = os.path.abspath(args.weights)
             check_shapes(wpath, cfg)
     except (ValueError, OSError) as e:
         emit("fatal", error=str(e))
         return 2
-    phase("weights", t, path=wpath, sha256=digest)
+    phase("weights", t, path=wpath, size=os.path.getsize(wpath))
     if world > 1 and rank == 0:
         peers = tpmod.Peers(args.tp_fds)
         join_group()
@@ -642,7 +642,7 @@ def main(argv: list[str] | None = None) -> int:
         "version": ENGINE_VERSION,
         "model": args.model_id,
         "device": str(device),
-        "weights": {"path": wpath, "sha256": digest, "load": args.weights_load, "seed": args.seed},
+        "weights": {"path": wpath, "size": os.path.getsize(wpath), "load": args.weights_load, "seed": args.seed},
         "config": cfg.to_dict(),
         "compile": {
             "enabled": bool(args.compile),

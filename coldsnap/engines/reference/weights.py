@@ -1,8 +1,8 @@
 """Weights of the reference model: seeded generation into a safetensors file, and loading.
 
 Generation is deterministic and portable: the same config and seed give a byte-identical file on any
-machine, since the values come from numpy's PCG64 raw stream (whose output numpy keeps stable) mapped
-to uniform floats, not from a library's normal sampler.
+machine, since the values come from numpy's PCG64 streams (one per piece of a tensor, keyed by seed, tensor and
+piece, so the pieces generate in parallel) mapped to uniform floats, not from a library's normal sampler.
 
 load_weights(mode="mmap") maps the file MAP_PRIVATE and hands out tensors that are views over it, so
 the weights stay clean file-backed pages: CRIU leaves such pages out of its images and the restored
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
 import json
 import mmap
 import os
@@ -57,40 +56,18 @@ def sidecar(path: str | os.PathLike) -> Path:
     return Path(f"{os.fspath(path)}.json")
 
 
-def sha256_file(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _atomic_write(path: Path, data: bytes) -> None:
     atomic_write(path, data, 0o644)  # weights and their config are not secrets; other users may read them
 
 
-def generate_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
-    """Seeded weights for config: uniform with each layer's std, norm gains at 1."""
-    bits = np.random.PCG64(seed)
-    out: dict[str, np.ndarray] = {}
-    for name, shape, std in param_specs(config):
-        n = int(np.prod(shape))
-        if std == 0.0:
-            out[name] = np.ones(shape, dtype=np.float32)
-            continue
-        u = (bits.random_raw(n) >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))  # [0, 1)
-        out[name] = ((u * 2.0 - 1.0) * (std * np.sqrt(3.0))).astype(np.float32).reshape(shape)
-    return out
+PIECE = 8 << 20  # values per generated piece: each piece has its own stream, so the pieces generate in parallel
 
 
-def serialize(config: ModelConfig, seed: int = 0) -> bytes:
-    """The safetensors file of generate_weights(config, seed), byte for byte reproducible.
+def _layout(config: ModelConfig, seed: int) -> tuple[bytes, int, list[tuple[int, int, int, float]]]:
+    """(header, file size, [(file offset, values, tensor index, std)]) of the generated file.
 
-    Written here rather than by safetensors.save so that the data section starts 64-byte aligned (the
-    header is padded with spaces, as the format allows) and every tensor stays aligned within it:
-    the mmap'd tensors are then as aligned as freshly allocated ones.
-    """
-    tensors = generate_weights(config, seed)
+    The data section starts 64-byte aligned (the header is padded with spaces, as the format allows) and every
+    tensor stays aligned within it: the mmap'd tensors are then as aligned as freshly allocated ones."""
     meta = {
         "format": "pt",
         "generator": "coldsnap.reference",
@@ -98,21 +75,56 @@ def serialize(config: ModelConfig, seed: int = 0) -> bytes:
         "config": json.dumps(config.to_dict(), sort_keys=True),
     }
     header: dict[str, Any] = {"__metadata__": meta}
-    offset = 0
-    for name in sorted(tensors):
-        arr = tensors[name]
-        header[name] = {"dtype": "F32", "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
-        offset += arr.nbytes
+    offset, places = 0, []
+    for index, (name, shape, std) in enumerate(sorted(param_specs(config))):
+        n = int(np.prod(shape))
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + 4 * n]}
+        places.append((offset, n, index, std))
+        offset += 4 * n
         offset += -offset % ALIGN  # keep the next tensor aligned
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(8 + len(raw)) % ALIGN)
-    out = bytearray(struct.pack("<Q", len(raw)) + raw)
-    base = len(out)
-    out.extend(bytes(offset))
-    for name in sorted(tensors):
-        start, end = header[name]["data_offsets"]
-        out[base + start : base + end] = tensors[name].astype("<f4").tobytes()
-    return bytes(out)
+    head = struct.pack("<Q", len(raw)) + raw
+    return head, len(head) + offset, [(len(head) + at, n, index, std) for at, n, index, std in places]
+
+
+def _piece(seed: int, index: int, first: int, count: int, std: float) -> np.ndarray:
+    """Values [first, first + count) of tensor `index`: uniform in ±std·√3 (all ones for std 0), from a PCG64
+    stream keyed by (seed, tensor, piece), so the bytes do not depend on the order the pieces run in."""
+    if std == 0.0:
+        return np.ones(count, dtype="<f4")
+    out = np.random.Generator(np.random.PCG64([seed, index, first // PIECE])).random(count, dtype=np.float32)
+    out *= np.float32(2.0)
+    out -= np.float32(1.0)
+    out *= np.float32(std * np.sqrt(3.0))
+    return out.astype("<f4", copy=False)
+
+
+def write_weights(path: str | os.PathLike, config: ModelConfig, seed: int = 0) -> int:
+    """Generate the seeded weights of config into a safetensors file at path (atomically); return its size.
+
+    Pieces are generated and written on all cores (numpy and pwrite release the GIL), so the 31 GB of the large
+    GPU workload take seconds where one stream took minutes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    head, size, places = _layout(config, seed)
+    with atomic_file(path, 0o644, sync=False) as f:  # weights are not secrets; a crash loses the file, never a use
+        fd = f.fileno()
+        os.ftruncate(fd, size)
+        os.pwrite(fd, head, 0)
+
+        def write(at: int, index: int, first: int, count: int, std: float) -> None:
+            data = memoryview(_piece(seed, index, first, count, std)).cast("B")
+            done = 0
+            while done < len(data):
+                done += os.pwrite(fd, data[done:], at + 4 * first + done)
+
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            jobs = [pool.submit(write, at, index, first, min(PIECE, n - first), std)
+                    for at, n, index, std in places for first in range(0, n, PIECE)]
+            for job in jobs:
+                job.result()
+    return size
 
 
 def read_header(path: str | os.PathLike) -> tuple[int, dict[str, Any]]:
@@ -149,18 +161,17 @@ def read_config(path: str | os.PathLike) -> dict[str, Any] | None:
         return None
 
 
-def ensure_weights(path: str | os.PathLike, config: ModelConfig, seed: int = 0) -> tuple[str, str]:
-    """Make sure the weights file exists (generating it if missing); return (path, sha256 hex).
+def ensure_weights(path: str | os.PathLike, config: ModelConfig, seed: int = 0) -> str:
+    """Make sure the weights file exists (generating it if missing); return its absolute path.
 
-    An existing file is not rewritten, but must fit the config. The sidecar <path>.json holds the config.
-    """
+    An existing file is not rewritten, but must fit the config. The sidecar <path>.json holds the config. Nothing
+    is hashed here: a serving engine does not hash its weights at start (ColdSnap pins them at capture)."""
     p = Path(os.path.abspath(os.fspath(path)))
     if p.exists():
         check_shapes(p, config)
     else:
-        _atomic_write(p, serialize(config, seed))
-    digest = sha256_file(p)
-    side = {"config": config.to_dict(), "seed": seed, "sha256": digest, "size": p.stat().st_size}
+        write_weights(p, config, seed)
+    side = {"config": config.to_dict(), "seed": seed, "size": p.stat().st_size}
     s = sidecar(p)
     try:
         current = json.loads(s.read_text())
@@ -168,12 +179,12 @@ def ensure_weights(path: str | os.PathLike, config: ModelConfig, seed: int = 0) 
         current = None
     if current != side:
         _atomic_write(s, (json.dumps(side, indent=2, sort_keys=True) + "\n").encode())
-    return str(p), digest
+    return str(p)
 
 
 def save_tensors(path: str | os.PathLike, tensors: dict[str, "torch.Tensor"], metadata: dict[str, str],
                  mode: int = 0o600) -> int:
-    """Write tensors (any device, any of the dtypes above) as a safetensors file laid out like serialize()'s:
+    """Write tensors (any device, any of the dtypes above) as a safetensors file laid out like write_weights()'s:
     64-byte aligned data, names sorted. Written beside the target and renamed over it; returns the file's size.
     The bytes are the tensors as they are in memory, so load_into() puts back exactly what was saved."""
     import torch
