@@ -79,6 +79,14 @@ def remember_hashed(path: str | os.PathLike, digest: str, **facts) -> None:
     _remember(key, os.stat(key), None, sha256=digest, **facts)
 
 
+def remember_pieces(path: str | os.PathLike, chunks: list[str], chunk_bytes: int) -> None:
+    """Record that the file's pieces hash to `chunks`, for a file ColdSnap wrote piece by piece, checking each
+    against its pin as it arrived (coldsnap.capsule.pieces): its whole-file digest was never computed, so none is
+    recorded. Same rules as remember_hashed."""
+    key = os.path.abspath(os.fspath(path))
+    _remember(key, os.stat(key), None, chunks=chunks, chunk_bytes=chunk_bytes)
+
+
 def _memo_entry(key: str, before: os.stat_result) -> dict:
     entry = _read_memo().get(key)
     return entry if isinstance(entry, dict) and entry.get("version") == _version(before) else {}
@@ -108,7 +116,8 @@ def _workers() -> int:
     return max(1, min(32, os.cpu_count() or 1))
 
 
-def _chunk_sha256(fd: int, offset: int, length: int) -> str:
+def chunk_sha256(fd: int, offset: int, length: int) -> str:
+    """sha256 (hex) of `length` bytes of the open file at `offset`."""
     h = hashlib.sha256()
     done = 0
     while done < length:
@@ -129,7 +138,7 @@ def chunk_sha256s(path: str | os.PathLike, chunk_bytes: int = CHUNK_BYTES) -> li
         size = os.fstat(fd).st_size
         offsets = range(0, size, chunk_bytes)
         with ThreadPoolExecutor(_workers()) as pool:
-            return list(pool.map(lambda o: _chunk_sha256(fd, o, min(chunk_bytes, size - o)), offsets))
+            return list(pool.map(lambda o: chunk_sha256(fd, o, min(chunk_bytes, size - o)), offsets))
     finally:
         os.close(fd)
 

@@ -10,8 +10,9 @@ checked, what was left to unpack, CRIU, the CUDA driver, the engine's resume, va
 issuing a cold start to its first token, its weights read from local disk (page cache warm).
 
 The limit beside it is the bytes a first restore must move at rates measured in the same run: what it pulls at the
-slower of the registry's own rate (one blob fetched whole over HTTP, timed) and the node storage's durable write
-rate (a pull keeps what it fetches), then the restore's limit (bench.bandwidth)."""
+slower of the registry's own rate (a blob fetched over HTTP, as one stream and as parallel pieces, timed) and the node
+storage's durable write rate (a pull keeps what it fetches; one writer and parallel ones), then the restore's limit
+(bench.bandwidth)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -41,7 +43,7 @@ from coldsnap.bench.run import (
     clock_parts,
     host_record,
 )
-from coldsnap.capsule import CapsuleStore
+from coldsnap.capsule import CapsuleStore, pieces
 from coldsnap.capsule.registry import push
 from coldsnap.capsule.signing import host_public_key_path
 from coldsnap.contracts import ColdSnapError, ErrorCode
@@ -80,38 +82,64 @@ def _cli(env: dict, *args: str, timeout: float = 900) -> dict:
 RATE_BYTES = 4 << 30  # enough of a blob to time the registry's rate; a 31 GB blob read twice would take a minute
 
 
+def _read_range(url: str, start: int, length: int) -> int:
+    got = 0
+    req = urllib.request.Request(url, headers={"Range": f"bytes={start}-{start + length - 1}"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        while got < length and (data := r.read(8 << 20)):
+            got += len(data)
+    return got
+
+
+def _timed_parallel(fn, spans: list[tuple[int, int]]) -> float:
+    """GB/s of fn(start, length) over the spans, one thread each, all at once."""
+    t = time.monotonic()
+    with ThreadPoolExecutor(len(spans)) as pool:
+        done = sum(pool.map(lambda sp: fn(*sp), spans))
+    return done / (time.monotonic() - t) / 1e9
+
+
+def _spans(size: int, n: int) -> list[tuple[int, int]]:
+    step = -(-size // n)
+    return [(o, min(step, size - o)) for o in range(0, size, step)]
+
+
 def registry_rate(registry: str, repo: str, digest: str, size: int) -> float:
-    """GB/s of one GET of (up to RATE_BYTES of) a blob from the registry (its storage in page cache, as a nearby
-    one's is)."""
+    """GB/s the registry serves (up to RATE_BYTES of) a blob, its storage in page cache as a nearby one's is: the
+    better of one GET and of as many ranged GETs at once as a pull by pieces makes (coldsnap.capsule.pieces)."""
     url = f"http://{registry}/v2/{repo}/blobs/{digest}"
-    for _ in range(2):  # the first read warms the registry's storage; the second is timed
-        got = 0
-        t = time.monotonic()
-        with urllib.request.urlopen(url, timeout=600) as r:
-            while got < RATE_BYTES and (data := r.read(8 << 20)):
-                got += len(data)
-        seconds = time.monotonic() - t
-    return got / seconds / 1e9
+    size = min(size, RATE_BYTES)
+    _read_range(url, 0, size)  # warms the registry's storage
+    return max(_timed_parallel(lambda o, n: _read_range(url, o, n), _spans(size, 1)),
+               _timed_parallel(lambda o, n: _read_range(url, o, n), _spans(size, pieces.workers())))
 
 
 def storage_write_rate(directory: Path, size: int) -> float:
     """GB/s of writing `size` bytes (up to RATE_BYTES) to a new file in `directory` and making them durable
-    (fsync), as a pull does with the blobs it keeps, and written back as they are written, as a pull does too
-    (coldsnap.base.files.WriteBehind): the node's storage at its best, in the same run."""
+    (fsync), written back as they are written (coldsnap.base.files.WriteBehind), as a pull writes a blob: the
+    better of one writer and as many writers at once as a pull by pieces has, in the same run."""
     size = max(64 << 20, min(size, RATE_BYTES))
     block = os.urandom(16 << 20)
     path = directory / f".write-rate.{os.getpid()}"
-    t = time.monotonic()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        behind = WriteBehind(fd)
-        for _ in range(0, size, len(block)):
-            behind.wrote(os.write(fd, block))
-        os.fsync(fd)
-        return size / (time.monotonic() - t) / 1e9
-    finally:
-        os.close(fd)
-        path.unlink(missing_ok=True)
+
+    def timed(writers: int) -> float:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            def write(start: int, length: int) -> int:
+                behind = WriteBehind(fd, start)
+                for at in range(start, start + length, len(block)):
+                    behind.wrote(os.pwrite(fd, block[:min(len(block), start + length - at)], at))
+                return length
+
+            t = time.monotonic()
+            _timed_parallel(write, _spans(size, writers))
+            os.fsync(fd)
+            return size / (time.monotonic() - t) / 1e9
+        finally:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+
+    return max(timed(1), timed(pieces.workers()))
 
 
 def run_cold_node(opts: BenchOptions, progress=lambda m: None) -> BenchResult:

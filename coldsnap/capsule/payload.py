@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from coldsnap.base.digests import remember_hashed
+from coldsnap.base.digests import checked_chunks, remember_hashed, remember_pieces
 from coldsnap.capsule.pinned import mismatch
 from coldsnap.capsule.store import CapsuleStore, Descriptor, reuse
 from coldsnap.contracts import ColdSnapError, ErrorCode, WeightFile
@@ -77,7 +77,13 @@ def materialize(store: CapsuleStore, payload_digest: str, weights: list[WeightFi
         if not store.has_blob(desc.digest):
             raise ColdSnapError(ErrorCode.INCOMPATIBLE, f"weight file {wf.path} is missing and payload "
                                 f"{payload_digest} does not hold it")
-        src = store.verify_blob(desc)
+        if wf.chunks and wf.chunk_bytes:  # pinned by pieces: checked by pieces, on every core (a pull may never
+            src = store.blob_path(desc.digest)  # have computed its whole digest: coldsnap.capsule.pieces)
+            if not checked_chunks(src, wf.chunks, wf.chunk_bytes):
+                raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"blob {desc.digest} of payload {payload_digest} is "
+                                    f"not the weights the capsule pins for {wf.path} (a piece differs)")
+        else:
+            src = store.verify_blob(desc)
         Path(wf.path).parent.mkdir(parents=True, exist_ok=True)
         tmp = wf.path + ".coldsnap-tmp"
         mode = modes.get(desc.digest, 0o644)
@@ -94,8 +100,10 @@ def materialize(store: CapsuleStore, payload_digest: str, weights: list[WeightFi
             shutil.copyfile(src, tmp)
             os.chmod(tmp, mode)
         os.replace(tmp, wf.path)
-        if os.path.samefile(src, wf.path):  # the verified blob's own inode: its pins hold (they came with the digest)
-            remember_hashed(wf.path, desc.digest, **({"chunks": wf.chunks, "chunk_bytes": wf.chunk_bytes}
-                                                     if wf.chunks and wf.chunk_bytes else {}))
+        if os.path.samefile(src, wf.path):  # the verified blob's own inode: what was checked holds
+            if wf.chunks and wf.chunk_bytes:
+                remember_pieces(wf.path, wf.chunks, wf.chunk_bytes)
+            else:
+                remember_hashed(wf.path, desc.digest)
         placed.append(wf.path)
     return placed

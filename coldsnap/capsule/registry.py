@@ -31,14 +31,14 @@ import oras.container
 import oras.provider
 import requests
 
-from coldsnap.base.digests import remember_hashed
+from coldsnap.base.digests import checked_chunks, checked_sha256, remember_hashed, remember_pieces
 from coldsnap.base.files import WriteBehind
 from coldsnap.base.files import fsync_dir as _fsync_dir
-from coldsnap.capsule import referrers, trust
+from coldsnap.capsule import pieces, referrers, trust
 from coldsnap.capsule.bloblocks import blob_locks as _blob_locks
 from coldsnap.capsule.bloblocks import partial_path
 from coldsnap.capsule.store import DIGEST_RE, CapsuleStore, Descriptor
-from coldsnap.contracts import ColdSnapError, ErrorCode
+from coldsnap.contracts import CapsuleProfile, ColdSnapError, ErrorCode, WeightFile
 from coldsnap.contracts import capsule as mt
 from coldsnap.contracts.parse import strict_json
 
@@ -517,6 +517,19 @@ def _fetch_blob(client: _Client, store: CapsuleStore, desc: Descriptor, progress
     raise AssertionError("unreachable")
 
 
+def _fetch_pieces(client: _Client, store: CapsuleStore, desc: Descriptor, wf: WeightFile,
+                  progress: Progress | None) -> tuple[int, int] | None:
+    """(received, resumed) of a blob fetched by pieces, or None when the registry does not answer ranges."""
+    try:
+        return pieces.fetch_by_pieces(lambda: _Client(client.ref, client.scheme == "http"),
+                                      f"{client.base}/blobs/{desc.digest}", partial_path(store, desc.digest),
+                                      desc.size, wf, f"fetching blob {desc.digest}",
+                                      (lambda done, total: progress(desc.digest, done, total)) if progress else None)
+    except pieces.NoRanges:
+        partial_path(store, desc.digest).unlink(missing_ok=True)
+        return None
+
+
 def _the_capsule_listed(client: "_Client", listed: list) -> str | None:
     """The digest of the one ColdSnap capsule among an index's manifests (each fetched and hashed), or None when
     there is not exactly one (or the index lists too many to look at)."""
@@ -540,10 +553,12 @@ def _the_capsule_listed(client: "_Client", listed: list) -> str | None:
 
 def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: bool = False,
          progress: Progress | None = None, artifact_type: str = mt.ARTIFACT_TYPE,
-         on_blobs: Callable[[str, dict], None] | None = None) -> PullResult:
+         on_blobs: Callable[[str, dict], None] | None = None, pins: dict[str, WeightFile] | None = None
+         ) -> PullResult:
     """Fetch the capsule `ref` into `store`; returns its manifest digest (a PullResult: .bytes_transferred …).
     For a capsule with a weights payload, on_blobs(digest, manifest) is called once the capsule's own blobs are in
-    the store (verified), before the payload moves; the capsule itself is not listed yet."""
+    the store (verified), before the payload moves; the capsule itself is not listed yet. A payload's weights blobs
+    that the capsule pins piece by piece (`pins`, from its verified profile) are fetched and checked by pieces."""
     t0 = time.monotonic()
     remote = parse_remote(ref)
     if not remote.digest and not allow_unpinned:
@@ -576,7 +591,7 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
         if capsule is None:
             raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"{remote} is a ColdSnap index that lists no capsule")
         tagged = remote.name + (f":{remote.tag}" if remote.tag else "")
-        return pull(store, f"{tagged}@{capsule}", insecure, True, progress, artifact_type, on_blobs)
+        return pull(store, f"{tagged}@{capsule}", insecure, True, progress, artifact_type, on_blobs, pins)
     if manifest.get("mediaType") == mt.INDEX_MEDIA_TYPE or "manifests" in manifest:
         listed = [m.get("digest") for m in manifest.get("manifests") or [] if isinstance(m, dict)]
         # A copy tool that rewrites the index (skopeo copy --all) drops its artifactType markers, keeping the
@@ -584,7 +599,7 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
         capsule = _the_capsule_listed(client, listed) if artifact_type == mt.ARTIFACT_TYPE else None
         if capsule is not None:
             tagged = remote.name + (f":{remote.tag}" if remote.tag else "")
-            return pull(store, f"{tagged}@{capsule}", insecure, True, progress, artifact_type, on_blobs)
+            return pull(store, f"{tagged}@{capsule}", insecure, True, progress, artifact_type, on_blobs, pins)
         raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"{remote} names an OCI image index of {len(listed)} "
                             f"manifest(s) ({', '.join(str(d) for d in listed[:3])}{'…' if len(listed) > 3 else ''}), "
                             "not a capsule: pull a capsule by its own digest")
@@ -607,13 +622,13 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
                 on_blobs(digest, manifest)
             # then the shared weights: only their missing blobs move
             pulled.append(pull(store, f"{remote.host}/{remote.repository}@{payload}", insecure, True, progress,
-                               artifact_type=mt.PAYLOAD_ARTIFACT_TYPE))
+                               artifact_type=mt.PAYLOAD_ARTIFACT_TYPE, pins=_weight_pins(store, manifest)))
         if template:  # pinned by this manifest; verified and trusted as a capsule of its own
             got = _pull_template(store, f"{remote.host}/{remote.repository}@{template}", insecure, progress)
             pulled += [got] if got is not None else []
             template_found = got is not None
         result = _pull_capsule(store, client, remote, raw, digest, manifest, artifact_type, progress,
-                               pulled[0] if payload else None, t0, early)
+                               pulled[0] if payload else None, t0, early, pins)
     except ColdSnapError as e:
         if e.code == ErrorCode.CAPSULE_CORRUPT and (pulled or early.digests):  # a refused pull keeps nothing
             from coldsnap.capsule.gc import discard
@@ -643,16 +658,54 @@ class _Fetched:
     digests: list[str] = field(default_factory=list)
 
 
-def _fetch_missing(store: CapsuleStore, client: "_Client", descs: list[Descriptor], progress) -> _Fetched:
+def _weight_pins(store: CapsuleStore, manifest: dict) -> dict[str, WeightFile]:
+    """The capsule's weight files pinned piece by piece, by blob digest, from its profile (fetched and verified:
+    the capsule's own blobs come first)."""
+    try:
+        profile = CapsuleProfile.model_validate_json(store.read_verified(Descriptor.from_json(manifest["config"])))
+    except (ColdSnapError, KeyError, TypeError, ValueError):
+        return {}  # the capsule's own pull says what is wrong with it
+    weights = profile.model.weights if profile.model else []
+    return {"sha256:" + wf.sha256: wf for wf in weights if wf.chunks and wf.chunk_bytes}
+
+
+def _present_for(store: CapsuleStore, d: Descriptor, wf: WeightFile | None) -> bool:
+    """Whether the store's blob d serves this capsule. A blob fetched by pieces was checked against the pins of
+    the capsule that fetched it, not against its digest: another capsule naming the same digest checks it against
+    its own pins (remembered, so usually free). When they differ the whole digest decides: a blob that is its
+    digest makes this capsule's pins wrong (refused); one that is not was never what its name says and is
+    fetched again."""
+    if not store.has_blob(d.digest):
+        return False
+    if wf is None:
+        return True
+    path = store.blob_path(d.digest)
+    if checked_chunks(path, wf.chunks, wf.chunk_bytes):
+        return True
+    if checked_sha256(path)[0] == d.digest:
+        raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"the capsule pins the pieces of weights blob {d.digest}, "
+                            "but they are not that blob's pieces: refused")
+    return False
+
+
+def _fetch_missing(store: CapsuleStore, client: "_Client", descs: list[Descriptor], progress,
+                   pins: dict[str, WeightFile] | None = None) -> _Fetched:
     """Fetch the blobs the store lacks, then publish them once every one verified (a refused one: none, and no
-    partial kept). The caller holds their locks."""
+    partial kept). A weights blob in `pins` is fetched and checked piece by piece. The caller holds their locks."""
     got = _Fetched()
     staged: list[tuple[Path, Descriptor]] = []
+    by_pieces: dict[str, WeightFile] = {}
     try:
         for d in descs:
-            if store.has_blob(d.digest):
+            wf = (pins or {}).get(d.digest)
+            if _present_for(store, d, wf):
                 continue
-            received, resumed = _fetch_blob(client, store, d, progress)
+            if wf is not None and pieces.covers(wf, d.size) and (got_pieces := _fetch_pieces(client, store, d, wf,
+                                                                                              progress)):
+                received, resumed = got_pieces
+                by_pieces[d.digest] = wf
+            else:
+                received, resumed = _fetch_blob(client, store, d, progress)
             got.received += received
             got.resumed += resumed
             got.digests.append(d.digest)
@@ -664,20 +717,24 @@ def _fetch_missing(store: CapsuleStore, client: "_Client", descs: list[Descripto
         raise
     for p, d in staged:
         os.replace(p, store.blob_path(d.digest))
-        remember_hashed(store.blob_path(d.digest), d.digest)  # hashed while it streamed in: not read again
+        if wf := by_pieces.get(d.digest):  # its pieces checked as they came in; its whole digest never computed
+            remember_pieces(store.blob_path(d.digest), wf.chunks, wf.chunk_bytes)
+        else:
+            remember_hashed(store.blob_path(d.digest), d.digest)  # hashed while it streamed in: not read again
     if staged:
         _fsync_dir(store.blobs)
     return got
 
 
 def _pull_capsule(store: CapsuleStore, client: "_Client", remote: RemoteRef, raw: bytes, digest: str, manifest: dict,
-                  artifact_type: str, progress, payload_result, t0: float, early: _Fetched) -> PullResult:
+                  artifact_type: str, progress, payload_result, t0: float, early: _Fetched,
+                  pins: dict[str, WeightFile] | None = None) -> PullResult:
     descs = _descriptors(manifest, digest)
     tag = f"{remote.name}:{remote.tag}" if remote.tag else None
     # Lock every blob of the capsule, present or not: gc leaves locked blobs alone, and a concurrent pull of a
     # shared blob waits here and then finds it present.
     with _blob_locks(store, [d.digest for d in descs] + [digest]):
-        got = _fetch_missing(store, client, descs, progress)
+        got = _fetch_missing(store, client, descs, progress, pins)
         # Every blob here and verified: the manifest, then the tag.
         had_manifest = store.has_blob(digest)
         mdesc = store.put_bytes(raw, manifest.get("mediaType", mt.MANIFEST_MEDIA_TYPE))

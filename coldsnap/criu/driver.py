@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import os
 import re
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -54,6 +55,9 @@ class CriuOptions:
     # The tree has its own mount namespace, a private copy of the host's (coldsnap.workload.mountns): every mount
     # the host also has is external, bound back from the host at restore, under the host's root.
     host_mounts: bool = False
+    # Restore only: memory comes back on demand (userfaultfd), the rest copied behind the running tree by CRIU's
+    # lazy-pages daemon, so what follows CRIU (the CUDA driver's restore) starts before every page is in.
+    lazy_pages: bool = False
 
     def cli_flags(self) -> list[str]:
         """The same options as `criu` command-line flags (for receipts and by-hand replay)."""
@@ -71,6 +75,8 @@ class CriuOptions:
         flags += [f"--external={e}" for e in self.external]
         if self.host_mounts:
             flags += ["--external=mnt[]", "--root=/"]
+        if self.lazy_pages:
+            flags.append("--lazy-pages")
         return flags
 
     def apply(self, opts, pycriu) -> None:
@@ -87,6 +93,52 @@ class CriuOptions:
         if self.host_mounts:
             opts.external.append("mnt[]")  # auto-detect: a mount the host also has is external
             opts.root = "/"
+
+
+def lazy_pages_wanted() -> bool:
+    """Lazy pages with COLDSNAP_LAZY_PAGES=1."""
+    return os.environ.get("COLDSNAP_LAZY_PAGES", "0") == "1"
+
+
+class LazyPages:
+    """CRIU's lazy-pages daemon for one restore. It listens in the restore's work dir before the restore starts,
+    answers the restored tree's page faults and copies every other page behind it, then exits. Until it has exited
+    cleanly the tree is not whole: a daemon that dies leaves missing pages that the kernel would fill with zeros, so a
+    restore is reported ready only after finish()."""
+
+    SOCKET = "lazy-pages.socket"
+    LOG = "lazy-pages.log"
+
+    def __init__(self, binary: str, images_dir: Path, work_dir: Path):
+        self.work_dir = work_dir
+        self.proc = subprocess.Popen(
+            [binary, "lazy-pages", "-D", str(images_dir), "-W", str(work_dir), "-o", self.LOG, "-v4"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def listening(self, timeout: float = 5.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while not (self.work_dir / self.SOCKET).exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        return True
+
+    def finish(self, timeout: float = 120.0) -> None:
+        """Wait until every page is in; a daemon that failed fails the restore."""
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise ColdSnapError(ErrorCode.CRIU_FAILED, f"criu lazy-pages did not finish in {timeout:.0f} s "
+                                f"(log: {self.work_dir / self.LOG})") from None
+        if rc != 0:
+            raise ColdSnapError(ErrorCode.CRIU_FAILED, f"criu lazy-pages failed: "
+                                f"{first_error_line(self.work_dir / self.LOG)} (log: {self.work_dir / self.LOG})")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
 
 
 def first_error_line(log: Path) -> str:
@@ -172,14 +224,24 @@ class CriuDriver:
         finally:
             os.close(fd)
 
-    def restore(self, images_dir: Path, work_dir: Path, options: CriuOptions, netns_path: str | None) -> int:
-        """Restore the tree as a child of this process (rst_sibling). Returns the host PID of its root."""
+    def restore(self, images_dir: Path, work_dir: Path, options: CriuOptions, netns_path: str | None
+                ) -> tuple[int, LazyPages | None]:
+        """Restore the tree as a child of this process (rst_sibling). Returns the host PID of its root and, with
+        options.lazy_pages, the daemon still bringing its pages in (finish() it before the tree counts as restored).
+        Lazy pages that cannot start (no userfaultfd here) fall back to an ordinary restore, options updated."""
         work_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         client = self._client()
         fd = os.open(images_dir, os.O_DIRECTORY)
         wfd = os.open(work_dir, os.O_DIRECTORY)
         nsfd = None
+        lazy = None
         try:
+            if options.lazy_pages:
+                lazy = LazyPages(self.binary, images_dir, work_dir)
+                if not lazy.listening():
+                    lazy.kill()
+                    lazy, options.lazy_pages = None, False
+            client.opts.lazy_pages = options.lazy_pages
             options.apply(client.opts, self.pycriu)
             client.opts.images_dir_fd = fd
             client.opts.work_dir_fd = wfd
@@ -195,11 +257,13 @@ class CriuDriver:
             try:
                 resp = client.restore()
             except self.pycriu.CRIUException as e:
+                if lazy is not None:
+                    lazy.kill()
                 raise ColdSnapError(
                     ErrorCode.CRIU_FAILED, f"criu restore failed: {first_error_line(work_dir / 'restore.log')} "
                     f"(log: {work_dir / 'restore.log'}; {e})"
                 ) from None
-            return resp.pid
+            return resp.pid, lazy
         finally:
             os.close(fd)
             os.close(wfd)

@@ -17,7 +17,7 @@ from coldsnap.base.procfs import alive, descendants
 from coldsnap.capsule import LoadedCapsule
 from coldsnap.capsule import staged as staged_area
 from coldsnap.contracts import ColdSnapError, ErrorCode, Receipt, RestoreRequest, Validation
-from coldsnap.criu import CriuDriver, CriuOptions, criu_stats
+from coldsnap.criu import CriuDriver, CriuOptions, criu_stats, lazy_pages_wanted
 from coldsnap.engines import get_adapter
 from coldsnap.engines.lease import hold as hold_lease
 from coldsnap.flows.admission import admit_capsule, load_capsule
@@ -130,6 +130,7 @@ def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progr
     lease = None
     network = None
     plan = None
+    lazy = None
 
     def record(chosen) -> None:
         nonlocal network
@@ -151,8 +152,8 @@ def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progr
             # one restore of a capsule at a time puts back its files and hands them to CRIU: each gets its own
             # copies (replaced, not rewritten, so an earlier restore keeps the ones it has)
             put_back_files(staged)
-            options = CriuOptions(host_mounts=True)
-            pid = criu.restore(staged.images, work, options, netns_path(plan.netns))
+            options = CriuOptions(host_mounts=True, lazy_pages=lazy_pages_wanted())
+            pid, lazy = criu.restore(staged.images, work, options, netns_path(plan.netns))
         journal.update(workload, pid=pid, start=start_time(pid))
         criu_account = criu_stats(work, "restore")
         with tl.span("hydrate"):
@@ -165,6 +166,10 @@ def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progr
             probe.wait_ready(alive=lambda: alive(pid), timeout=validation.ready_timeout_s)
             res = probe.complete(expected=profile.expected_text)
         ttft = res.first_token_s - t0
+        pages_in_s = None
+        if lazy is not None:  # the tree counts as restored once every page is in
+            lazy.finish()
+            pages_in_s = round(time.monotonic() - t0, 4)
         prefetched = gpu_steps.finish_prefetch(prefetch_started())
         ranks = _ranks_restored(profile, plan, pid)
         progress(f"restored and validated: first token {ttft:.3f} s after restore began"
@@ -187,7 +192,7 @@ def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progr
                 "hydrate": {"cuda_restore_s": gpu.seconds, **({"cuda_restore_per_pid_s": gpu.per_pid}
                                                               if len(gpu.pids) > 1 else {}),
                             "engine_resume": engine, "prefetch": prefetched},
-                "criu_stats": criu_account,
+                "criu_stats": criu_account, "lazy_pages": {"all_in_s": pages_in_s} if lazy else None,
                 "weights_mode": profile.weights_mode, **({"ranks": ranks} if ranks else {})}
     finally:
         if lease is not None:
@@ -197,6 +202,8 @@ def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progr
         if not ok:
             if pid is not None:
                 kill_tree(pid)
+            if lazy is not None:
+                lazy.kill()
             if network is not None and network in journal.things:  # ours: created by this restore
                 destroy_network(plan)
         for t in journal.things:
