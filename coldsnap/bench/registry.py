@@ -183,9 +183,12 @@ def _drop(path: Path) -> None:
 
 
 def run(out_dir, size_mib: int = 2048, repeats: int = 3) -> dict:
-    """Create a capsule with one random size_mib layer, push/pull it `repeats` times, compare with curl."""
-    from coldsnap.capsule.store import CapsuleStore
-    from coldsnap.contracts import CapsuleProfile, HostProfile, NetworkPlan
+    """Create a capsule whose weights payload is one random size_mib file (pinned piece by piece, as a capture pins
+    large weights), push/pull it `repeats` times, compare with curl."""
+    from coldsnap.base.digests import CHUNK_BYTES, pinned_digests
+    from coldsnap.capsule.payload import write_payload
+    from coldsnap.capsule.store import CapsuleStore, Descriptor
+    from coldsnap.contracts import CapsuleProfile, HostProfile, Model, NetworkPlan, WeightFile
     from coldsnap.contracts import capsule as mt
 
     out = Path(out_dir)
@@ -194,23 +197,31 @@ def run(out_dir, size_mib: int = 2048, repeats: int = 3) -> dict:
     _drop(work)
     work.mkdir()
     src = CapsuleStore(work / "src").init()
-    layer_file = work / "layer.bin"
-    with open(layer_file, "wb") as f:
+    weights_file = work / "model.safetensors"
+    with open(weights_file, "wb") as f:
         for _ in range(size_mib):
             f.write(os.urandom(1 << 20))
-    layer = src.put_file(layer_file, mt.LAYER_CRIU, move=True)
+    whole, chunks = pinned_digests(weights_file)
+    wf = WeightFile(path=str(weights_file), sha256=whole, size=weights_file.stat().st_size,
+                    chunk_bytes=CHUNK_BYTES if chunks else None, chunks=chunks)
+    payload = write_payload(src, [wf])
+    images = work / "images.bin"
+    images.write_bytes(os.urandom(1 << 20))
     profile = CapsuleProfile(
         created="2026-11-29T00:00:00Z", snapshot_driver="criu-process",
         host=HostProfile(arch="x86_64", cpu_model="c", cpu_flags=[], kernel="k", criu_version="4.2.1"),
-        engine={"name": "reference"}, weights_mode="native", kv_discarded=False, launch={}, validation={},
-        expected_text="t", network=NetworkPlan(netns="coldsnap-b", host_veth="csh0", workload_veth="eth0",
-                                               host_address="169.254.237.1", workload_address="169.254.237.2",
-                                               port=8000))
-    digest = src.write_capsule(profile, [layer], {"io.coldsnap.engine": "reference"}, tag="bench")
+        engine={"name": "reference"}, weights_mode="recovery", kv_discarded=False, launch={}, validation={},
+        expected_text="t", model=Model(id="bench", revision="r", weights=[wf]),
+        network=NetworkPlan(netns="coldsnap-b", host_veth="csh0", workload_veth="eth0", host_address="169.254.237.1",
+                            workload_address="169.254.237.2", port=8000))
+    digest = src.write_capsule(profile, [src.put_file(images, mt.LAYER_CRIU, move=True)],
+                               {"io.coldsnap.engine": "reference", mt.ANNOTATION_PAYLOAD: payload}, tag="bench")
+    layer = Descriptor(mt.LAYER_WEIGHTS, "sha256:" + whole, wf.size)  # the weights blob: what the rows move
     blob = src.blob_path(layer.digest)
     result: dict = {"size_bytes": layer.size, "layer_digest": layer.digest, "manifest_digest": digest,
-                    "push": [], "pull": [], "pull_no_writeback": [], "curl_put": [], "curl_get_devnull": [],
-                    "curl_get_file": [], "pull_tmpfs": []}
+                    "pieces": len(chunks), "piece_bytes": CHUNK_BYTES,
+                    "push": [], "pull": [], "pull_one_stream": [], "curl_put": [], "curl_get_devnull": [],
+                    "curl_get_file": [], "pull_tmpfs": [], "pull_tmpfs_one_stream": []}
     shm = Path("/dev/shm") / f"coldsnap-registry-bench-{os.getpid()}"
     with LocalRegistry.start(work / "registry") as reg:
         base = f"http://{reg}/v2"
@@ -233,17 +244,18 @@ def run(out_dir, size_mib: int = 2048, repeats: int = 3) -> dict:
                                        "command": "curl -sS --fail " + " ".join(cmd)})
         for i in range(repeats):
             dst = work / f"dst{i}"
-            # The pull, and the same pull with write-back left to the kernel (what starting the disk write early
-            # buys), in turns: first one, then the other, so neither always follows the same transfer.
-            kinds = [("pull", {}), ("pull_no_writeback", {"COLDSNAP_WRITEBACK_MIB": "0"})]
+            # The pull (the weights by pieces, on several connections) and the same pull with one stream per blob,
+            # hashed whole, in turns: first one, then the other, so neither always follows the same transfer.
+            kinds = [("pull", {}), ("pull_one_stream", {"COLDSNAP_PULL_PIECES": "0"})]
             for key, env in kinds if i % 2 == 0 else kinds[::-1]:
                 result[key].append(_run_child("pull", str(dst), "-", f"{reg}/bench/ours0:v1@{digest}", env=env))
                 _drop(dst)
-            # The same pull into tmpfs: no disk, so the rate of the software itself.
+            # The same two into tmpfs: no disk, so the rate of the software itself.
             if shm.parent.is_dir() and shutil.disk_usage(shm.parent).free > 2 * layer.size:
-                result["pull_tmpfs"].append(_run_child("pull", str(shm / f"dst{i}"), "-",
-                                                       f"{reg}/bench/ours0:v1@{digest}"))
-                _drop(shm / f"dst{i}")
+                for key, env in (("pull_tmpfs", {}), ("pull_tmpfs_one_stream", {"COLDSNAP_PULL_PIECES": "0"})):
+                    result[key].append(_run_child("pull", str(shm / f"dst{i}"), "-",
+                                                  f"{reg}/bench/ours0:v1@{digest}", env=env))
+                    _drop(shm / f"dst{i}")
             url = f"{base}/bench/ours0/blobs/{layer.digest}"
             secs, _ = _curl(["-o", "/dev/null", url])
             result["curl_get_devnull"].append({"seconds": round(secs, 3), "MB_per_s": round(layer.size / secs / 1e6, 1),
@@ -269,13 +281,16 @@ def run(out_dir, size_mib: int = 2048, repeats: int = 3) -> dict:
         "curl_get_file_fsynced_MB_s": best("curl_get_file"),
         "pull_vs_curl_devnull": round(best("pull") / best("curl_get_devnull"), 2),
         "pull_vs_curl_file_fsynced": round(best("pull") / best("curl_get_file"), 2),
-        "pull_no_writeback_MB_s": best("pull_no_writeback"),
-        "pull_vs_no_writeback_median": round(median("pull") / median("pull_no_writeback"), 2),
+        "pull_one_stream_MB_s": best("pull_one_stream"),
+        "pull_vs_one_stream_median": round(median("pull") / median("pull_one_stream"), 2),
         "pull_tmpfs_MB_s": best("pull_tmpfs") if result["pull_tmpfs"] else None,
+        "pull_tmpfs_vs_one_stream_median": (round(median("pull_tmpfs") / median("pull_tmpfs_one_stream"), 2)
+                                            if result["pull_tmpfs"] else None),
         "pull_tmpfs_vs_curl_devnull": (round(best("pull_tmpfs") / best("curl_get_devnull"), 2)
                                        if result["pull_tmpfs"] else None),
-        "median_MB_s": {k: median(k) for k in ("push", "curl_put", "pull", "pull_no_writeback", "pull_tmpfs",
-                                                "curl_get_devnull", "curl_get_file") if result[k]},
+        "median_MB_s": {k: median(k) for k in ("push", "curl_put", "pull", "pull_one_stream", "pull_tmpfs",
+                                                "pull_tmpfs_one_stream", "curl_get_devnull", "curl_get_file")
+                        if result[k]},
         "peak_rss_mib_push": max(r["peak_rss_mib"] for r in result["push"]),
         "peak_rss_mib_pull": max(r["peak_rss_mib"] for r in result["pull"] + result["pull_tmpfs"]),
     }
@@ -294,17 +309,19 @@ def _chart(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     med = result["summary"]["median_MB_s"]
-    labels = [k for k in ("push", "curl_put", "pull", "pull_no_writeback", "pull_tmpfs", "curl_get_file",
-                          "curl_get_devnull") if k in med]
+    labels = [k for k in ("push", "curl_put", "pull", "pull_one_stream", "pull_tmpfs", "pull_tmpfs_one_stream",
+                          "curl_get_file", "curl_get_devnull") if k in med]
     fig, ax = plt.subplots(figsize=(10, 4.2), dpi=120)
     colors = ["#2b7bba" if not k.startswith("curl") else "#9a9a9a" for k in labels]
     ax.bar(labels, [med[k] for k in labels], color=colors)
+    ax.tick_params(axis="x", labelsize=8, labelrotation=15)
     for i, k in enumerate(labels):
         ax.annotate(f"{med[k]:.0f}", (i, med[k]), textcoords="offset points", xytext=(0, 4), ha="center")
     ax.set_ylabel("MB/s (median)")
     s = result["summary"]
-    ax.set_title(f"{result['size_bytes'] / 2**30:.0f} GiB capsule, local registry: push {s['push_vs_curl']}x curl PUT, "
-                 f"pull {s['pull_vs_curl_file_fsynced']}x curl-to-file; peak RSS {s['peak_rss_mib_push']:.0f}/"
+    ax.set_title(f"{result['size_bytes'] / 2**30:.0f} GiB of weights, local registry: push {s['push_vs_curl']}x curl "
+                 f"PUT, pull {s['pull_vs_curl_file_fsynced']}x curl-to-file, {s['pull_vs_one_stream_median']}x one "
+                 f"stream; peak RSS {s['peak_rss_mib_push']:.0f}/"
                  f"{s['peak_rss_mib_pull']:.0f} MiB", fontsize=9)
     fig.text(0.01, 0.01, result["command"], fontsize=6, color="#555555")
     fig.tight_layout(rect=(0, 0.03, 1, 1))

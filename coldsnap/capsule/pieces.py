@@ -33,6 +33,11 @@ class NoRanges(Exception):
     """The registry does not answer Range requests as asked: fetch the blob as one stream instead."""
 
 
+def wanted() -> bool:
+    """By pieces unless COLDSNAP_PULL_PIECES=0 (one stream per blob, hashed whole: for comparison)."""
+    return os.environ.get("COLDSNAP_PULL_PIECES", "1") != "0"
+
+
 def workers() -> int:
     """Connections at once: receiving, hashing and writing all release the GIL, so one per core, at least two."""
     return max(2, min(8, os.cpu_count() or 1))

@@ -700,8 +700,8 @@ def _fetch_missing(store: CapsuleStore, client: "_Client", descs: list[Descripto
             wf = (pins or {}).get(d.digest)
             if _present_for(store, d, wf):
                 continue
-            if wf is not None and pieces.covers(wf, d.size) and (got_pieces := _fetch_pieces(client, store, d, wf,
-                                                                                              progress)):
+            by_piece = wf is not None and pieces.wanted() and pieces.covers(wf, d.size)
+            if by_piece and (got_pieces := _fetch_pieces(client, store, d, wf, progress)):
                 received, resumed = got_pieces
                 by_pieces[d.digest] = wf
             else:
