@@ -101,6 +101,50 @@ def test_restore_twice_from_one_capsule(captured):
     assert texts[0] == texts[1]
 
 
+def lazy_pages_daemons():
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if len(argv) > 1 and argv[0].endswith(b"criu") and argv[1] == b"lazy-pages":
+            found.append(int(pid))
+    return found
+
+
+def test_lazy_pages_restore_is_ready_only_once_every_page_is_in(captured, monkeypatch):
+    """COLDSNAP_LAZY_PAGES=1: CRIU's lazy-pages daemon brings the memory in behind the running tree; the restore
+    validates, waits for the daemon to finish cleanly, and leaves no daemon behind."""
+    before = lazy_pages_daemons()
+    monkeypatch.setenv("COLDSNAP_LAZY_PAGES", "1")
+    r = restore(RestoreRequest(operation="restore", capsule=captured.capsule, policy=Policy(fallback_to_cold=False)))
+    assert r.state == "succeeded" and r.result["validated_text"] == captured.profile.expected_text
+    assert "--lazy-pages" in r.result["criu_options"]
+    assert r.result["lazy_pages"]["all_in_s"] >= r.result["time_to_first_token_s"] > 0
+    assert lazy_pages_daemons() == before
+    ws = load_state(r.result["workload"])
+    stop_workload(ws)
+    monkeypatch.setenv("COLDSNAP_LAZY_PAGES", "0")  # the default: CRIU copies every page before the tree runs
+    r = restore(RestoreRequest(operation="restore", capsule=captured.capsule, policy=Policy(fallback_to_cold=False)))
+    assert r.state == "succeeded" and "--lazy-pages" not in r.result["criu_options"] and not r.result["lazy_pages"]
+    stop_workload(load_state(r.result["workload"]))
+
+
+def test_a_lazy_pages_daemon_that_fails_fails_the_restore(tmp_path):
+    """Its exit status is the restore's: pages it never brought would read as zeros."""
+    from coldsnap.criu import LazyPages
+
+    fake = tmp_path / "criu"
+    fake.write_text("#!/bin/sh\nexit 3\n")
+    fake.chmod(0o755)
+    daemon = LazyPages(str(fake), tmp_path, tmp_path)
+    assert not daemon.listening(timeout=5)  # gone without a socket: the restore copies every page instead
+    with pytest.raises(ColdSnapError) as e:
+        daemon.finish()
+    assert e.value.code == ErrorCode.CRIU_FAILED and "lazy-pages failed" in e.value.message
+
+
 def test_native_weights_travel_as_a_payload_beside_the_images(env):
     """native: the engine saves its weights as they are in memory, drops them, and the file goes beside the images
     as a content-addressed payload; a host without the file gets it back from the payload at restore."""
