@@ -28,14 +28,15 @@ def stores(tmp_path, monkeypatch):
     return CapsuleStore(tmp_path / "src").init(), CapsuleStore(tmp_path / "dst").init()
 
 
-def pinned_capsule(store, tmp_path, data: bytes, pins_of: bytes | None = None, tag="w"):
-    """A capsule whose profile pins a weights file by 1 MiB pieces (of pins_of, if given: a capsule that lies),
-    with the file in a payload."""
+def pinned_capsule(store, tmp_path, data: bytes, pins_of: bytes | None = None, tag="w", by_pieces=True):
+    """A capsule whose profile pins a weights file by 1 MiB pieces (of pins_of, if given: a capsule that lies; none
+    without by_pieces), with the file in a payload."""
     path = tmp_path / f"model-{os.urandom(3).hex()}.safetensors"
     path.write_bytes(data)
     whole = hashlib.sha256(data).hexdigest()
     chunks = [hashlib.sha256((pins_of or data)[o:o + MIB]).hexdigest() for o in range(0, len(data), MIB)]
-    wf = WeightFile(path=str(path), sha256=whole, size=len(data), chunk_bytes=MIB, chunks=chunks)
+    wf = (WeightFile(path=str(path), sha256=whole, size=len(data), chunk_bytes=MIB, chunks=chunks) if by_pieces
+          else WeightFile(path=str(path), sha256=whole, size=len(data)))
     payload = write_payload(store, [WeightFile(path=str(path), sha256=whole)])
     prof = profile().model_copy(update={"model": Model(id="m", revision="r", weights=[wf])})
     digest = store.write_capsule(prof, [random_layer(store, tmp_path, MIB)],
@@ -136,6 +137,14 @@ def test_a_stored_blob_serves_only_the_capsules_whose_pieces_it_is(registry, sto
         pull(dst, f"{registry}/coldsnap/liar@{liar}", insecure=True)
     assert e.value.code == ErrorCode.CAPSULE_CORRUPT and "not that blob's pieces" in e.value.message
     assert blob.read_bytes() == data
+    # (c) a capsule that pins no pieces trusts the digest: a blob only ever checked by pieces is hashed whole first
+    blob.write_bytes(other)
+    digests.remember_pieces(blob, [hashlib.sha256(other[o:o + MIB]).hexdigest() for o in range(0, len(other), MIB)],
+                            MIB)
+    plain, _ = pinned_capsule(src, tmp_path, data, tag="plain", by_pieces=False)
+    push(src, plain, f"{registry}/coldsnap/plain:v1", insecure=True)
+    pull(dst, f"{registry}/coldsnap/plain@{plain}", insecure=True)
+    assert blob.read_bytes() == data and memo(blob)["sha256"] == "sha256:" + wf.sha256
 
 
 def test_pins_cover_the_blob_exactly():

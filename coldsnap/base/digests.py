@@ -87,6 +87,14 @@ def remember_pieces(path: str | os.PathLike, chunks: list[str], chunk_bytes: int
     _remember(key, os.stat(key), None, chunks=chunks, chunk_bytes=chunk_bytes)
 
 
+def known_by_pieces_only(path: str | os.PathLike) -> bool:
+    """Whether the file, as it is now, was checked only piece by piece (remember_pieces): its whole digest never
+    computed."""
+    key = os.path.abspath(os.fspath(path))
+    entry = _memo_entry(key, os.stat(key))
+    return "chunks" in entry and "sha256" not in entry
+
+
 def _memo_entry(key: str, before: os.stat_result) -> dict:
     entry = _read_memo().get(key)
     return entry if isinstance(entry, dict) and entry.get("version") == _version(before) else {}

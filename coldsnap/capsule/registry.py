@@ -31,7 +31,13 @@ import oras.container
 import oras.provider
 import requests
 
-from coldsnap.base.digests import checked_chunks, checked_sha256, remember_hashed, remember_pieces
+from coldsnap.base.digests import (
+    checked_chunks,
+    checked_sha256,
+    known_by_pieces_only,
+    remember_hashed,
+    remember_pieces,
+)
 from coldsnap.base.files import WriteBehind
 from coldsnap.base.files import fsync_dir as _fsync_dir
 from coldsnap.capsule import pieces, referrers, trust
@@ -672,14 +678,14 @@ def _weight_pins(store: CapsuleStore, manifest: dict) -> dict[str, WeightFile]:
 def _present_for(store: CapsuleStore, d: Descriptor, wf: WeightFile | None) -> bool:
     """Whether the store's blob d serves this capsule. A blob fetched by pieces was checked against the pins of
     the capsule that fetched it, not against its digest: another capsule naming the same digest checks it against
-    its own pins (remembered, so usually free). When they differ the whole digest decides: a blob that is its
-    digest makes this capsule's pins wrong (refused); one that is not was never what its name says and is
-    fetched again."""
+    its own pins (remembered, so usually free), or by its whole digest if it pins none. When pins differ the whole
+    digest decides: a blob that is its digest makes this capsule's pins wrong (refused); one that is not was never
+    what its name says and is fetched again."""
     if not store.has_blob(d.digest):
         return False
-    if wf is None:
-        return True
     path = store.blob_path(d.digest)
+    if wf is None:  # trusted by its digest: one only ever checked by pieces is hashed whole first
+        return not known_by_pieces_only(path) or checked_sha256(path)[0] == d.digest
     if checked_chunks(path, wf.chunks, wf.chunk_bytes):
         return True
     if checked_sha256(path)[0] == d.digest:
