@@ -191,7 +191,7 @@ def run(out_dir, size_mib: int = 2048, repeats: int = 3) -> dict:
     from coldsnap.contracts import CapsuleProfile, HostProfile, Model, NetworkPlan, WeightFile
     from coldsnap.contracts import capsule as mt
 
-    out = Path(out_dir)
+    out = Path(out_dir).absolute()  # the weights file is pinned by its absolute path
     out.mkdir(parents=True, exist_ok=True)
     work = out / "work"
     _drop(work)
@@ -294,7 +294,7 @@ def run(out_dir, size_mib: int = 2048, repeats: int = 3) -> dict:
         "peak_rss_mib_push": max(r["peak_rss_mib"] for r in result["push"]),
         "peak_rss_mib_pull": max(r["peak_rss_mib"] for r in result["pull"] + result["pull_tmpfs"]),
     }
-    result["command"] = f"coldsnap bench --registry --size-mib {size_mib} --samples {repeats} --out {out}"
+    result["command"] = f"coldsnap bench --registry --size-mib {size_mib} --samples {repeats} --out {out_dir}"
     _drop(work)
     _drop(shm)
     (out / "registry_bench.json").write_text(json.dumps(result, indent=1))

@@ -80,11 +80,10 @@ def fetch_by_pieces(new_client: Callable[[], object], url: str, part: Path, size
     fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         had = os.fstat(fd).st_size
-        kept: set[int] = set()
+        there = [p for p in pieces if p[1] + p[2] <= had]
         with ThreadPoolExecutor(workers()) as pool:
-            ok = pool.map(lambda p: chunk_sha256(fd, p[1], p[2]) == wf.chunks[p[0]],
-                          [p for p in pieces if p[1] + p[2] <= had])
-            kept = {i for i, good in enumerate(ok) if good}
+            ok = pool.map(lambda p: chunk_sha256(fd, p[1], p[2]) == wf.chunks[p[0]], there)
+            kept = {p[0] for p, good in zip(there, ok) if good}
         os.ftruncate(fd, size)
         todo = [p for p in pieces if p[0] not in kept]
         lock, local = threading.Lock(), threading.local()
