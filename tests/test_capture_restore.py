@@ -56,7 +56,7 @@ def stop(name):
 def test_capture_writes_a_private_verified_capsule_and_stops_the_workload(captured):
     r = captured.receipt
     assert r.state == "succeeded" and r.operation == "capture"
-    assert {"cold-start", "criu-dump", "pack"} <= {s.name for s in r.spans}
+    assert {"cold-start", "pin-weights", "criu-dump", "pack"} <= {s.name for s in r.spans}
     # What the engine released before the dump (here the KV cache: CPU weights are file-backed) is on record.
     assert r.result["release"]["released"] is True and r.result["release"]["freed_bytes"] > 0
     assert stat.S_IMODE(os.stat(receipt_path(r.operation_id)).st_mode) == 0o600

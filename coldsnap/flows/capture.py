@@ -140,7 +140,8 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress, template
         info = engine_info(plan.workload_address, plan.port)
         gpu_memory = gpu_steps.memory_held(pid)  # while it serves: the room a restore needs
         if model is None and hasattr(adapter, "describe_model") and info.get("weights", {}).get("path"):
-            model = adapter.describe_model(info["weights"]["path"])
+            with tl.span("pin-weights"):  # the whole file's sha256 is one stream (its OCI digest): remembered after
+                model = adapter.describe_model(info["weights"]["path"])
 
         if template:  # nothing to release, no connection, no device state: dump it as it is
             tag = request.tag if request.snapshot_driver == "template" or not request.tag else f"{request.tag}-template"
