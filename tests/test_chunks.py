@@ -103,3 +103,18 @@ def test_a_file_hashed_as_it_was_written_is_not_read_again_until_it_changes(tmp_
     assert digests.checked_chunks(path, expected(path, MIB), MIB)
     path.write_bytes(b"changed")
     assert digests.checked_sha256(path)[0] == "sha256:" + hashlib.sha256(b"changed").hexdigest() and calls
+
+
+def test_a_file_pinned_in_the_background_is_not_read_again(weights, monkeypatch):
+    """A capture pins weights that exist before the engine starts while it starts (digests.pin_in_background):
+    pinning them for real afterwards finds the digest remembered."""
+    wait = digests.pin_in_background([str(weights), str(weights.with_name("absent.safetensors"))])
+    wait()
+    whole = hashlib.sha256(weights.read_bytes()).hexdigest()
+
+    def no_second_read(path):
+        raise AssertionError(f"{path} hashed again")
+
+    monkeypatch.setattr(digests, "sha256_file", no_second_read)
+    assert digests.pinned_digests(weights)[0] == whole
+    digests.pin_in_background([])()  # nothing to pin: nothing waits

@@ -14,8 +14,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 from coldsnap.base.files import atomic_write
 from coldsnap.base.paths import settings
@@ -170,6 +172,26 @@ def pinned_digests(path: str | os.PathLike, chunk_bytes: int = CHUNK_BYTES) -> t
         chunks = chunks.result()
     _remember(key, before, started_ns, sha256=digest, chunks=chunks, chunk_bytes=chunk_bytes)
     return digest.removeprefix("sha256:"), chunks
+
+
+def pin_in_background(paths: list[str]) -> Callable[[], None]:
+    """Pin the files that exist (pinned_digests, remembered) on a thread of their own, e.g. while an engine starts
+    cold: a capture then finds the whole-file stream done. Returns wait(). A file that changes meanwhile is not
+    remembered, and is hashed again when it is pinned for real."""
+    todo = [p for p in paths if os.path.isfile(p)]
+
+    def run() -> None:
+        for p in todo:
+            try:
+                pinned_digests(p)
+            except OSError:  # gone or unreadable now: pinning it for real says so
+                pass
+
+    if not todo:
+        return lambda: None
+    thread = threading.Thread(target=run, name="pin-ahead", daemon=True)
+    thread.start()
+    return thread.join
 
 
 def checked_chunks(path: str | os.PathLike, chunks: list[str], chunk_bytes: int) -> bool:

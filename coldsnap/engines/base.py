@@ -25,6 +25,8 @@ class PreparedLaunch:
     notes: list[str] = field(default_factory=list)
     # Host paths the launch reads (interpreters, venv, model): a container binds them read-only at the same paths.
     mounts: list[Mount] = field(default_factory=list)
+    # Weight files a capture may pin (hash) while the engine starts, where they exist before it does.
+    pin_ahead: list[str] = field(default_factory=list)
 
 
 class EngineAdapter:

@@ -12,6 +12,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
+from coldsnap.base.digests import pin_in_background
 from coldsnap.base.files import private_dir
 from coldsnap.base.journal import Journal
 from coldsnap.base.paths import settings
@@ -121,6 +122,7 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress, template
     try:
         progress(f"starting the {request.engine.name} engine cold "
                  + ("as a pre-device template" if template else f"(weights mode {launch.weights_mode})"))
+        pinned_ahead = pin_in_background(launch.pin_ahead)  # one sha256 stream per file: under the cold start
         with tl.span("cold-start"):
             cold = start_cold(name, request.launch.port, launch.argv, launch.env, launch.cwd, request.validation,
                               journal=journal, template=template)
@@ -141,6 +143,7 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress, template
         gpu_memory = gpu_steps.memory_held(pid)  # while it serves: the room a restore needs
         if model is None and hasattr(adapter, "describe_model") and info.get("weights", {}).get("path"):
             with tl.span("pin-weights"):  # the whole file's sha256 is one stream (its OCI digest): remembered after
+                pinned_ahead()  # what the cold start left of it
                 model = adapter.describe_model(info["weights"]["path"])
 
         if template:  # nothing to release, no connection, no device state: dump it as it is

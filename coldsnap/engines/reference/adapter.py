@@ -72,7 +72,7 @@ class ReferenceAdapter(EngineAdapter):
             env.setdefault("PYTHONPATH", os.environ["PYTHONPATH"])  # inherits nothing)
         model = request.model
         return PreparedLaunch(argv=argv, env=env, weights_mode=mode, model=model, engine_version=__version__,
-                              cwd=request.launch.workdir, mounts=container_mounts(weights))
+                              cwd=request.launch.workdir, mounts=container_mounts(weights), pin_ahead=[weights])
 
     def template_launch(self, request: CaptureRequest) -> PreparedLaunch:
         launch = self.prepare(request.model_copy(update={"policy": request.policy.model_copy(
