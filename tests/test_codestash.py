@@ -143,7 +143,7 @@ def test_stashed_code_leaves_the_dump_and_restores_from_its_file(tmp_path, monke
         assert not [m for m in mappings if "sha256-" in m["name"] or m["name"].startswith("anon 24 MiB")], mappings
         assert [f.path for f in extra_files(images)] == [str(code_file)]
 
-        restored = criu.restore(images, tmp_path / "work", CriuOptions(network_lock="skip"), None)
+        restored, _ = criu.restore(images, tmp_path / "work", CriuOptions(network_lock="skip"), None)
         assert report_of(restored, str(report))[0] == digest
         assert mapped_path(restored, addr) == str(code_file)
     finally:

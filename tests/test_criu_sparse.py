@@ -79,7 +79,7 @@ def test_zero_pages_are_dropped_and_restore_the_same_bytes(tmp_path, monkeypatch
         marked = [m for p in pages_after["processes"] for m in p["mappings"] if m["name"].endswith("[dontfork]")]
         assert len(marked) == 1 and marked[0]["bytes"] == 16 * MIB and " at 0x" in marked[0]["name"], marked
 
-        restored = criu.restore(images, tmp_path / "work", CriuOptions(network_lock="skip"), None)
+        restored, _ = criu.restore(images, tmp_path / "work", CriuOptions(network_lock="skip"), None)
         assert digest_of(restored, str(report)) == before
         # Idempotent: nothing left to drop.
         assert drop_zero_pages(images).dropped == 0
