@@ -1,12 +1,12 @@
 """CRIU: find the provisioned binary, derive options from a request in one place, dump and restore via pycriu."""
 
 from coldsnap.criu.driver import (
-           CriuDriver,
-           CriuOptions,
-           LazyPages,
-           criu_images_open_files,
-           criu_stats,
-           lazy_pages_wanted,
+    CriuDriver,
+    CriuOptions,
+    LazyPages,
+    criu_images_open_files,
+    criu_stats,
+    lazy_pages_wanted,
 )
 from coldsnap.criu.sparse import drop_zero_pages
 
