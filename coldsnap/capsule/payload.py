@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from coldsnap.base.digests import checked_chunks, remember_hashed, remember_pieces
+from coldsnap.base.digests import remember_hashed, remember_pieces
 from coldsnap.capsule.pinned import mismatch
 from coldsnap.capsule.store import CapsuleStore, Descriptor, reuse
 from coldsnap.contracts import ColdSnapError, ErrorCode, WeightFile
@@ -79,9 +79,9 @@ def materialize(store: CapsuleStore, payload_digest: str, weights: list[WeightFi
                                 f"{payload_digest} does not hold it")
         if wf.chunks and wf.chunk_bytes:  # pinned by pieces: checked by pieces, on every core (a pull may never
             src = store.blob_path(desc.digest)  # have computed its whole digest: coldsnap.capsule.pieces)
-            if not checked_chunks(src, wf.chunks, wf.chunk_bytes):
-                raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"blob {desc.digest} of payload {payload_digest} is "
-                                    f"not the weights the capsule pins for {wf.path} (a piece differs)")
+            if why := mismatch(src, wf):
+                raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"blob {desc.digest} of payload {payload_digest} "
+                                    f"{why}")
         else:
             src = store.verify_blob(desc)
         Path(wf.path).parent.mkdir(parents=True, exist_ok=True)
