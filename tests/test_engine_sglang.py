@@ -31,7 +31,8 @@ def test_sglang_prepare_builds_a_checkpointable_launch(tmp_path, coldsnap_home):
     assert "--sleep-on-idle" in argv and "--disable-cuda-graph" in argv
     assert launch.env["SGLANG_USE_CPU_ENGINE"] == "1"
     assert launch.weights_mode == "native" and launch.engine_version == "0.5.23"
-    assert launch.model.weights[0].path == str(model / "model.safetensors")
+    assert launch.model is None and str(model / "model.safetensors") in launch.pin_ahead
+    assert launch.describe_model().weights[0].path == str(model / "model.safetensors")
     with pytest.raises(ColdSnapError) as e:
         get_adapter("sglang").prepare(req.model_copy(update={"policy": Policy(weights_mode="recovery")}))
     assert e.value.code == ErrorCode.INVALID_REQUEST

@@ -121,9 +121,13 @@ def test_vllm_prepare_builds_a_checkpointable_launch(tmp_path, coldsnap_home):
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and int(env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"]) >= 3600
     assert env["TORCHINDUCTOR_COMPILE_THREADS"] == "1" and env["EXTRA"] == "1"
     assert launch.weights_mode == "native" and launch.engine_version == "0.32.0"
-    w = launch.model.weights
+    # prepare hashes nothing: the capture pins the model's files while the engine starts, describes it after
+    assert launch.model is None and launch.model_id == "model"
+    assert sorted(launch.pin_ahead) == [str(model / "config.json"), str(model / "model.safetensors")]
+    described = launch.describe_model()
+    w = described.weights
     assert len(w) == 1 and w[0].path == str(model / "model.safetensors") and len(w[0].sha256) == 64
-    assert launch.model.revision.startswith("sha256:")
+    assert described.revision.startswith("sha256:") and described.id == "model"
     with pytest.raises(Exception, match="native"):
         get_adapter("vllm").prepare(req.model_copy(update={"policy": Policy(weights_mode="recovery")}))
     assert get_adapter("vllm").prepare(req.model_copy(update={"policy": Policy(weights_mode="auto")})).weights_mode \
@@ -216,7 +220,7 @@ def cold_capture_restore(engine: str, options: dict, workdir: Path, name: str, r
     req = CaptureRequest(operation="capture", engine={"name": engine, "options": options},
                          lifecycle={"name": name}, tag=name)
     launch = adapter.prepare(req)
-    served = launch.model.id
+    served = launch.model_id
 
     # 1. an uncaptured server: the reference answers
     plan = allocate_plan(name, req.launch.port)
@@ -234,7 +238,8 @@ def cold_capture_restore(engine: str, options: dict, workdir: Path, name: str, r
     profile = cap.profile
     assert profile.engine.name == engine and profile.weights_mode == "native"
     assert profile.expected_text == cold.first.text  # greedy output is deterministic across starts
-    assert profile.model == launch.model and profile.model.weights
+    assert profile.model == launch.describe_model() and profile.model.weights  # pinned under the cold start
+    assert "pin-weights" in [x.name for x in cap.receipt.spans]
     assert list_states() == []
     # State outside the CRIU images travels in the capsule, and capture removed the dumped tree's copies: every
     # restore below puts them back from the capsule, as on a host that never ran the engine.
@@ -349,7 +354,7 @@ def test_vllm_serves_a_model_with_a_short_context_with_no_option_given(engine_ho
     cold = start_cold("pyt-vllm-320", plan, launch.argv, launch.env, launch.cwd, req.validation)
     try:
         assert cold.first.text  # it serves
-        assert len(completions(plan.workload_address, plan.port, launch.model.id, PROMPTS[:2])) == 2
+        assert len(completions(plan.workload_address, plan.port, launch.model_id, PROMPTS[:2])) == 2
     finally:
         kill_tree(cold.state.pid)
         destroy_network(plan)

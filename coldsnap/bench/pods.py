@@ -64,7 +64,7 @@ class PodSpec:
             launch = get_adapter("vllm").prepare_container(CaptureRequest(operation="capture", engine={
                 "name": "vllm", "options": {"enforce_eager": True, **options}}))
             self.argv, self.env, self.cwd = launch.argv, {**launch.env, "HOME": "/root"}, launch.cwd or ""
-            self.model = launch.model.id if launch.model else ""
+            self.model = launch.model_id or ""
             self.mounts = binds_to_mounts([*host_bind("/usr", "/usr"), *[
                 m for b in launch.mounts for m in host_bind(b.source, b.target, b.readonly)]])
             self.memory_shm = True

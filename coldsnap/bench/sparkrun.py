@@ -137,7 +137,7 @@ class SparkrunLab:
                 *host_bind("/usr", "/usr"), *[x for b in launch.mounts for x in host_bind(b.source, b.target,
                                                                                         b.readonly)]]]
             env = {k: v for k, v in launch.env.items() if k not in ("HOME", "PATH")}
-            model, served = launch.model.id if launch.model else "vllm", "tiny-llama"
+            model, served = launch.model_id or "vllm", "tiny-llama"
         else:
             raise ColdSnapError(ErrorCode.INVALID_REQUEST, "--via sparkrun benchmarks --engine reference or vllm")
         recipe = {

