@@ -532,3 +532,11 @@ def test_gpu_forked_child_with_inherited_mappings_is_foreign(cuda_api, torch_pyt
         assert "--fork" in foreign[0][1]
     finally:
         child.close()
+
+
+def test_stack_limit_is_left_alone_without_a_current_cuda_context():
+    """set_stack_limit (an engine's release sheds the CUDA stack reserve) answers None, changing nothing, where no
+    CUDA context is current: no libcuda here, or this test process never made one."""
+    from coldsnap.gpu.libcuda import set_stack_limit
+
+    assert set_stack_limit(0) is None

@@ -324,6 +324,7 @@ def test_cuda_engine_captures_cuda_graphs_and_survives_release(weights, tmp_path
         per_completion = (time.monotonic() - t) / 3
         status, rel = engine.json("POST", "/coldsnap/release")
         assert status == 200 and rel["freed_bytes"] > 2 << 20  # KV cache and weights
+        assert rel["cuda_stack_limit_shed"] > 0  # the stack reserve went too; resume sets it back
         status, res = engine.json("POST", "/coldsnap/resume")
         assert status == 200 and res["cuda_graphs"] == 2
         assert [engine.complete(p) for p in PROMPTS] == expected  # weights reloaded, graphs captured again

@@ -63,3 +63,27 @@ def error_name(code: int, lib: Any = None) -> str:
         except Exception:  # noqa: BLE001 - naming an error must never raise another
             pass
     return _KNOWN_ERRORS.get(int(code), f"CUDA_ERROR_{int(code)}")
+
+
+CU_LIMIT_STACK_SIZE = 0
+
+
+def set_stack_limit(stack_bytes: int) -> int | None:
+    """Set the calling thread's current CUDA context's per-thread stack size (CU_LIMIT_STACK_SIZE) and return the
+    one it had, or None where the driver refuses (no context current, no libcuda).
+
+    The driver keeps that much local memory for every thread the GPU can hold at once: 264 MiB on an H200 at the
+    default 1 KiB, most of a torch context's device memory once the engine has freed its own. A capture that sets it
+    to 0 before the CUDA checkpoint spares the driver saving, and a restore copying back, those bytes; the engine
+    sets it back before its next kernel (a kernel that needs more stack than the limit gets it from the driver
+    anyway, so 0 is never wrong, only slower at that kernel's first launch)."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")  # the engine's own, already loaded by its CUDA runtime
+    except OSError:
+        return None
+    before = ctypes.c_size_t()
+    if lib.cuCtxGetLimit(ctypes.byref(before), CU_LIMIT_STACK_SIZE) != 0:
+        return None
+    if lib.cuCtxSetLimit(CU_LIMIT_STACK_SIZE, ctypes.c_size_t(int(stack_bytes))) != 0:
+        return None
+    return before.value

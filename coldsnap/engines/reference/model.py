@@ -347,6 +347,7 @@ class Runner:
         self._graphs: dict[int, tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.released = False
         self.weights_released = False
+        self._stack_bytes: int | None = None  # the CUDA stack limit release() set to 0, for resume() to set back
         self._kv: list[torch.Tensor] = []
         with torch.no_grad():
             for block in model.layers:
@@ -526,6 +527,12 @@ class Runner:
                 if clear_workspaces is not None:
                     clear_workspaces()
                 torch.cuda.empty_cache()
+                # the stack reserve for every thread the GPU holds (264 MiB on an H200): back in resume()
+                if self._stack_bytes is None:
+                    from coldsnap.gpu.libcuda import set_stack_limit
+
+                    self._stack_bytes = set_stack_limit(0)
+                out["cuda_stack_limit_shed"] = self._stack_bytes
                 # what the driver's checkpoint still has to save, the context included
                 free, total = torch.cuda.mem_get_info(self.device)
                 out["gpu_used_bytes"] = total - free
@@ -564,6 +571,11 @@ class Runner:
         took: dict[str, float] = {}  # where resume's time goes, in seconds
         t = time.perf_counter()
         with torch.no_grad():
+            if self._stack_bytes is not None:  # before any kernel: the stack reserve release() gave back
+                from coldsnap.gpu.libcuda import set_stack_limit
+
+                set_stack_limit(self._stack_bytes)
+                self._stack_bytes = None
             hydrate = None
             if self.weights_released:
                 params = dict(self.model.named_parameters())
