@@ -244,7 +244,7 @@ def test_a_vllm_pod_is_restored_with_the_same_completions(lab):
     """vLLM (CPU) in a pod: its adapter's container launch as CRI mounts (the engine venv and the model read-only,
     emptyDirs for /tmp and $HOME, a Memory emptyDir for /dev/shm), captured, then restored in a new pod."""
     launch = engine_launch("vllm")
-    model = launch.model.id
+    model = launch.model_id
     mounts = cri_bench.binds_to_mounts(launch_binds(launch))
 
     def start(name: str, annotations: dict | None = None):

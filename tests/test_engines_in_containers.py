@@ -114,7 +114,7 @@ class EngineContainer:
         self.lab, self.engine = lab, engine
         self.launch = get_adapter(engine).prepare_container(
             CaptureRequest(operation="capture", engine={"name": engine, "options": options}))
-        self.served = self.launch.model.id
+        self.served = self.launch.model_id
         self.ns = lab.network()
         self.address = self.ns.address
         self.cid: str | None = None

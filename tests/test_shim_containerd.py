@@ -179,7 +179,7 @@ def test_ctr_restores_an_engine_container_with_the_same_completions(ctr, engine)
     from coldsnap.flows.container_capture import capture_container
 
     launch = engine_launch(engine)
-    model = launch.model.id
+    model = launch.model_id
     cid = unique(f"{engine}-cold")
     r = ctr.run_launch(cid, launch)
     assert r.returncode == 0, r.stderr

@@ -146,7 +146,7 @@ def test_docker_restores_an_engine_container_with_the_same_completions(docker, e
     from coldsnap.flows.container_capture import capture_container
 
     launch = engine_launch(engine)
-    model = launch.model.id
+    model = launch.model_id
 
     def run(name: str, *extra: str) -> dict:
         r = docker("run", "-d", "--name", name, "--runtime", "coldsnap", "--network", "none",

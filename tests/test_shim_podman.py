@@ -179,7 +179,7 @@ def test_podman_restores_an_engine_container_with_the_same_completions(podman, p
     from coldsnap.flows.container_capture import capture_container
 
     launch, ns = engine_launch(engine), pod_network
-    model = launch.model.id
+    model = launch.model_id
     name = unique(f"{engine}-cold")
     r = run_launch(podman, name, launch, ns.name)
     assert r.returncode == 0, r.stderr
