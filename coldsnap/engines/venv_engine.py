@@ -175,4 +175,3 @@ def model_pinned_later(model_dir: Path, served: str, given=None) -> dict:
     files = [str(p) for p in sorted(model_dir.resolve().iterdir()) if p.is_file() and not p.name.startswith(".")]
     return {"model_id": served, "pin_ahead": files,
             "describe_model": lambda: tinymodel.describe_model_dir(model_dir, served)}
-

@@ -141,14 +141,13 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress, template
         model = request.model or launch.model
         info = engine_info(plan.workload_address, plan.port)
         gpu_memory = gpu_steps.memory_held(pid)  # while it serves: the room a restore needs
-        if model is None and launch.describe_model is not None:
+        describe = launch.describe_model
+        if describe is None and hasattr(adapter, "describe_model") and info.get("weights", {}).get("path"):
+            describe = lambda: adapter.describe_model(info["weights"]["path"])  # noqa: E731 - the file it serves
+        if model is None and describe is not None:
             with tl.span("pin-weights"):  # each file's sha256 is one stream (its OCI digest): remembered after
                 pinned_ahead()  # what the cold start left of it
-                model = launch.describe_model()
-        elif model is None and hasattr(adapter, "describe_model") and info.get("weights", {}).get("path"):
-            with tl.span("pin-weights"):
-                pinned_ahead()
-                model = adapter.describe_model(info["weights"]["path"])
+                model = describe()
 
         if template:  # nothing to release, no connection, no device state: dump it as it is
             tag = request.tag if request.snapshot_driver == "template" or not request.tag else f"{request.tag}-template"
