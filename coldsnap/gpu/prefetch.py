@@ -23,6 +23,7 @@ import argparse
 import ctypes
 import hashlib
 import json
+import mmap
 import os
 import socket
 import struct
@@ -124,25 +125,51 @@ def split_jobs(jobs: list, threads: int) -> list[list]:
     return groups
 
 
-def fill(driver, device: int, ptr: int, fd: int, base: int, pieces: list[Piece], threads: int) -> None:
-    """GPU memory at ptr := the pieces of the file's data section at base, packed (packed_layout): `threads`
-    threads, each a run of copy_jobs, each reading into two pinned buffers in turn and copying on its own stream (a
-    read overlaps the previous copy); a part of each row goes over as a 2D copy."""
-    from coldsnap.gpu.vmm import (
-        CUDA_MEMCPY2D,
-        EVENT_DISABLE_TIMING,
-        MEMORYTYPE_DEVICE,
-        MEMORYTYPE_HOST,
-        STREAM_NON_BLOCKING,
-    )
+def _copy_async(driver, d, src: int, job: tuple[int, int, int, int, int], ptr: int, stream) -> None:
+    """Queue one job's copy from host memory at src (its read range) to the GPU: one range, or a part of each row
+    as a 2D copy (d: a CUDA_MEMCPY2D this job may use until its copy is done)."""
+    from coldsnap.gpu.vmm import MEMORYTYPE_DEVICE, MEMORYTYPE_HOST
+
+    _, pitch, width, rows, dst = job
+    if rows == 1:
+        driver.call("cuMemcpyHtoDAsync_v2", ptr + dst, src, width, stream)
+        return
+    ctypes.memset(ctypes.byref(d), 0, ctypes.sizeof(d))
+    d.srcMemoryType, d.srcHost, d.srcPitch = MEMORYTYPE_HOST, src, pitch
+    d.dstMemoryType, d.dstDevice, d.dstPitch = MEMORYTYPE_DEVICE, ptr + dst, width
+    d.WidthInBytes, d.Height = width, rows
+    driver.call("cuMemcpy2DAsync_v2", ctypes.byref(d), stream)
+
+
+def _on_threads(driver, device: int, groups: list[list], run) -> None:
+    """run(jobs, stream) on a thread per group, each with the device's primary context current and its own stream."""
+    from coldsnap.gpu.vmm import STREAM_NON_BLOCKING
 
     ctx = driver.use_primary_context(device)
 
-    def run(jobs: list) -> None:
+    def thread(jobs: list) -> None:
         driver.call("cuCtxSetCurrent", ctx)
-        stream, events, bufs = ctypes.c_void_p(), [ctypes.c_void_p() for _ in range(2)], []
+        stream = ctypes.c_void_p()
         driver.call("cuStreamCreate", ctypes.byref(stream), STREAM_NON_BLOCKING)
-        descs = [CUDA_MEMCPY2D(), CUDA_MEMCPY2D()]
+        try:
+            run(jobs, stream)
+            driver.call("cuStreamSynchronize", stream)
+        finally:
+            driver.lib.cuStreamDestroy_v2(stream)
+
+    with ThreadPoolExecutor(len(groups), thread_name_prefix="coldsnap-prefetch") as pool:
+        for job in [pool.submit(thread, g) for g in groups]:
+            job.result()
+
+
+def fill_buffered(driver, device: int, ptr: int, fd: int, base: int, pieces: list[Piece], threads: int) -> None:
+    """GPU memory at ptr := the pieces of the file's data section at base, packed (packed_layout): `threads`
+    threads, each a run of copy_jobs, each reading into two pinned buffers in turn and copying on its own stream (a
+    read overlaps the previous copy). Each byte crosses host memory three times: read, written, read by the DMA."""
+    from coldsnap.gpu.vmm import CUDA_MEMCPY2D, EVENT_DISABLE_TIMING
+
+    def run(jobs: list, stream) -> None:
+        events, bufs, descs = [ctypes.c_void_p() for _ in range(2)], [], [CUDA_MEMCPY2D(), CUDA_MEMCPY2D()]
         try:
             for e in events:
                 driver.call("cuEventCreate", ctypes.byref(e), EVENT_DISABLE_TIMING)
@@ -151,20 +178,12 @@ def fill(driver, device: int, ptr: int, fd: int, base: int, pieces: list[Piece],
                 driver.call("cuMemHostAlloc", ctypes.byref(p), CHUNK, 0)
                 bufs.append(p)
             views = [memoryview((ctypes.c_char * CHUNK).from_address(b.value)).cast("B") for b in bufs]
-            for i, (offset, pitch, width, rows, dst) in enumerate(jobs):
+            for i, job in enumerate(jobs):
                 k = i % 2
                 if i >= 2:
                     driver.call("cuEventSynchronize", events[k])  # this buffer's previous copy is done
-                pread_full(fd, views[k][:pitch * (rows - 1) + width], base + offset)
-                if rows == 1:
-                    driver.call("cuMemcpyHtoDAsync_v2", ptr + dst, bufs[k], width, stream)
-                else:
-                    d = descs[k]
-                    ctypes.memset(ctypes.byref(d), 0, ctypes.sizeof(d))
-                    d.srcMemoryType, d.srcHost, d.srcPitch = MEMORYTYPE_HOST, bufs[k], pitch
-                    d.dstMemoryType, d.dstDevice, d.dstPitch = MEMORYTYPE_DEVICE, ptr + dst, width
-                    d.WidthInBytes, d.Height = width, rows
-                    driver.call("cuMemcpy2DAsync_v2", ctypes.byref(d), stream)
+                pread_full(fd, views[k][:read_bytes(job)], base + job[0])
+                _copy_async(driver, descs[k], bufs[k].value, job, ptr, stream)
                 driver.call("cuEventRecord", events[k], stream)
             driver.call("cuStreamSynchronize", stream)
         finally:
@@ -173,12 +192,88 @@ def fill(driver, device: int, ptr: int, fd: int, base: int, pieces: list[Piece],
             for e in events:
                 if e.value:
                     driver.lib.cuEventDestroy_v2(e)
-            driver.lib.cuStreamDestroy_v2(stream)
 
-    groups = split_jobs(copy_jobs(pieces), threads)
-    with ThreadPoolExecutor(len(groups), thread_name_prefix="coldsnap-prefetch") as pool:
-        for job in [pool.submit(run, g) for g in groups]:
-            job.result()
+    _on_threads(driver, device, split_jobs(copy_jobs(pieces), threads), run)
+
+
+MAP_CHUNK = 64 << 20  # bytes mapped and registered at a time by the mapped fill
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype, _libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                            ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+
+def _map_range(fd: int, start: int, n: int) -> tuple[int, int, int]:
+    """The file's bytes [start, start + n) mapped read-only and shared (the page cache's own pages, no copy):
+    (mapping address, mapping length, address of `start`)."""
+    page = mmap.PAGESIZE
+    lo = start - start % page
+    length = -(-(start + n - lo) // page) * page
+    addr = _libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, lo)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of {length} bytes at {lo}: {os.strerror(err)}")
+    return addr, length, addr + start - lo
+
+
+def fill_mapped(driver, device: int, ptr: int, fd: int, base: int, pieces: list[Piece], threads: int,
+                chunk: int = MAP_CHUNK) -> dict:
+    """The same result as fill_buffered, with the GPU reading the page cache itself: each job's range of the file is
+    mapped read-only, registered with the driver (its pages pinned where they are) and copied from there, so each
+    byte crosses host memory once. Each mapping is its own, so ranges that share a page never overlap. Raises
+    CudaError where the driver can't register a file's pages (then fill_buffered does the job). Returns seconds spent
+    registering and unregistering, summed over the threads."""
+    from coldsnap.gpu.vmm import CUDA_MEMCPY2D, EVENT_DISABLE_TIMING, HOSTREGISTER_READ_ONLY
+
+    spent = {"register_s": 0.0, "unregister_s": 0.0}
+    lock = threading.Lock()
+
+    def run(jobs: list, stream) -> None:
+        held: list[tuple] = []  # (event, mapping, length, 2D descriptor): copies in flight, oldest first
+        reg = unreg = 0.0
+
+        def retire() -> None:
+            nonlocal unreg
+            event, addr, length, _ = held.pop(0)
+            driver.call("cuEventSynchronize", event)
+            t = time.monotonic()
+            driver.lib.cuMemHostUnregister(ctypes.c_void_p(addr))
+            _libc.munmap(addr, length)
+            unreg += time.monotonic() - t
+            driver.lib.cuEventDestroy_v2(event)
+
+        try:
+            for job in jobs:
+                while len(held) >= 2:
+                    retire()
+                addr, length, src = _map_range(fd, base + job[0], read_bytes(job))
+                t = time.monotonic()
+                try:
+                    driver.call("cuMemHostRegister_v2", ctypes.c_void_p(addr), length, HOSTREGISTER_READ_ONLY)
+                except BaseException:
+                    _libc.munmap(addr, length)
+                    raise
+                reg += time.monotonic() - t
+                event, desc = ctypes.c_void_p(), CUDA_MEMCPY2D()
+                held.append((event, addr, length, desc))
+                driver.call("cuEventCreate", ctypes.byref(event), EVENT_DISABLE_TIMING)
+                _copy_async(driver, desc, src, job, ptr, stream)
+                driver.call("cuEventRecord", event, stream)
+        finally:
+            driver.lib.cuStreamSynchronize(stream)
+            while held:
+                if held[0][0].value is None:  # its event was never created: unregister only
+                    _, addr, length, _ = held.pop(0)
+                    driver.lib.cuMemHostUnregister(ctypes.c_void_p(addr))
+                    _libc.munmap(addr, length)
+                else:
+                    retire()
+            with lock:
+                spent["register_s"] += reg
+                spent["unregister_s"] += unreg
+
+    _on_threads(driver, device, split_jobs(copy_jobs(pieces, chunk), threads), run)
+    return {k: round(v, 4) for k, v in spent.items()}
 
 
 def plan_digest(pieces: list[Piece]) -> str:
@@ -186,13 +281,17 @@ def plan_digest(pieces: list[Piece]) -> str:
     return hashlib.sha256(json.dumps([list(p) for p in pieces], separators=(",", ":")).encode()).hexdigest()
 
 
+MODES = ("mapped", "buffered")
+
+
 def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float, hold: bool = False,
-          pieces: list[Piece] | None = None) -> dict:
+          pieces: list[Piece] | None = None, mode: str = "mapped") -> dict:
     """Listen at sock_path, load, hand the memory to the first engine that connects; return what happened.
     pieces: load only these parts of the data section, packed (a tensor-parallel rank's shards); default all of it.
+    mode: "mapped" (fill_mapped; fill_buffered where the driver refuses, the report says why) or "buffered".
     hold: once served, keep the memory and the context until stdin closes: freeing them (and tearing the context
     down) while the engine captures its CUDA graphs and answers its first request slowed both down."""
-    from coldsnap.gpu.vmm import Driver, ExportableBuffer
+    from coldsnap.gpu.vmm import CudaError, Driver, ExportableBuffer
 
     t0 = time.monotonic()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -218,7 +317,15 @@ def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float
             fd = os.open(path, os.O_RDONLY)
             try:
                 t1 = time.monotonic()
-                fill(driver, device, buf.ptr, fd, base, pieces or whole_section(length), threads)
+                report["mode"] = mode
+                if mode == "mapped":
+                    try:
+                        report["mapped"] = fill_mapped(driver, device, buf.ptr, fd, base,
+                                                       pieces or whole_section(length), threads)
+                    except CudaError as e:  # e.g. a driver without read-only registration: copy through buffers
+                        report.update(mode="buffered", mapped_error=str(e))
+                if report["mode"] == "buffered":
+                    fill_buffered(driver, device, buf.ptr, fd, base, pieces or whole_section(length), threads)
                 load_s = time.monotonic() - t1
             finally:
                 os.close(fd)
@@ -296,6 +403,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--socket", required=True, help="UNIX socket path to serve the memory at (created, 0600)")
     p.add_argument("--threads", type=int, default=8, help="parallel readers (default 8)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the engine (default 120)")
+    p.add_argument("--mode", choices=MODES, default="mapped",
+                   help="mapped: the GPU copies from the file's pages in the page cache, registered with the driver "
+                        "(default; buffered where the driver refuses); buffered: read into pinned buffers first")
     p.add_argument("--hold", action="store_true", help="once served, free nothing until stdin closes")
     p.add_argument("--plan", help="JSON file: [[offset, width, rows, pitch], ...] of the data section to load, "
                                   "packed (a tensor-parallel rank's part); default the whole data section")
@@ -308,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, TypeError) as e:
         print(json.dumps({"served": False, "error": f"--plan {a.plan}: {e}"}), flush=True)
         return 1
-    report = serve(a.file, a.gpu, a.socket, max(1, a.threads), a.timeout, a.hold, pieces)
+    report = serve(a.file, a.gpu, a.socket, max(1, a.threads), a.timeout, a.hold, pieces, a.mode)
     print(json.dumps(report), flush=True)
     return 0 if report.get("served") and "error" not in report else 1
 

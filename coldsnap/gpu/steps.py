@@ -120,7 +120,7 @@ def start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir) -
 
     from coldsnap.base.files import atomic_write
     from coldsnap.gpu.nvml import free_bytes
-    from coldsnap.gpu.prefetch import gpu_key, packed_layout
+    from coldsnap.gpu.prefetch import MODES, gpu_key, packed_layout
 
     why = _prefetch_refusal(profile, supported)
     if why:
@@ -138,6 +138,9 @@ def start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir) -
     threads = os.environ.get("COLDSNAP_PREFETCH_THREADS", "8")  # readers per prefetcher (they compete with CRIU)
     if not threads.isdigit() or int(threads) < 1:
         return Prefetch(skipped=f"COLDSNAP_PREFETCH_THREADS={threads!r} is not a positive number")
+    mode = os.environ.get("COLDSNAP_PREFETCH_MODE", "mapped")  # how the weights reach the GPU (prefetch.MODES)
+    if mode not in MODES:
+        return Prefetch(skipped=f"COLDSNAP_PREFETCH_MODE={mode!r} is not one of {', '.join(MODES)}")
     p = Prefetch()
     for gpu, pieces in targets:
         name = f"{run_dir}/{uuid.uuid4().hex[:12]}"
@@ -152,7 +155,8 @@ def start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir) -
                 plan = ["--plan", name + ".plan.json"]
             p.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "coldsnap.gpu.prefetch", "--file", weights.path, "--gpu", gpu,
-                 "--socket", sock, "--hold", "--threads", threads, *plan], env=env, stdin=subprocess.PIPE,
+                 "--socket", sock, "--hold", "--threads", threads,
+                 "--mode", mode, *plan], env=env, stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True))
         except OSError as e:
             return _abandon(p, f"could not start the prefetcher: {e}")  # its plan file included

@@ -33,6 +33,7 @@ STREAM_NON_BLOCKING = 1
 EVENT_DISABLE_TIMING = 2
 MEMORYTYPE_HOST = 1  # CU_MEMORYTYPE_HOST
 MEMORYTYPE_DEVICE = 2
+HOSTREGISTER_READ_ONLY = 0x08  # CU_MEMHOSTREGISTER_READ_ONLY: the GPU only reads it (a read-only file mapping)
 
 u64, usz, vp, c_int, c_uint = ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint
 
@@ -85,6 +86,10 @@ _SIGNATURES = {
     "cuMemImportFromShareableHandle": [ctypes.POINTER(u64), vp, c_int],
     "cuMemHostAlloc": [ctypes.POINTER(vp), usz, c_uint],
     "cuMemFreeHost": [vp],
+    "cuMemHostRegister_v2": [vp, usz, c_uint],
+    "cuMemHostUnregister": [vp],
+    "cuMemcpyDtoH_v2": [vp, u64, usz],
+    "cuMemsetD8_v2": [u64, ctypes.c_ubyte, usz],
     "cuStreamCreate": [ctypes.POINTER(vp), c_uint],
     "cuStreamSynchronize": [vp],
     "cuStreamDestroy_v2": [vp],
