@@ -31,9 +31,10 @@ from coldsnap.gpu.prefetch import ALIGN, check_pieces, copy_jobs, data_section, 
 TINY = ModelConfig(layers=1, hidden=64, heads=2, intermediate=176, max_seq=64, prefill_chunk=16)
 
 
-def start_prefetcher(weights: str, gpu: str, sock: str, plan=None) -> subprocess.Popen:
+def start_prefetcher(weights: str, gpu: str, sock: str, plan=None, mode: str = "mapped") -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "coldsnap.gpu.prefetch", "--file", weights, "--gpu", gpu,
-                             "--socket", sock, "--timeout", "60", *(["--plan", str(plan)] if plan else [])],
+                             "--socket", sock, "--timeout", "60", "--mode", mode,
+                             *(["--plan", str(plan)] if plan else [])],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 30
     while not __import__("os").path.exists(sock):  # it listens before it loads
@@ -80,9 +81,12 @@ def test_the_prefetcher_refuses_a_missing_file_with_a_one_line_error(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the hand-over maps GPU memory")
+@pytest.mark.parametrize("mode", ["mapped", "buffered"])
 @pytest.mark.parametrize("tp_rank,planned", [(None, False), (1, False), (1, True)],
                          ids=["whole", "tp-shard", "tp-shard-planned"])
-def test_prefetched_weights_reach_the_engine_bit_for_bit(tmp_path, tp_rank, planned):
+def test_prefetched_weights_reach_the_engine_bit_for_bit(tmp_path, tp_rank, planned, mode):
+    """Either way onto the GPU (the file's own pages registered with the driver, or pinned buffers), whole or a
+    rank's plan (a part of every row: 2D copies), the engine gets the tensors it would load from the file."""
     cfg = ModelConfig(layers=2, hidden=512, heads=8, intermediate=1408, max_seq=64, prefill_chunk=16)
     path = ensure_weights(tmp_path / "w.safetensors", cfg)
     mine = shards(cfg, 2, tp_rank) if tp_rank is not None else None
@@ -94,16 +98,69 @@ def test_prefetched_weights_reach_the_engine_bit_for_bit(tmp_path, tp_rank, plan
     if planned:  # only rank 1's parts go onto the GPU, packed
         plan = tmp_path / "plan.json"
         plan.write_text(json.dumps(prefetch_plan(path, list(params), mine)))
-    proc = start_prefetcher(path, uuid, sock, plan)
+    proc = start_prefetcher(path, uuid, sock, plan, mode)
     stats = load_prefetched(path, params, sock, shards=mine)
     assert stats["prefetched"] is True and stats["bytes"] == sum(t.numel() * 4 for t in want.values())
     for n in want:
         assert torch.equal(params[n], want[n]), n
     report = report_of(proc)
     assert report["served"] is True and "error" not in report and proc.returncode == 0, report
+    assert report["mode"] == mode and "mapped_error" not in report, report  # just written: in the page cache
+    if mode == "mapped":
+        assert report["mapped"]["windows"] >= 1 and report["mapped"]["unregister_s"] >= 0, report
     if planned:  # it moved this rank's share, not the file
         assert report["pieces"] == len(params) and report["bytes"] < 0.6 * data_section(path)[1], report
     print(json.dumps({"engine": stats, "prefetcher": report}))
+
+
+def _drop_from_page_cache(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_the_mapped_fill_sees_how_much_of_the_file_is_in_the_page_cache(tmp_path):
+    """The mapped fill pays only when the page cache holds the file; mincore says how much it holds."""
+    from coldsnap.gpu.prefetch import FileMapping
+
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(4 << 20))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.read(fd, 4 << 20)
+        mapping = FileMapping(fd)
+        try:
+            assert mapping.resident(0, 4 << 20) == 1.0
+            _drop_from_page_cache(str(path))
+            if mapping.resident(0, 4 << 20) > 0.5:
+                pytest.skip(f"{tmp_path} keeps files in memory whatever is advised (tmpfs?): nothing to measure")
+            assert mapping.resident(0, 4 << 20) < 0.5
+        finally:
+            mapping.close()
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the hand-over maps GPU memory")
+def test_a_file_not_in_the_page_cache_is_read_through_buffers_and_the_report_says_why(tmp_path):
+    cfg = ModelConfig(layers=2, hidden=512, heads=8, intermediate=1408, max_seq=64, prefill_chunk=16)
+    path = ensure_weights(tmp_path / "w.safetensors", cfg)
+    _drop_from_page_cache(path)
+    want = load_weights(path, "cuda")
+    _drop_from_page_cache(path)  # reading it brought it back
+    params = {n: torch.zeros_like(t) for n, t in want.items()}
+    uuid = "GPU-" + str(torch.cuda.get_device_properties(0).uuid)
+    proc = start_prefetcher(path, uuid, str(tmp_path / "p.sock"))
+    stats = load_prefetched(path, params, str(tmp_path / "p.sock"))
+    assert stats["prefetched"] is True and all(torch.equal(params[n], want[n]) for n in want)
+    report = report_of(proc)
+    if "page cache" not in report.get("mapped_error", "") and report["mode"] == "mapped":
+        pytest.skip(f"{tmp_path} keeps files in memory whatever is advised (tmpfs?): {report}")
+    assert report["mode"] == "buffered" and "page cache" in report["mapped_error"], report
 
 
 # --- a tensor-parallel rank's plan: only its parts, packed ---------------------------------------------------------
@@ -183,7 +240,7 @@ def test_a_restore_hands_each_gpu_its_ranks_plan_and_cleans_up(monkeypatch, tmp_
     a, c = (proc.args for proc in p.procs)
     plan = a[a.index("--plan") + 1]
     assert json.loads(open(plan).read()) == pieces and os.stat(plan).st_mode & 0o777 == 0o600
-    assert "--plan" not in c and a[a.index("--threads") + 1] == "8"
+    assert "--plan" not in c and a[a.index("--threads") + 1] == "8" and a[a.index("--mode") + 1] == "mapped"
     deadline = time.monotonic() + 30
     while not all(os.path.exists(sock) for sock in p.sockets.values()):  # they listen, waiting for an engine
         assert time.monotonic() < deadline, "the prefetchers did not listen"
@@ -192,6 +249,10 @@ def test_a_restore_hands_each_gpu_its_ranks_plan_and_cleans_up(monkeypatch, tmp_
     assert list(tmp_path.glob("*.plan.json")) == [] and list(tmp_path.glob("*.sock")) == []
     monkeypatch.setenv("COLDSNAP_PREFETCH_THREADS", "lots")
     assert "COLDSNAP_PREFETCH_THREADS='lots'" in start_prefetch(profile, True, {}, tmp_path).skipped
+    monkeypatch.delenv("COLDSNAP_PREFETCH_THREADS")
+    monkeypatch.setenv("COLDSNAP_PREFETCH_MODE", "dma")
+    assert "COLDSNAP_PREFETCH_MODE='dma' is not one of mapped, buffered" in \
+        start_prefetch(profile, True, {}, tmp_path).skipped
 
 
 # --- when a restore prefetches, and reaping the prefetchers ----------------------------------------------------

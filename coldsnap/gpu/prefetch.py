@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 from coldsnap.base.files import pread_full
 
@@ -196,84 +197,123 @@ def fill_buffered(driver, device: int, ptr: int, fd: int, base: int, pieces: lis
     _on_threads(driver, device, split_jobs(copy_jobs(pieces), threads), run)
 
 
-MAP_CHUNK = 64 << 20  # bytes mapped and registered at a time by the mapped fill
+WINDOW = 256 << 20  # bytes of the file registered with the driver at a time: copies start once the first is in
+RESIDENT = 0.9  # below this share of the needed pages in the page cache, fill_buffered (parallel reads) is faster
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype, _libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
                                                             ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
 
 
-def _map_range(fd: int, start: int, n: int) -> tuple[int, int, int]:
-    """The file's bytes [start, start + n) mapped read-only and shared (the page cache's own pages, no copy):
-    (mapping address, mapping length, address of `start`)."""
-    page = mmap.PAGESIZE
-    lo = start - start % page
-    length = -(-(start + n - lo) // page) * page
-    addr = _libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, lo)
-    if addr in (None, ctypes.c_void_p(-1).value):
-        err = ctypes.get_errno()
-        raise OSError(err, f"mmap of {length} bytes at {lo}: {os.strerror(err)}")
-    return addr, length, addr + start - lo
+class NotResident(RuntimeError):
+    """Too little of the file is in the page cache for the mapped fill to pay."""
+
+
+class FileMapping:
+    """The whole file mapped read-only and shared: the page cache's own pages, nothing copied."""
+
+    def __init__(self, fd: int) -> None:
+        self.length = -(-os.fstat(fd).st_size // mmap.PAGESIZE) * mmap.PAGESIZE
+        addr = _libc.mmap(None, self.length, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            err = ctypes.get_errno()
+            raise OSError(err, f"mmap of {self.length} bytes: {os.strerror(err)}")
+        self.addr = addr
+
+    def resident(self, start: int, end: int) -> float:
+        """The share of the pages of file bytes [start, end) that are in the page cache (mincore)."""
+        lo, hi = start - start % mmap.PAGESIZE, min(self.length, end)
+        pages = -(-(hi - lo) // mmap.PAGESIZE)
+        vec = ctypes.create_string_buffer(pages)
+        if pages == 0 or _libc.mincore(self.addr + lo, hi - lo, vec) != 0:
+            return 0.0
+        return sum(b & 1 for b in vec.raw) / pages
+
+    def close(self) -> None:
+        _libc.munmap(self.addr, self.length)
 
 
 def fill_mapped(driver, device: int, ptr: int, fd: int, base: int, pieces: list[Piece], threads: int,
-                chunk: int = MAP_CHUNK) -> dict:
-    """The same result as fill_buffered, with the GPU reading the page cache itself: each job's range of the file is
-    mapped read-only, registered with the driver (its pages pinned where they are) and copied from there, so each
-    byte crosses host memory once. Each mapping is its own, so ranges that share a page never overlap. Raises
-    CudaError where the driver can't register a file's pages (then fill_buffered does the job). Returns seconds spent
-    registering and unregistering, summed over the threads."""
-    from coldsnap.gpu.vmm import CUDA_MEMCPY2D, EVENT_DISABLE_TIMING, HOSTREGISTER_READ_ONLY
+                window: int = WINDOW) -> tuple[dict, Callable[[], float]]:
+    """The same result as fill_buffered, with the GPU reading the page cache itself, so each byte crosses host
+    memory once: the file is mapped read-only, `threads` threads register the windows of it that the pieces touch
+    with the driver (which pins the pages where they are), in file order, and the copies of each job go out on one
+    stream as soon as the windows under it are in (a copy from registered memory runs at the PCIe rate).
+    Returns (what it measured, release): release() unregisters and unmaps, once the copies are done, and returns
+    the seconds that took. Raises NotResident when the page cache holds too little of the file (parallel reads do
+    better from disk) and CudaError when the driver can't register a file's pages; either way nothing is held."""
+    from coldsnap.gpu.vmm import CUDA_MEMCPY2D, HOSTREGISTER_READ_ONLY, STREAM_NON_BLOCKING, CudaError
 
-    spent = {"register_s": 0.0, "unregister_s": 0.0}
+    jobs = copy_jobs(pieces)
+    spans = [(base + j[0], base + j[0] + read_bytes(j)) for j in jobs]  # file bytes each job reads
+    mapping = FileMapping(fd)
+    wanted = sorted({w for a, b in spans for w in range(a // window, (b - 1) // window + 1)})
+    resident = min((mapping.resident(w * window, (w + 1) * window) for w in wanted), default=1.0)
+    if resident < RESIDENT:
+        mapping.close()
+        raise NotResident(f"{resident:.0%} of a window of the file is in the page cache")
+    done = {w: threading.Event() for w in wanted}
+    registered: list[int] = []
+    failed: list[BaseException] = []
     lock = threading.Lock()
+    order = iter(wanted)
+    t0 = time.monotonic()
+    reg_end = [t0]
 
-    def run(jobs: list, stream) -> None:
-        held: list[tuple] = []  # (event, mapping, length, 2D descriptor): copies in flight, oldest first
-        reg = unreg = 0.0
-
-        def retire() -> None:
-            nonlocal unreg
-            event, addr, length, _ = held.pop(0)
-            driver.call("cuEventSynchronize", event)
-            t = time.monotonic()
-            driver.lib.cuMemHostUnregister(ctypes.c_void_p(addr))
-            _libc.munmap(addr, length)
-            unreg += time.monotonic() - t
-            driver.lib.cuEventDestroy_v2(event)
-
-        try:
-            for job in jobs:
-                while len(held) >= 2:
-                    retire()
-                addr, length, src = _map_range(fd, base + job[0], read_bytes(job))
-                t = time.monotonic()
-                try:
-                    driver.call("cuMemHostRegister_v2", ctypes.c_void_p(addr), length, HOSTREGISTER_READ_ONLY)
-                except BaseException:
-                    _libc.munmap(addr, length)
-                    raise
-                reg += time.monotonic() - t
-                event, desc = ctypes.c_void_p(), CUDA_MEMCPY2D()
-                held.append((event, addr, length, desc))
-                driver.call("cuEventCreate", ctypes.byref(event), EVENT_DISABLE_TIMING)
-                _copy_async(driver, desc, src, job, ptr, stream)
-                driver.call("cuEventRecord", event, stream)
-        finally:
-            driver.lib.cuStreamSynchronize(stream)
-            while held:
-                if held[0][0].value is None:  # its event was never created: unregister only
-                    _, addr, length, _ = held.pop(0)
-                    driver.lib.cuMemHostUnregister(ctypes.c_void_p(addr))
-                    _libc.munmap(addr, length)
-                else:
-                    retire()
+    def register() -> None:
+        while not failed:
             with lock:
-                spent["register_s"] += reg
-                spent["unregister_s"] += unreg
+                w = next(order, None)
+            if w is None:
+                return
+            lo = w * window
+            try:
+                driver.call("cuMemHostRegister_v2", ctypes.c_void_p(mapping.addr + lo),
+                            min(window, mapping.length - lo), HOSTREGISTER_READ_ONLY)
+                with lock:
+                    registered.append(lo)
+                    reg_end[0] = max(reg_end[0], time.monotonic())
+            except BaseException as e:  # noqa: BLE001 - the issuing thread raises it
+                failed.append(e)
+            finally:
+                done[w].set()
 
-    _on_threads(driver, device, split_jobs(copy_jobs(pieces, chunk), threads), run)
-    return {k: round(v, 4) for k, v in spent.items()}
+    def release() -> float:
+        t = time.monotonic()
+        for lo in registered:
+            driver.lib.cuMemHostUnregister(ctypes.c_void_p(mapping.addr + lo))
+        registered.clear()
+        mapping.close()
+        return round(time.monotonic() - t, 4)
+
+    ctx = driver.use_primary_context(device)
+    stream = ctypes.c_void_p()
+    driver.call("cuStreamCreate", ctypes.byref(stream), STREAM_NON_BLOCKING)
+    workers = [threading.Thread(target=register, name="coldsnap-prefetch-register", daemon=True)
+               for _ in range(max(1, min(threads, len(wanted))))]
+    for t in workers:
+        t.start()
+    descs = [CUDA_MEMCPY2D() for j in jobs if j[3] > 1]  # each 2D copy's own, alive until the stream is done
+    try:
+        driver.call("cuCtxSetCurrent", ctx)
+        for job, (a, b) in zip(jobs, spans):
+            for w in range(a // window, (b - 1) // window + 1):
+                done[w].wait()
+            if failed:
+                raise failed[0]
+            _copy_async(driver, descs.pop() if job[3] > 1 else None, mapping.addr + a, job, ptr, stream)
+        driver.call("cuStreamSynchronize", stream)
+    except BaseException:
+        failed.append(CudaError("abandoned"))
+        for t in workers:
+            t.join()
+        driver.lib.cuStreamSynchronize(stream)
+        driver.lib.cuStreamDestroy_v2(stream)
+        release()
+        raise
+    driver.lib.cuStreamDestroy_v2(stream)
+    return {"windows": len(wanted), "register_s": round(reg_end[0] - t0, 4), "resident": round(resident, 3)}, release
 
 
 def plan_digest(pieces: list[Piece]) -> str:
@@ -288,7 +328,7 @@ def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float
           pieces: list[Piece] | None = None, mode: str = "mapped") -> dict:
     """Listen at sock_path, load, hand the memory to the first engine that connects; return what happened.
     pieces: load only these parts of the data section, packed (a tensor-parallel rank's shards); default all of it.
-    mode: "mapped" (fill_mapped; fill_buffered where the driver refuses, the report says why) or "buffered".
+    mode: "mapped" (fill_mapped; fill_buffered where it can't be, the report says why) or "buffered".
     hold: once served, keep the memory and the context until stdin closes: freeing them (and tearing the context
     down) while the engine captures its CUDA graphs and answers its first request slowed both down."""
     from coldsnap.gpu.vmm import CudaError, Driver, ExportableBuffer
@@ -301,6 +341,7 @@ def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float
     listener.settimeout(timeout)
     report: dict = {"file": path, "gpu": gpu_uuid}
     buf = None
+    release = None  # of the mapped fill's registrations, once its copies are done
     message: dict
     fds: list[int] = []
     try:
@@ -320,9 +361,9 @@ def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float
                 report["mode"] = mode
                 if mode == "mapped":
                     try:
-                        report["mapped"] = fill_mapped(driver, device, buf.ptr, fd, base,
-                                                       pieces or whole_section(length), threads)
-                    except CudaError as e:  # e.g. a driver without read-only registration: copy through buffers
+                        report["mapped"], release = fill_mapped(driver, device, buf.ptr, fd, base,
+                                                                pieces or whole_section(length), threads)
+                    except (CudaError, NotResident, OSError) as e:  # e.g. a cold page cache: parallel reads
                         report.update(mode="buffered", mapped_error=str(e))
                 if report["mode"] == "buffered":
                     fill_buffered(driver, device, buf.ptr, fd, base, pieces or whole_section(length), threads)
@@ -347,6 +388,8 @@ def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float
         with conn:
             conn.settimeout(timeout)
             socket.send_fds(conn, [json.dumps(message).encode()], fds)
+            if release is not None:  # the pages go back to the page cache's care while the engine maps the memory
+                report["mapped"]["unregister_s"], release = release(), None
             report["served"] = True
             conn.recv(1)  # the engine closes once it has mapped the memory; ours can go then
         report["total_s"] = round(time.monotonic() - t0, 4)
@@ -354,6 +397,8 @@ def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float
             sys.stdin.buffer.read()
         return report
     finally:
+        if release is not None:
+            release()
         for fd in fds:
             os.close(fd)
         if buf is not None:

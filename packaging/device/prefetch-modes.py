@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import mmap
 import os
 import platform
 import random
@@ -65,14 +66,68 @@ def check(driver: Driver, ptr: int, fd: int, base: int, length: int, n: int) -> 
     return compared
 
 
+def dma_rates(driver: Driver, ptr: int, fd: int, base: int, length: int, streams_list=(1, 4, 8)) -> list[dict]:
+    """Copy rates alone (no registration on the clock): the file's mapping registered whole, a pinned allocation of
+    the driver's (cuMemHostAlloc) and anonymous memory registered, each copied on 1, 4, 8 streams."""
+    from coldsnap.gpu.prefetch import FileMapping
+    from coldsnap.gpu.vmm import HOSTREGISTER_READ_ONLY, STREAM_NON_BLOCKING
+
+    n = min(length, 4 << 30)
+    out = []
+    mapping = FileMapping(fd)
+    addr, maplen, src = mapping.addr, n + base + 4096 - (n + base) % 4096, mapping.addr + base
+    t = time.monotonic()
+    driver.call("cuMemHostRegister_v2", ctypes.c_void_p(addr), maplen, HOSTREGISTER_READ_ONLY)
+    sources = [("page-cache mapping", src, time.monotonic() - t)]
+    host = ctypes.c_void_p()
+    driver.call("cuMemHostAlloc", ctypes.byref(host), n, 0)
+    ctypes.memset(host, 1, n)
+    sources.append(("cuMemHostAlloc", host.value, None))
+    anon_map = mmap.mmap(-1, n)
+    anon = ctypes.addressof(ctypes.c_char.from_buffer(anon_map))
+    ctypes.memset(anon, 1, n)
+    t = time.monotonic()
+    driver.call("cuMemHostRegister_v2", ctypes.c_void_p(anon), n, 0)
+    sources.append(("anonymous, registered", anon, time.monotonic() - t))
+    try:
+        for name, at, reg_s in sources:
+            for k in streams_list:
+                ss = [ctypes.c_void_p() for _ in range(k)]
+                for s in ss:
+                    driver.call("cuStreamCreate", ctypes.byref(s), STREAM_NON_BLOCKING)
+                part = n // k
+                best = None
+                for _ in range(2):
+                    t = time.monotonic()
+                    for i, s in enumerate(ss):
+                        driver.call("cuMemcpyHtoDAsync_v2", ptr + i * part, at + i * part, part, s)
+                    for s in ss:
+                        driver.call("cuStreamSynchronize", s)
+                    el = time.monotonic() - t
+                    best = el if best is None else min(best, el)
+                for s in ss:
+                    driver.lib.cuStreamDestroy_v2(s)
+                out.append({"source": name, "streams": k, "bytes": part * k,
+                            "gb_per_s": round(part * k / best / 1e9, 2),
+                            **({"register_s": round(reg_s, 4)} if reg_s is not None else {})})
+                print(json.dumps(out[-1]), file=sys.stderr, flush=True)
+    finally:
+        driver.lib.cuMemHostUnregister(ctypes.c_void_p(addr))
+        mapping.close()
+        driver.lib.cuMemFreeHost(host)
+        driver.lib.cuMemHostUnregister(ctypes.c_void_p(anon))
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", default="/tmp/coldsnap-probe", help="where the file goes (default /tmp/coldsnap-probe)")
     p.add_argument("--gib", type=float, default=10.0)
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--checks", type=int, default=64)
-    p.add_argument("--ways", default="buffered:8,mapped:8,mapped:16,mapped:4,mapped:8:16,mapped:8:256",
-                   help="comma-separated MODE:THREADS[:CHUNK_MIB] (chunk: mapped only)")
+    p.add_argument("--ways", default="buffered:8,mapped:8,mapped:4,mapped:2,mapped:8:64,mapped:8:1024",
+                   help="comma-separated MODE:THREADS[:WINDOW_MIB] (window: mapped only)")
+    p.add_argument("--dma", action="store_true", help="first, copy rates alone from each kind of host memory")
     p.add_argument("--out")
     a = p.parse_args()
     os.makedirs(a.dir, exist_ok=True)
@@ -90,6 +145,7 @@ def main() -> int:
     driver.call("cuMemsetD8_v2", buf.ptr, 0, length)
     fd = os.open(path, os.O_RDONLY)
     runs = []
+    dma = dma_rates(driver, buf.ptr, fd, base, length) if a.dma else []
     try:
         for r in range(a.repeat):
             for way in a.ways.split(","):
@@ -97,8 +153,10 @@ def main() -> int:
                 t = time.monotonic()
                 extra: dict = {}
                 if mode == "mapped":
-                    kw = {"chunk": int(chunk[0]) << 20} if chunk else {}
-                    extra = fill_mapped(driver, device, buf.ptr, fd, base, whole_section(length), int(threads), **kw)
+                    kw = {"window": int(chunk[0]) << 20} if chunk else {}
+                    extra, release = fill_mapped(driver, device, buf.ptr, fd, base, whole_section(length),
+                                                 int(threads), **kw)
+                    extra["unregister_s"] = release()  # after the clock: a restore does it once it served
                 else:
                     fill_buffered(driver, device, buf.ptr, fd, base, whole_section(length), int(threads))
                 s = time.monotonic() - t
@@ -112,7 +170,7 @@ def main() -> int:
         buf.close()
     doc = {"command": " ".join(["python3", *sys.argv]), "kernel": platform.release(), "filesystem": fs,
            "bytes": length, "file_written_s": round(made_s, 2), "warm_read_s": round(warm_s, 2),
-           "warm_read_gbs": round(length / warm_s / 1e9, 2), "runs": runs}
+           "warm_read_gbs": round(length / warm_s / 1e9, 2), "dma": dma, "runs": runs}
     print(json.dumps(doc, indent=1))
     if a.out:
         with open(a.out, "w") as f:
