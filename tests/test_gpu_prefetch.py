@@ -164,12 +164,19 @@ def test_a_file_not_in_the_page_cache_is_read_through_buffers_and_the_report_say
 
 
 # --- a tensor-parallel rank's plan: only its parts, packed ---------------------------------------------------------
-def _run_jobs_on_the_host(path: str, pieces, chunk: int) -> bytearray:
-    """What fill() does on the GPU, done with bytes: each job reads its range, copies `rows` rows of `width`."""
+def _run_jobs_on_the_host(path: str, pieces, chunk: int, window: int | None = None) -> bytearray:
+    """What a fill does on the GPU, done with bytes: each job reads its range, copies `rows` rows of `width`.
+    window: the jobs cut at multiples of it in the file, as the mapped fill cuts them; none may read across one."""
+    from coldsnap.gpu.prefetch import cut_at_windows
+
     base, length = data_section(path)
     data = open(path, "rb").read()[base:]
     packed = bytearray(packed_layout(pieces)[1])
-    for offset, pitch, width, rows, dst in copy_jobs(pieces, chunk):
+    jobs = copy_jobs(pieces, chunk)
+    if window:
+        jobs = cut_at_windows(jobs, base, window)
+        assert all((base + j[0]) // window == (base + j[0] + read_bytes(j) - 1) // window for j in jobs)
+    for offset, pitch, width, rows, dst in jobs:
         assert read_bytes((offset, pitch, width, rows, dst)) <= max(chunk, width)
         read = data[offset:offset + read_bytes((offset, pitch, width, rows, dst))]
         for r in range(rows):
@@ -177,8 +184,10 @@ def _run_jobs_on_the_host(path: str, pieces, chunk: int) -> bytearray:
     return packed
 
 
-@pytest.mark.parametrize("chunk", [16 << 20, 3000, 100], ids=["chunks", "rows-per-job", "parts-of-rows"])
-def test_a_ranks_plan_packs_exactly_its_shards(tmp_path, chunk):
+@pytest.mark.parametrize("chunk,window", [(16 << 20, None), (3000, None), (100, None), (3000, 4096), (100, 256)],
+                         ids=["chunks", "rows-per-job", "parts-of-rows", "rows-cut-at-windows",
+                              "parts-cut-at-windows"])
+def test_a_ranks_plan_packs_exactly_its_shards(tmp_path, chunk, window):
     """Each rank's plan covers its shards (whole tensors, dim-0 ranges, a part of every row for dim 1), and the
     packed memory, cut into jobs of any size, holds the same tensors the engine loads from the file."""
     cfg = ModelConfig(layers=2, hidden=64, heads=4, intermediate=176, max_seq=64, prefill_chunk=16)
@@ -196,7 +205,7 @@ def test_a_ranks_plan_packs_exactly_its_shards(tmp_path, chunk):
         starts, size = packed_layout(pieces)
         assert all(s % ALIGN == 0 for s in starts) and size < length
         sizes.append(size)
-        packed = _run_jobs_on_the_host(path, pieces, chunk)
+        packed = _run_jobs_on_the_host(path, pieces, chunk, window)
         parts = packed_parts(torch.frombuffer(packed, dtype=torch.uint8), header, names, mine)
         for n in names:
             assert torch.equal(parts[n], want[n]), (rank, n)
@@ -316,3 +325,54 @@ def test_a_rank_takes_only_the_prefetcher_on_its_own_gpu(tmp_path):
     runner.release(save_to=str(tmp_path / "saved.safetensors"))
     reload = runner.resume(prefetched={"GPU-00000000-0000-0000-0000-000000000000": str(tmp_path / "none.sock")})
     assert reload["weights_reload"]["bytes"] > 0 and "prefetch_error" not in reload["weights_reload"]
+
+
+# --- the mapped fill's order of work, with a stand-in for the driver (the GPU runs the real one above) -----------
+class _StandInDriver:
+    """Stands in for libcuda where there is no GPU: registrations are recorded (one can be made to fail), and each
+    copy reads the host memory it is given, so a wrong address or a copy before its window is registered shows."""
+
+    def __init__(self, fail_at: int | None = None):
+        self.registered, self.copies, self.fail_at, self.calls = {}, [], fail_at, 0
+        self.lib = NS(cuStreamSynchronize=lambda s: 0, cuStreamDestroy_v2=lambda s: 0,
+                      cuMemHostUnregister=lambda p: self.registered.pop(p.value))
+
+    def use_primary_context(self, device):
+        return "ctx"
+
+    def call(self, fn, *args):
+        from coldsnap.gpu.vmm import CudaError
+
+        if fn == "cuMemHostRegister_v2":
+            self.calls += 1
+            if self.calls == self.fail_at:
+                raise CudaError("cuMemHostRegister_v2 failed: CUDA_ERROR_NOT_SUPPORTED (801)")
+            self.registered[args[0].value] = args[1]
+        elif fn == "cuMemcpyHtoDAsync_v2":
+            dst, src, n, _ = args
+            assert any(p <= src and src + n <= p + size for p, size in self.registered.items()), "not registered"
+            self.copies.append((dst, __import__("ctypes").string_at(src, n)))
+
+
+def test_the_mapped_fill_copies_each_range_from_a_registered_window_and_gives_everything_back(tmp_path):
+    from coldsnap.gpu.prefetch import fill_mapped, whole_section
+
+    path = tmp_path / "w.safetensors"
+    data = os.urandom(5 << 20)
+    path.write_bytes((13).to_bytes(8, "little") + b'{"a":"bcdef"}' + data)  # a data section off the page
+    base, length = data_section(str(path))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        driver = _StandInDriver()
+        stats, release = fill_mapped(driver, 0, 0, fd, base, whole_section(length), 3, window=1 << 20)
+        assert stats["windows"] == 6 and stats["resident"] == 1.0
+        assert b"".join(chunk for _, chunk in sorted(driver.copies)) == data
+        assert release() >= 0 and driver.registered == {}
+        failing = _StandInDriver(fail_at=3)
+        from coldsnap.gpu.vmm import CudaError
+
+        with pytest.raises(CudaError, match="NOT_SUPPORTED"):
+            fill_mapped(failing, 0, 0, fd, base, whole_section(length), 2, window=1 << 20)
+        assert failing.registered == {}  # what it had registered went back
+    finally:
+        os.close(fd)

@@ -113,6 +113,28 @@ def read_bytes(job: tuple[int, int, int, int, int]) -> int:
     return pitch * (rows - 1) + width
 
 
+def cut_at_windows(jobs: list, base: int, window: int) -> list:
+    """The jobs, none reading across a multiple of `window` in the file (base: the data section's offset there),
+    for a copy must come from one registration. Rows that fit below the boundary stay one job; a row across it
+    becomes two. Each job must read at most `window` bytes (copy_jobs with chunk <= window)."""
+    out = []
+    for offset, pitch, width, rows, dst in jobs:
+        r = 0
+        while r < rows:
+            start = base + offset + r * pitch
+            end = (start // window + 1) * window
+            fit = 0 if start + width > end else min(rows - r, (end - start - width) // pitch + 1)
+            if fit:
+                out.append((offset + r * pitch, pitch if fit > 1 else width, width, fit, dst + r * width))
+                r += fit
+            else:
+                k = end - start
+                out += [(offset + r * pitch, k, k, 1, dst + r * width),
+                        (offset + r * pitch + k, width - k, width - k, 1, dst + r * width + k)]
+                r += 1
+    return out
+
+
 def split_jobs(jobs: list, threads: int) -> list[list]:
     """Consecutive runs of jobs with about the same bytes to read each (a thread reads on through the file)."""
     total = sum(read_bytes(j) for j in jobs)
@@ -239,13 +261,13 @@ def fill_mapped(driver, device: int, ptr: int, fd: int, base: int, pieces: list[
     """The same result as fill_buffered, with the GPU reading the page cache itself, so each byte crosses host
     memory once: the file is mapped read-only, `threads` threads register the windows of it that the pieces touch
     with the driver (which pins the pages where they are), in file order, and the copies of each job go out on one
-    stream as soon as the windows under it are in (a copy from registered memory runs at the PCIe rate).
+    stream as soon as the window under it is in (a copy from registered memory runs at the PCIe rate).
     Returns (what it measured, release): release() unregisters and unmaps, once the copies are done, and returns
     the seconds that took. Raises NotResident when the page cache holds too little of the file (parallel reads do
     better from disk) and CudaError when the driver can't register a file's pages; either way nothing is held."""
     from coldsnap.gpu.vmm import CUDA_MEMCPY2D, HOSTREGISTER_READ_ONLY, STREAM_NON_BLOCKING, CudaError
 
-    jobs = copy_jobs(pieces)
+    jobs = cut_at_windows(copy_jobs(pieces, min(CHUNK, window)), base, window)
     spans = [(base + j[0], base + j[0] + read_bytes(j)) for j in jobs]  # file bytes each job reads
     mapping = FileMapping(fd)
     wanted = sorted({w for a, b in spans for w in range(a // window, (b - 1) // window + 1)})
@@ -261,7 +283,16 @@ def fill_mapped(driver, device: int, ptr: int, fd: int, base: int, pieces: list[
     t0 = time.monotonic()
     reg_end = [t0]
 
+    def fail(e: BaseException) -> None:  # the issuing thread raises it; nothing waits on a window after
+        failed.append(e)
+        for event in done.values():
+            event.set()
+
     def register() -> None:
+        try:
+            driver.call("cuCtxSetCurrent", ctx)
+        except BaseException as e:  # noqa: BLE001
+            fail(e)
         while not failed:
             with lock:
                 w = next(order, None)
@@ -271,13 +302,13 @@ def fill_mapped(driver, device: int, ptr: int, fd: int, base: int, pieces: list[
             try:
                 driver.call("cuMemHostRegister_v2", ctypes.c_void_p(mapping.addr + lo),
                             min(window, mapping.length - lo), HOSTREGISTER_READ_ONLY)
-                with lock:
-                    registered.append(lo)
-                    reg_end[0] = max(reg_end[0], time.monotonic())
-            except BaseException as e:  # noqa: BLE001 - the issuing thread raises it
-                failed.append(e)
-            finally:
-                done[w].set()
+            except BaseException as e:  # noqa: BLE001
+                fail(e)
+                return
+            with lock:
+                registered.append(lo)
+                reg_end[0] = max(reg_end[0], time.monotonic())
+            done[w].set()
 
     def release() -> float:
         t = time.monotonic()
@@ -297,15 +328,14 @@ def fill_mapped(driver, device: int, ptr: int, fd: int, base: int, pieces: list[
     descs = [CUDA_MEMCPY2D() for j in jobs if j[3] > 1]  # each 2D copy's own, alive until the stream is done
     try:
         driver.call("cuCtxSetCurrent", ctx)
-        for job, (a, b) in zip(jobs, spans):
-            for w in range(a // window, (b - 1) // window + 1):
-                done[w].wait()
+        for job, (a, _) in zip(jobs, spans):
+            done[a // window].wait()  # the one window it reads from (cut_at_windows)
             if failed:
                 raise failed[0]
             _copy_async(driver, descs.pop() if job[3] > 1 else None, mapping.addr + a, job, ptr, stream)
         driver.call("cuStreamSynchronize", stream)
     except BaseException:
-        failed.append(CudaError("abandoned"))
+        fail(CudaError("abandoned"))
         for t in workers:
             t.join()
         driver.lib.cuStreamSynchronize(stream)
