@@ -125,8 +125,8 @@ def main() -> int:
     p.add_argument("--gib", type=float, default=10.0)
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--checks", type=int, default=64)
-    p.add_argument("--ways", default="buffered:8,mapped:8,mapped:4,mapped:2,mapped:8:64,mapped:8:1024",
-                   help="comma-separated MODE:THREADS[:WINDOW_MIB] (window: mapped only)")
+    p.add_argument("--ways", default="buffered:8,mapped:8,mapped:4,mapped:8:256:16,mapped:8:64,mapped:8:1024",
+                   help="comma-separated MODE:THREADS[:WINDOW_MIB[:COPY_MIB]] (window, copy: mapped only)")
     p.add_argument("--dma", action="store_true", help="first, copy rates alone from each kind of host memory")
     p.add_argument("--out")
     a = p.parse_args()
@@ -154,6 +154,8 @@ def main() -> int:
                 extra: dict = {}
                 if mode == "mapped":
                     kw = {"window": int(chunk[0]) << 20} if chunk else {}
+                    if len(chunk) > 1:
+                        kw["copy"] = int(chunk[1]) << 20
                     extra, release = fill_mapped(driver, device, buf.ptr, fd, base, whole_section(length),
                                                  int(threads), **kw)
                     extra["unregister_s"] = release()  # after the clock: a restore does it once it served
