@@ -91,8 +91,7 @@ def restore_limit(bw: dict, images_bytes: int, weights_bytes: int, weights_in_im
     """Lower bound of a restore's data movement: CRIU's images pass through host memory once (page cache →
     process pages, a memcpy); GPU state then crosses PCIe (pinned H2D). With the weights in the images (native,
     an engine that cannot save them) the GPU state is inside the images (counted for both); with the weights apart
-    (recovery's pinned file, native's saved payload) the GPU reads their file's pages straight from the page cache
-    (registered with the driver, as the prefetcher does: nothing on the host copies them), at the H2D rate.
+    (recovery's pinned file, native's saved payload) their file is read from page cache and copied to the GPU.
     Host copies count at the parallel rate (several threads), since a restore may use several: the hydrate does.
     from_disk (page cache dropped before each sample): every byte, images and weights, is first read from disk at
     the parallel disk rate measured; without that rate there is no limit to give."""
@@ -108,12 +107,9 @@ def restore_limit(bw: dict, images_bytes: int, weights_bytes: int, weights_in_im
         return {}
     host_s = images_bytes / (memcpy * 1e9)
     gpu_bytes = images_bytes if weights_in_images else weights_bytes
-    # Weights apart and in the page cache cross once, by DMA; anything else is first read or copied on the host.
-    through_host = weights_in_images or from_disk
-    gpu_s = gpu_bytes / ((min(h2d, memcpy, read) if through_host else h2d) * 1e9) if h2d else 0.0
+    gpu_s = gpu_bytes / (min(h2d, memcpy, read) * 1e9) if h2d else 0.0
     return {"images_bytes": images_bytes, "gpu_bytes_upper": gpu_bytes, "host_s": round(host_s, 3),
             "gpu_s": round(gpu_s, 3), "limit_s": round(host_s + gpu_s, 3),
             "source": "disk (parallel reads, page cache dropped)" if from_disk else "page cache",
-            "assumption": "bytes / measured bandwidth (host copies at the parallel rate); weights apart go from the "
-                          "page cache to the GPU by DMA at the H2D rate; weights in the images count all image bytes "
-                          "as GPU bytes (an upper bound)"}
+            "assumption": "bytes / measured bandwidth (host copies at the parallel rate); weights in the images "
+                          "count all image bytes as GPU bytes (an upper bound)"}
