@@ -249,7 +249,7 @@ def test_a_restore_hands_each_gpu_its_ranks_plan_and_cleans_up(monkeypatch, tmp_
     a, c = (proc.args for proc in p.procs)
     plan = a[a.index("--plan") + 1]
     assert json.loads(open(plan).read()) == pieces and os.stat(plan).st_mode & 0o777 == 0o600
-    assert "--plan" not in c and a[a.index("--threads") + 1] == "8" and a[a.index("--mode") + 1] == "mapped"
+    assert "--plan" not in c and a[a.index("--threads") + 1] == "8" and a[a.index("--mode") + 1] == "buffered"
     deadline = time.monotonic() + 30
     while not all(os.path.exists(sock) for sock in p.sockets.values()):  # they listen, waiting for an engine
         assert time.monotonic() < deadline, "the prefetchers did not listen"
@@ -260,7 +260,7 @@ def test_a_restore_hands_each_gpu_its_ranks_plan_and_cleans_up(monkeypatch, tmp_
     assert "COLDSNAP_PREFETCH_THREADS='lots'" in start_prefetch(profile, True, {}, tmp_path).skipped
     monkeypatch.delenv("COLDSNAP_PREFETCH_THREADS")
     monkeypatch.setenv("COLDSNAP_PREFETCH_MODE", "dma")
-    assert "COLDSNAP_PREFETCH_MODE='dma' is not one of mapped, buffered" in \
+    assert "COLDSNAP_PREFETCH_MODE='dma' is not one of buffered, mapped" in \
         start_prefetch(profile, True, {}, tmp_path).skipped
 
 

@@ -250,7 +250,7 @@ class FileMapping:
         vec = ctypes.create_string_buffer(pages)
         if pages == 0 or _libc.mincore(self.addr + lo, hi - lo, vec) != 0:
             return 0.0
-        return sum(b & 1 for b in vec.raw) / pages
+        return 1 - vec.raw[:pages].count(0) / pages  # a page in the cache is 1 (the other bits are reserved, 0)
 
     def close(self) -> None:
         _libc.munmap(self.addr, self.length)
@@ -261,12 +261,13 @@ def fill_mapped(driver, device: int, ptr: int, fd: int, base: int, pieces: list[
     """The same result as fill_buffered, with the GPU reading the page cache itself, so each byte crosses host
     memory once: the file is mapped read-only, `threads` threads register the windows of it that the pieces touch
     with the driver (which pins the pages where they are), in file order, and the copies of each job go out on one
-    stream as soon as the window under it is in (a copy from registered memory runs at the PCIe rate).
+    stream as soon as the window under it is in. A copy from a registered mapping runs at the PCIe rate (55 GB/s
+    on the H200 machine, the first one too), but registering runs at about 33 GB/s whatever the threads, and
+    copies barely overlap it, so there the whole is no faster than fill_buffered.
     Returns (what it measured, release): release() unregisters and unmaps, once the copies are done, and returns
-    the seconds that took. copy: bytes per copy (default: a window; 16 MiB copies from registered memory ran at a
-    quarter of the PCIe rate on an H200). Raises NotResident when the page cache holds too little of the file
-    (parallel reads do better from disk) and CudaError when the driver can't register a file's pages; either way
-    nothing is held."""
+    the seconds that took. copy: bytes per copy (default: a window). Raises NotResident when the page cache holds
+    too little of the file (parallel reads do better from disk) and CudaError when the driver can't register a
+    file's pages; either way nothing is held."""
     from coldsnap.gpu.vmm import CUDA_MEMCPY2D, HOSTREGISTER_READ_ONLY, STREAM_NON_BLOCKING, CudaError
 
     jobs = cut_at_windows(copy_jobs(pieces, min(copy or window, window)), base, window)
@@ -353,14 +354,15 @@ def plan_digest(pieces: list[Piece]) -> str:
     return hashlib.sha256(json.dumps([list(p) for p in pieces], separators=(",", ":")).encode()).hexdigest()
 
 
-MODES = ("mapped", "buffered")
+MODES = ("buffered", "mapped")
 
 
 def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float, hold: bool = False,
-          pieces: list[Piece] | None = None, mode: str = "mapped") -> dict:
+          pieces: list[Piece] | None = None, mode: str = "buffered") -> dict:
     """Listen at sock_path, load, hand the memory to the first engine that connects; return what happened.
     pieces: load only these parts of the data section, packed (a tensor-parallel rank's shards); default all of it.
-    mode: "mapped" (fill_mapped; fill_buffered where it can't be, the report says why) or "buffered".
+    mode: "buffered" (fill_buffered) or "mapped" (fill_mapped; fill_buffered where it can't be, the report says
+    why). On the H200 machine the mapped fill is no faster: see docs/benchmarks.md.
     hold: once served, keep the memory and the context until stdin closes: freeing them (and tearing the context
     down) while the engine captures its CUDA graphs and answers its first request slowed both down."""
     from coldsnap.gpu.vmm import CudaError, Driver, ExportableBuffer
@@ -480,9 +482,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--socket", required=True, help="UNIX socket path to serve the memory at (created, 0600)")
     p.add_argument("--threads", type=int, default=8, help="parallel readers (default 8)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the engine (default 120)")
-    p.add_argument("--mode", choices=MODES, default="mapped",
-                   help="mapped: the GPU copies from the file's pages in the page cache, registered with the driver "
-                        "(default; buffered where the driver refuses); buffered: read into pinned buffers first")
+    p.add_argument("--mode", choices=MODES, default="buffered",
+                   help="buffered: read into pinned buffers, copied from there (default); mapped: the GPU copies "
+                        "from the file's own pages in the page cache, registered with the driver (buffered where "
+                        "they can't be)")
     p.add_argument("--hold", action="store_true", help="once served, free nothing until stdin closes")
     p.add_argument("--plan", help="JSON file: [[offset, width, rows, pitch], ...] of the data section to load, "
                                   "packed (a tensor-parallel rank's part); default the whole data section")

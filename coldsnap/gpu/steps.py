@@ -138,7 +138,7 @@ def start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir) -
     threads = os.environ.get("COLDSNAP_PREFETCH_THREADS", "8")  # readers per prefetcher (they compete with CRIU)
     if not threads.isdigit() or int(threads) < 1:
         return Prefetch(skipped=f"COLDSNAP_PREFETCH_THREADS={threads!r} is not a positive number")
-    mode = os.environ.get("COLDSNAP_PREFETCH_MODE", "mapped")  # how the weights reach the GPU (prefetch.MODES)
+    mode = os.environ.get("COLDSNAP_PREFETCH_MODE", "buffered")  # how the weights reach the GPU (prefetch.MODES)
     if mode not in MODES:
         return Prefetch(skipped=f"COLDSNAP_PREFETCH_MODE={mode!r} is not one of {', '.join(MODES)}")
     p = Prefetch()
