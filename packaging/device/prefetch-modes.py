@@ -20,6 +20,7 @@ import random
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.getcwd())
 
@@ -128,7 +129,8 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--checks", type=int, default=64)
     p.add_argument("--ways", default="buffered:8,mapped:8,mapped:4,mapped:8:256:16,mapped:8:64,mapped:8:1024",
-                   help="comma-separated MODE:THREADS[:WINDOW_MIB[:COPY_MIB]] (window, copy: mapped only)")
+                   help="comma-separated MODE:THREADS[:WINDOW_MIB[:COPY_MIB]] (window, copy: mapped only); "
+                        "hybrid:THREADS:SHARE maps the first SHARE of the file and reads the rest with THREADS")
     p.add_argument("--dma", action="store_true", help="first, copy rates alone from each kind of host memory")
     p.add_argument("--out")
     a = p.parse_args()
@@ -161,6 +163,16 @@ def main() -> int:
                     extra, release = fill_mapped(driver, device, buf.ptr, fd, base, whole_section(length),
                                                  int(threads), **kw)
                     extra["unregister_s"] = release()  # after the clock: a restore does it once it served
+                elif mode == "hybrid":  # the first share mapped, the rest buffered, at once
+                    a = int(length * float(chunk[0])) if chunk else length // 2
+                    a -= a % 4096
+                    with ThreadPoolExecutor(2) as pool:
+                        m = pool.submit(fill_mapped, driver, device, buf.ptr, fd, base, [(0, a, 1, a)], 2)
+                        b = pool.submit(fill_buffered, driver, device, buf.ptr + a, fd, base + a,
+                                        whole_section(length - a), int(threads))
+                        extra, release = m.result()
+                        b.result()
+                    extra["unregister_s"] = release()
                 else:
                     fill_buffered(driver, device, buf.ptr, fd, base, whole_section(length), int(threads))
                 s = time.monotonic() - t
