@@ -164,12 +164,12 @@ def main() -> int:
                                                  int(threads), **kw)
                     extra["unregister_s"] = release()  # after the clock: a restore does it once it served
                 elif mode == "hybrid":  # the first share mapped, the rest buffered, at once
-                    a = int(length * float(chunk[0])) if chunk else length // 2
-                    a -= a % 4096
+                    cut = int(length * float(chunk[0])) if chunk else length // 2
+                    cut -= cut % 4096
                     with ThreadPoolExecutor(2) as pool:
-                        m = pool.submit(fill_mapped, driver, device, buf.ptr, fd, base, [(0, a, 1, a)], 2)
-                        b = pool.submit(fill_buffered, driver, device, buf.ptr + a, fd, base + a,
-                                        whole_section(length - a), int(threads))
+                        m = pool.submit(fill_mapped, driver, device, buf.ptr, fd, base, [(0, cut, 1, cut)], 2)
+                        b = pool.submit(fill_buffered, driver, device, buf.ptr + cut, fd, base + cut,
+                                        whole_section(length - cut), int(threads))
                         extra, release = m.result()
                         b.result()
                     extra["unregister_s"] = release()
