@@ -321,16 +321,15 @@ def fill_mapped(driver, device: int, ptr: int, fd: int, base: int, pieces: list[
         mapping.close()
         return round(time.monotonic() - t, 4)
 
-    ctx = driver.use_primary_context(device)
-    stream = ctypes.c_void_p()
-    driver.call("cuStreamCreate", ctypes.byref(stream), STREAM_NON_BLOCKING)
-    workers = [threading.Thread(target=register, name="coldsnap-prefetch-register", daemon=True)
-               for _ in range(max(1, min(threads, len(wanted))))]
-    for t in workers:
-        t.start()
+    stream, workers = ctypes.c_void_p(), []
     descs = [CUDA_MEMCPY2D() for j in jobs if j[3] > 1]  # each 2D copy's own, alive until the stream is done
     try:
-        driver.call("cuCtxSetCurrent", ctx)
+        ctx = driver.use_primary_context(device)  # current on this thread; register() makes it current on its own
+        driver.call("cuStreamCreate", ctypes.byref(stream), STREAM_NON_BLOCKING)
+        workers = [threading.Thread(target=register, name="coldsnap-prefetch-register", daemon=True)
+                   for _ in range(max(1, min(threads, len(wanted))))]
+        for t in workers:
+            t.start()
         for job, (a, _) in zip(jobs, spans):
             done[a // window].wait()  # the one window it reads from (cut_at_windows)
             if failed:
@@ -341,8 +340,9 @@ def fill_mapped(driver, device: int, ptr: int, fd: int, base: int, pieces: list[
         fail(CudaError("abandoned"))
         for t in workers:
             t.join()
-        driver.lib.cuStreamSynchronize(stream)
-        driver.lib.cuStreamDestroy_v2(stream)
+        if stream.value:
+            driver.lib.cuStreamSynchronize(stream)
+            driver.lib.cuStreamDestroy_v2(stream)
         release()
         raise
     driver.lib.cuStreamDestroy_v2(stream)
