@@ -334,6 +334,7 @@ class _StandInDriver:
 
     def __init__(self, fail_at: int | None = None):
         self.registered, self.copies, self.fail_at, self.calls = {}, [], fail_at, 0
+        self.lock = __import__("threading").Lock()  # registrations come from several threads
         self.lib = NS(cuStreamSynchronize=lambda s: 0, cuStreamDestroy_v2=lambda s: 0,
                       cuMemHostUnregister=lambda p: self.registered.pop(p.value))
 
@@ -344,8 +345,10 @@ class _StandInDriver:
         from coldsnap.gpu.vmm import CudaError
 
         if fn == "cuMemHostRegister_v2":
-            self.calls += 1
-            if self.calls == self.fail_at:
+            with self.lock:
+                self.calls += 1
+                failing = self.calls == self.fail_at
+            if failing:
                 raise CudaError("cuMemHostRegister_v2 failed: CUDA_ERROR_NOT_SUPPORTED (801)")
             self.registered[args[0].value] = args[1]
         elif fn == "cuMemcpyHtoDAsync_v2":
