@@ -223,3 +223,26 @@ def test_a_capture_onto_a_full_disk_is_an_environment_error_and_leaves_the_workl
         _run(env, "stop", "crash-full")
         subprocess.run(["umount", str(store)])
     assert_host_clean(root, env)
+
+
+def test_an_engine_that_dies_during_a_capture_is_named_as_the_cause(home):
+    """The engine killed once it is validated: the capture fails as workload-failed (exit 9), says the engine died
+    and what its log last said (the log goes with the workload's directory), and leaves nothing behind."""
+    root, env = home
+    proc = subprocess.Popen([*CLI, *CAPTURE, "--name", "crash-dies"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600
+    pid = None
+    while pid is None and time.monotonic() < deadline and proc.poll() is None:
+        validated = [j for j in journals(root) if j["kind"] == "capture"
+                     and any(t.get("kind") == "validated" for t in j["things"])]
+        pid = next((t["pid"] for j in validated for t in j["things"] if t.get("kind") == "workload"), None)
+        time.sleep(0.005)
+    assert pid, "the capture never validated its engine"
+    os.kill(pid, signal.SIGKILL)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 9, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("coldsnap: error: workload-failed: ") and "; the engine died" in last, last
+    assert "unshare:" not in last  # the launcher's complaint about the kill is not the engine's last words
+    assert_host_clean(root, env)

@@ -201,6 +201,10 @@ def test_last_words_name_the_first_fatal_event(tmp_path):
     assert last_words(log) == "bad model config: heads"
     log.write_text("Traceback (most recent call last):\n  ...\nValueError: no\nbye\n")
     assert last_words(log) == "ValueError: no"
+    log.write_text('{"event": "request", "path": "/coldsnap/release"}\nunshare: sigprocmask unblock failed: x\n')
+    assert last_words(log) == ""  # neither the launcher's complaint nor an event that is not fatal
+    log.write_text("loading\nKilled\n")
+    assert last_words(log) == "Killed"
     assert last_words(tmp_path / "missing.log") == ""
 
 

@@ -33,7 +33,7 @@ from coldsnap.contracts import capsule as mt
 from coldsnap.criu import CriuDriver, CriuOptions, criu_images_open_files, criu_stats, drop_zero_pages
 from coldsnap.engines import get_adapter
 from coldsnap.engines.lease import hold as hold_lease
-from coldsnap.flows.coldstart import start_cold
+from coldsnap.flows.coldstart import last_words, start_cold
 from coldsnap.flows.quiesce import wait_no_connections
 from coldsnap.flows.receipts import finish_receipt, receipt_on_failure
 from coldsnap.flows.resources import out_of_room
@@ -226,6 +226,12 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress, template
             "criu_stats": dump_stats,
             **({"release": released} if released else {}),
         }, profile
+    except ColdSnapError as e:
+        if cold is not None and e.code == ErrorCode.WORKLOAD_FAILED and not alive(cold.state.pid):
+            # its log goes with its run directory below: say now why it died
+            why = last_words(cold.state.log)
+            raise ColdSnapError(e.code, f"{e.message}; the engine died" + (f" ({why})" if why else "")) from None
+        raise
     finally:
         lease.release()
         if not workload_kept:

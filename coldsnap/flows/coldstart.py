@@ -95,13 +95,15 @@ def start_cold(name: str, plan: NetworkPlan | int, argv: list[str], env: dict[st
 def last_words(log) -> str:
     """Why an engine died, from its log: the first fatal event of an engine that prints JSON events (the reference
     engine; with several ranks the first is the cause, the rest follow from it), else the last line that looks like
-    an error, else the last line."""
+    an error, else the last line that is not an event (the launcher's own lines left out)."""
     import json
 
     try:
         lines = [ln.strip() for ln in open(log, errors="replace").read().splitlines()[-200:] if ln.strip()]
     except OSError:
         return ""
+    # what the namespace launcher says when the engine under it is killed, not the engine's words
+    lines = [ln for ln in lines if not ln.startswith(("unshare: ", "nsenter: "))]
     for ln in lines:
         if ln.startswith("{"):
             try:
@@ -113,4 +115,5 @@ def last_words(log) -> str:
     for ln in reversed(lines):
         if "Error" in ln or "error:" in ln.lower():
             return ln[:300]
-    return lines[-1][:300] if lines else ""
+    words = [ln for ln in lines if not ln.startswith("{")]  # an event that is not fatal says nothing of a death
+    return words[-1][:300] if words else ""
