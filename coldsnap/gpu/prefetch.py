@@ -262,7 +262,7 @@ def fill_mapped(driver, device: int, ptr: int, fd: int, base: int, pieces: list[
     memory once: the file is mapped read-only, `threads` threads register the windows of it that the pieces touch
     with the driver (which pins the pages where they are), in file order, and the copies of each job go out on one
     stream as soon as the window under it is in. A copy from a registered mapping runs at the PCIe rate (55 GB/s
-    on the H200 machine, the first one too), but registering runs at about 33 GB/s whatever the threads, and
+    on the H200 machine, the first one too), but registering runs at 33–43 GB/s whatever the threads, and
     copies barely overlap it, so there the whole is no faster than fill_buffered.
     Returns (what it measured, release): release() unregisters and unmaps, once the copies are done, and returns
     the seconds that took. copy: bytes per copy (default: a window). Raises NotResident when the page cache holds
