@@ -24,10 +24,12 @@ def coldsnap_home(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def no_workload_outlives_the_suite():
+def no_workload_outlives_the_suite(tmp_path_factory):
     """A test that fails midway can leave its workload behind (network namespace and engine), and the next run
     trips over them: the network namespaces this run made and left are emptied and removed at its end, with a
-    warning that names them."""
+    warning that names them. Another suite may be running on this host beside this one, with workloads of its own:
+    this run's are those whose processes write their log under its temporary directory, or that a journal or a
+    workload's state there names."""
     if os.geteuid() != 0 or not os.path.isdir("/run/netns"):
         yield
         return
@@ -37,7 +39,8 @@ def no_workload_outlives_the_suite():
 
     from coldsnap.flows.recovery import kill_network_namespace
 
-    left = sorted(set(_coldsnap_netns()) - before)
+    base = tmp_path_factory.getbasetemp()
+    left = [n for n in sorted(set(_coldsnap_netns()) - before) if _made_by_this_run(base, n)]
     for name in left:
         kill_network_namespace(name)
         netns.remove(name)
@@ -45,6 +48,31 @@ def no_workload_outlives_the_suite():
         import warnings
 
         warnings.warn(f"removed network namespaces this run left behind: {', '.join(left)}", stacklevel=1)
+
+
+def _made_by_this_run(base: Path, name: str) -> bool:
+    from coldsnap.base.procfs import in_network_namespace
+    from coldsnap.net import netns_inode
+
+    try:
+        pids = in_network_namespace(netns_inode(name))
+    except OSError:
+        pids = []
+    for pid in pids:
+        for fd in ("0", "1", "2"):
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(f"{base}/"):
+                    return True
+            except OSError:
+                continue
+    for path in base.rglob("*.json"):  # a failed test's directory stays, with its journals and workload states
+        if path.parent.name == "ops" or path.name == "state.json":
+            try:
+                if f'"{name}"' in path.read_text(errors="replace"):
+                    return True
+            except OSError:
+                continue
+    return False
 
 
 def _coldsnap_netns() -> list[str]:
