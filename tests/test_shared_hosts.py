@@ -159,6 +159,67 @@ def test_a_restore_of_a_running_workload_is_refused_and_touches_nothing(host):
         cli(env, "stop", first["workload"])
 
 
+def host_veths() -> set[str]:
+    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
+    return {line.split(":")[1].strip().split("@")[0] for line in out.splitlines()}
+
+
+def engine_processes() -> set[int]:
+    """PIDs of reference engines (restored or cold) on this host."""
+    out = set()
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                if b"coldsnap.engines.reference.server" in f.read():
+                    out.add(int(d))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def exactly_one_won(env, runs, name: str, refused_with: tuple[str, ...]) -> dict:
+    """Of two same-name runs, one succeeded and the other exited 6 with one line naming why, leaving nothing: the
+    winner's receipt."""
+    codes = sorted(r.returncode for r in runs)
+    assert codes == [0, 6], [(r.returncode, r.stderr[-400:]) for r in runs]
+    loser = next(r for r in runs if r.returncode == 6)
+    errors = [line for line in loser.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and any(why in errors[0] for why in refused_with), loser.stderr
+    assert json.loads(loser.stdout)["state"] == "failed"
+    listed = [w for w in json.loads(cli(env, "status", "--json").stdout)["workloads"] if w["name"] == name]
+    assert len(listed) == 1, listed
+    return json.loads(next(r for r in runs if r.returncode == 0).stdout)
+
+
+def test_two_restores_of_one_name_at_once_exactly_one_wins(host):
+    env, capsule, _ = host
+    before = (netns(), host_veths(), engine_processes())
+    for i in range(10):
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            runs = list(pool.map(lambda _: cli(env, "restore", "--capsule", capsule, "--name", "shared-race",
+                                               "--json"), range(2)))
+        won = exactly_one_won(env, runs, "shared-race", ("is running", "is being made"))
+        assert won["state"] == "succeeded" and serving(won["result"]["url"]), f"round {i + 1}"
+        assert cli(env, "stop", "shared-race").returncode == 0
+        assert (netns(), host_veths(), engine_processes()) == before, f"round {i + 1}: something was left"
+
+
+def test_two_leave_running_captures_of_one_name_at_once_exactly_one_wins(host, request):
+    env, _, _ = host
+    device = request.node.callspec.params["host"]
+    before = (netns(), host_veths(), engine_processes())
+    for i in range(2):
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            runs = list(pool.map(lambda _: cli(env, *CAPTURE[device], "--name", "shared-cap", "--leave-running",
+                                               "--json"), range(2)))
+        won = exactly_one_won(env, runs, "shared-cap", ("is running", "is being made"))
+        assert won["result"]["left_running"] and serving(
+            next(w for w in json.loads(cli(env, "status", "--json").stdout)["workloads"]
+                 if w["name"] == "shared-cap")["url"]), f"round {i + 1}"
+        assert cli(env, "stop", "shared-cap").returncode == 0
+        assert (netns(), host_veths(), engine_processes()) == before, f"round {i + 1}: something was left"
+
+
 HOG = """
 import sys, time, torch
 need = int(sys.argv[1])

@@ -6,15 +6,13 @@ A directory an operation in flight uses (its journal names the capsule) is never
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from coldsnap.base import journal
+from coldsnap.base.locks import locked
 from coldsnap.base.paths import settings
 
 COMPLETE = ".complete"
@@ -56,17 +54,9 @@ def entries() -> list[StagedCapsule]:
     return out
 
 
-@contextmanager
-def restoring(digest: str) -> Iterator[None]:
+def restoring(digest: str):
     """One restore of this capsule at a time in the block (putting its files back for CRIU, CRIU reading them)."""
-    path = root() / f".{digest.split(':', 1)[1]}.restore.lock"
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
+    return locked(root() / f".{digest.split(':', 1)[1]}.restore.lock")
 
 
 def used(digest: str) -> None:

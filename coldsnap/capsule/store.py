@@ -7,20 +7,18 @@ capsules hold process memory.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterator
 
 from coldsnap.base.digests import checked_sha256, sha256_file
 from coldsnap.base.files import atomic_write, private_dir
+from coldsnap.base.locks import locked
 from coldsnap.contracts import CapsuleProfile, ColdSnapError, ErrorCode
 from coldsnap.contracts import capsule as mt
 from coldsnap.contracts.parse import short, strict_json
@@ -141,14 +139,8 @@ class CapsuleStore:
     def _atomic_write(self, dest: Path, data: bytes) -> None:
         atomic_write(dest, data, 0o600)
 
-    @contextmanager
-    def _locked(self) -> Iterator[None]:
-        lock = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(lock)
+    def _locked(self):
+        return locked(self.root / ".lock")
 
     def index(self) -> list[dict]:
         """The store's index.json manifests (descriptor dicts), read strictly: a damaged index is one line."""

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import fcntl
 import os
 import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from coldsnap.base.locks import locked
 from coldsnap.base.paths import settings
 from coldsnap.contracts import ColdSnapError, ErrorCode
 
@@ -155,17 +153,11 @@ def first_error_line(log: Path) -> str:
 DUMP_LOCK = "/run/coldsnap-criu-dump.lock"
 
 
-@contextmanager
-def _one_dump_at_a_time() -> Iterator[None]:
+def _one_dump_at_a_time():
     """CRIU's parasite mounts the dumped task's /proc at a fixed directory of its mount namespace: two dumps of
     PID-namespace inits (both pid 1) in the host's mount namespace at once collide there ("Can't create a directory
     (-17)"). Dumps on this host take turns; restores and everything else around a dump run side by side."""
-    fd = os.open(DUMP_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
+    return locked(DUMP_LOCK)
 
 
 class CriuDriver:

@@ -43,8 +43,9 @@ from coldsnap.gpu import steps as gpu_steps
 from coldsnap.host.profile import host_profile
 from coldsnap.net import destroy_network, netns_inode
 from coldsnap.workload import hostfiles
+from coldsnap.workload.claim import claimed
 from coldsnap.workload.process import kill_tree
-from coldsnap.workload.state import WorkloadState, refuse_running, run_dir, save_state
+from coldsnap.workload.state import WorkloadState, run_dir, save_state
 
 Progress = Callable[[str], None]
 
@@ -95,6 +96,13 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress, template
     """One capture of a process tree. template: the engine's pre-device template (criu-template): dumped as soon
     as it says it is ready, then resumed once into a serving engine for the completion its restores are held to.
     template_capsule: the digest of the template captured with this one, named in the capsule's annotations."""
+    name = request.lifecycle.name or f"{request.engine.name}-{uuid.uuid4().hex[:6]}"
+    with claimed(name, "capture"):  # until a --leave-running workload's state file is written, or it is gone
+        return _capture_named(name, request, tl, progress, template, template_capsule)
+
+
+def _capture_named(name: str, request: CaptureRequest, tl: Timeline, progress: Progress, template: bool,
+                   template_capsule: str | None) -> tuple[dict, CapsuleProfile]:
     cfg = settings()
     if request.policy.quiesce != "drain":
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, "quiesce none (capture with connections in flight) is for "
@@ -102,8 +110,6 @@ def _capture(request: CaptureRequest, tl: Timeline, progress: Progress, template
     criu = CriuDriver()
     adapter = get_adapter(request.engine.name)
     launch = adapter.template_launch(request) if template else adapter.prepare(request)
-    name = request.lifecycle.name or f"{request.engine.name}-{uuid.uuid4().hex[:6]}"
-    refuse_running(name)
     leave_running = request.lifecycle.leave_running
     # Everything this capture makes is journaled before it exists: a capture killed at any point is undone by
     # whoever looks next (coldsnap.flows.recovery), and a --leave-running workload is resumed, not lost.

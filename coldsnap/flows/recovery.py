@@ -29,6 +29,7 @@ from coldsnap.engines import get_adapter
 from coldsnap.gpu import steps as gpu_steps
 from coldsnap.net import destroy_network, netns_inode
 from coldsnap.oci import records
+from coldsnap.workload.claim import CLAIM
 from coldsnap.workload.state import WorkloadState, list_states, save_state
 from coldsnap.workload.target import Target
 
@@ -44,6 +45,9 @@ def recover(progress: Progress = _quiet) -> list[str]:
     done = []
     for j in journals.entries():
         if j.owner_alive():
+            continue
+        if j.kind == CLAIM:  # a dead owner's claim holds nothing: its operation's own entry says what to undo
+            j.close()
             continue
         try:
             done.append(_undo(j))

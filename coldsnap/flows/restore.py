@@ -8,6 +8,7 @@ from __future__ import annotations
 import shutil
 import time
 import uuid
+from contextlib import ExitStack
 from typing import Callable
 
 from coldsnap.base.files import private_dir
@@ -29,9 +30,10 @@ from coldsnap.flows.spans import Timeline
 from coldsnap.flows.staging import Staged, put_back_files, reloads_weights, stage
 from coldsnap.gpu import steps as gpu_steps
 from coldsnap.net import destroy_network, netns_path, new_network
+from coldsnap.workload.claim import claimed
 from coldsnap.workload.probe import ValidationProbe
 from coldsnap.workload.process import kill_tree
-from coldsnap.workload.state import WorkloadState, refuse_running, run_dir, save_state
+from coldsnap.workload.state import WorkloadState, run_dir, save_state
 
 Progress = Callable[[str], None]
 
@@ -45,7 +47,7 @@ def restore(request: RestoreRequest, progress: Progress = _quiet) -> Receipt:
     tl = Timeline()
     op = "prepare" if request.operation == "prepare" else "restore"
     op_id = request.id or f"{op}-{uuid.uuid4().hex[:12]}"
-    with receipt_on_failure(request, op_id, op, tl):
+    with receipt_on_failure(request, op_id, op, tl), ExitStack() as held:
         pulled = {}
         if is_registry_reference(request.capsule):
             with tl.span("pull"):
@@ -63,6 +65,8 @@ def restore(request: RestoreRequest, progress: Progress = _quiet) -> Receipt:
                     capsule, verdict = template, template_verdict
         for w in verdict.warnings:
             progress(f"note: {w} (relaxed compatibility)")
+        if op == "restore":  # the name is this restore's until its state file is written, fallback included
+            held.enter_context(claimed(workload_name(request, capsule.profile), "restore"))
         if not verdict.admitted:
             return _fall_back(request, capsule, tl, op_id, verdict.refusal(), progress)
         with tl.span("stage"):
@@ -112,7 +116,6 @@ def workload_name(request: RestoreRequest, profile) -> str:
 def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progress: Progress) -> dict:
     profile = staged.capsule.profile
     name = workload_name(request, profile)
-    refuse_running(name)  # before anything is made: a refusal touches nothing
     gpu_steps.refuse_without_room(profile, request.gpu_map)
     validation = _validation(request, profile)
     criu = CriuDriver()

@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import fcntl
 import os
 import socket
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 from pyroute2 import IPRoute, netns
 
+from coldsnap.base.locks import locked
 from coldsnap.contracts import ColdSnapError, ErrorCode, NetworkPlan
 
 BASE = "169.254.237."
@@ -82,14 +81,9 @@ def namespace_route(name: str) -> IPRoute:
     return IPRoute(fileno=_on_a_thread(enter))
 
 
-@contextmanager
-def _host_lock() -> Iterator[None]:
-    fd = os.open(HOST_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
+def _host_lock():
+    """Network names, addresses and veths are host-wide: every home on the host chooses and creates them in turn."""
+    return locked(HOST_LOCK)
 
 
 def netns_path(name: str) -> str:
