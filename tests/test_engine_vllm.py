@@ -156,6 +156,93 @@ def test_prepare_container_is_the_process_launch_plus_what_it_reads(tmp_path, co
     assert bound(Path(coldsnap.__file__).resolve())
 
 
+def test_vllm_cuda_launch_turns_sleep_mode_on_and_allows_recovery(tmp_path, coldsnap_home):
+    site, model = tmp_path / "site", tmp_path / "model"
+    (site / "vllm").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text("")
+    (site / "vllm-0.26.0.dist-info").mkdir()
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"\0" * 16)
+    req = CaptureRequest(operation="capture", engine={"name": "vllm", "options": {"site": str(site),
+                                                                                  "model": str(model)}},
+                         launch={"devices": ["cuda:1"]}, policy=Policy(weights_mode="recovery"))
+    launch = get_adapter("vllm").prepare(req)
+    argv = launch.argv
+    assert argv[:4] == [sys.executable, "-m", "coldsnap.engines.seccomp", "--"]  # io_uring blocked, as on CPU
+    assert argv[argv.index("serve") + 1] == str(model) and "--enable-sleep-mode" in argv
+    assert "--enforce-eager" not in argv  # its defaults: torch.compile and CUDA graphs
+    env = launch.env
+    assert env["PYTHONPATH"] == str(site) and env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert env["CUDA_VISIBLE_DEVICES"] == "1" and env["TORCHINDUCTOR_COMPILE_THREADS"] == "1"
+    assert launch.weights_mode == "recovery" and launch.engine_version == "0.26.0"
+    with pytest.raises(ColdSnapError) as missing:
+        get_adapter("vllm").prepare(req.model_copy(update={"engine": req.engine.model_copy(
+            update={"options": {"site": str(tmp_path / "nowhere"), "model": str(model)}})}))
+    assert missing.value.code == ErrorCode.ENVIRONMENT and "vllm_carry.py" in missing.value.message
+
+
+class SleepModeStandIn:
+    """A stand-in for vLLM's dev endpoints (/is_sleeping, /sleep, /wake_up, /collective_rpc), which only its CUDA
+    build serves: it records what the adapter asked, in order. The real server answers them on the GPU machine
+    (tests/test_engine_vllm_gpu.py)."""
+
+    def __init__(self, sleep_mode: bool = True):
+        import http.server
+        import threading
+
+        calls = self.calls = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def answer(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length).decode() if length else ""
+                calls.append((self.command, self.path, body))
+                ok = sleep_mode or not self.path.startswith("/is_sleeping")
+                self.send_response(200 if ok else 404)
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            do_GET = do_POST = answer
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def paths(self) -> list[str]:
+        return [path for method, path, body in self.calls if method == "POST"]
+
+
+@pytest.mark.parametrize("mode, woken", [
+    ("native", ["/wake_up"]),
+    ("recovery", ["/wake_up?tags=weights", "/collective_rpc", "/wake_up?tags=kv_cache"]),
+])
+def test_vllm_sleeps_before_the_checkpoint_and_wakes_after_the_restore(mode, woken):
+    server = SleepModeStandIn()
+    adapter = get_adapter("vllm")
+    released = adapter.before_capture("127.0.0.1", server.port, True, mode)
+    level = {"native": 1, "recovery": 2}[mode]
+    assert released["sleep_level"] == level and server.paths() == [f"/sleep?level={level}"]
+    resumed = adapter.after_restore("127.0.0.1", server.port, bool(released), mode)
+    assert server.paths()[1:] == woken and len(resumed) == len(woken)
+    if mode == "recovery":
+        assert json.loads(server.calls[-2][2]) == {"method": "reload_weights"}
+    server.server.shutdown()
+
+
+def test_vllm_without_sleep_mode_releases_nothing():
+    server = SleepModeStandIn(sleep_mode=False)  # the CPU build: no dev endpoints
+    adapter = get_adapter("vllm")
+    assert adapter.before_capture("127.0.0.1", server.port, True, "native") == {}
+    assert adapter.after_restore("127.0.0.1", server.port, False, "native") == {}
+    assert server.paths() == []
+    server.server.shutdown()
+
+
 def test_the_reference_engine_has_a_container_launch_and_a_bare_launch_is_refused(coldsnap_home):
     import coldsnap
     from coldsnap.contracts import ColdSnapError

