@@ -381,6 +381,49 @@ def test_tiny_model_is_made_locally_and_deterministically(tmp_path):
     assert (tmp_path / "a" / "tokenizer.json").exists() and tinymodel.is_complete(tmp_path / "a")
 
 
+CHECK_SHAPED = r"""
+import json, sys
+from pathlib import Path
+from safetensors import safe_open
+from transformers import AutoTokenizer
+d = Path(sys.argv[1])
+index = json.loads((d / "model.safetensors.index.json").read_text())
+vocab = len(AutoTokenizer.from_pretrained(d))
+shards = sorted(set(index["weight_map"].values()))
+sizes = 0
+for shard in shards:
+    with safe_open(str(d / shard), "pt") as f:
+        for name in f.keys():
+            t = f.get_tensor(name)
+            sizes += t.numel() * t.element_size()
+            if name == "lm_head.weight":
+                head_tail_zero = bool((t[vocab:] == 0).all()) and bool((t[:vocab] != 0).any())
+print(json.dumps({"shards": len(shards), "bytes": sizes, "index_bytes": index["metadata"]["total_size"],
+                  "head_tail_zero": head_tail_zero, "dtype": str(t.dtype), "tensors": len(index["weight_map"])}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_llama_of_real_shape_is_written_shard_by_shard(tmp_path):
+    """The GPU tests' 1 GB model (--shape 1b), made here as on the GPU machine: Llama's tensors, in bf16, listed by
+    its index, and lm_head rows past the tokenizer's vocabulary zero (greedy decoding picks only spellable tokens)."""
+    python = ensure_engine("vllm", VLLM_VENV)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    r = subprocess.run([python, "-m", "coldsnap.engines.tinymodel", str(tmp_path / "m"), "--shape", "1b"], env=env,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["torch_dtype"] == "bfloat16"
+    assert tinymodel.is_complete(tmp_path / "m", shape="1b") and not tinymodel.is_complete(tmp_path / "m")
+    r = subprocess.run([python, "-c", CHECK_SHAPED, str(tmp_path / "m")], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    facts = json.loads(r.stdout)
+    assert facts["bytes"] == facts["index_bytes"] and 0.95e9 < facts["bytes"] < 1.1e9, facts
+    assert facts["dtype"] == "torch.bfloat16" and facts["head_tail_zero"], facts
+    assert facts["tensors"] == 3 + 9 * cfg["num_hidden_layers"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
 def test_vllm_cold_capture_restore_identical(engine_home):
