@@ -11,6 +11,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
+from coldsnap.base.paths import settings
+
 KEEP_MODE = -1
 
 
@@ -84,7 +86,7 @@ class WriteBehind:
 
     def __init__(self, fd: int, offset: int = 0):
         self.fd, self.end, self.started = fd, offset, offset
-        mib = os.environ.get("COLDSNAP_WRITEBACK_MIB", "")
+        mib = settings().writeback_mib
         self.window = int(mib) << 20 if mib.isdigit() else WRITEBACK_WINDOW
 
     def wrote(self, nbytes: int) -> None:

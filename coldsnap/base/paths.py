@@ -1,10 +1,70 @@
-"""Where ColdSnap keeps things. One place; every path can be moved with an environment variable."""
+"""ColdSnap's settings: every COLDSNAP_* environment variable is read here and nowhere else (docs/settings.md lists
+them; tests/test_settings.py holds the code and the docs to the same list). Stdlib only: the shim's pass-through
+path reads its run directory here too."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Variable:
+    name: str
+    default: str  # as documented ("" : unset)
+    effect: str
+
+
+# name, default, effect: the table docs/settings.md shows (tests/test_settings.py checks they agree)
+VARIABLES = (
+    Variable("COLDSNAP_HOME", "/var/lib/coldsnap", "where ColdSnap keeps its state; the other paths default under it"),
+    Variable("COLDSNAP_STORE", "$COLDSNAP_HOME/store", "the local capsule store (an OCI image layout)"),
+    Variable("COLDSNAP_RUN", "/run/coldsnap", "workloads' run directories and state, operation journals, shim records"),
+    Variable("COLDSNAP_RECEIPTS", "$COLDSNAP_HOME/receipts", "where receipts are written"),
+    Variable("COLDSNAP_STAGED", "$COLDSNAP_HOME/staged", "capsules unpacked for restore, one directory per digest"),
+    Variable("COLDSNAP_STAGED_MAX_GIB", "a quarter of its file system", "the staging area's cap (least recently used "
+             "capsules go first)"),
+    Variable("COLDSNAP_CRIU_PREFIX", "$COLDSNAP_HOME/criu", "the provisioned CRIU (bin/criu, pycriu)"),
+    Variable("COLDSNAP_CRIU", "", "a CRIU binary to use instead of the prefix's"),
+    Variable("COLDSNAP_RUNC", "", "the runc coldsnap-runtime wraps (else /etc/coldsnap/runtime.json, else PATH)"),
+    Variable("COLDSNAP_SIGNING_KEY", "", "a PEM private key to sign capsules with (else the host's own key)"),
+    Variable("COLDSNAP_POLICY_FILE", "/etc/coldsnap/policy.json", "the restore policy (who may restore what)"),
+    Variable("COLDSNAP_REGISTRY_USER", "", "registry user name when ~/.docker/config.json has none"),
+    Variable("COLDSNAP_REGISTRY_PASSWORD", "", "registry password or token (never logged)"),
+    Variable("COLDSNAP_INSECURE_REGISTRIES", "", "comma-separated HOST[:PORT]s pulled from over plain HTTP"),
+    Variable("COLDSNAP_PULL_PIECES", "1", "0: pull each blob in one stream instead of parallel pinned pieces"),
+    Variable("COLDSNAP_WRITEBACK_MIB", "32", "write-back window of large files; 0 leaves it to the kernel"),
+    Variable("COLDSNAP_LAYER_MAX_MIB", "1024", "the largest container file-system layer a capture packs"),
+    Variable("COLDSNAP_LAZY_PAGES", "0", "1: CRIU restores memory pages lazily (userfaultfd)"),
+    Variable("COLDSNAP_CODE_STASH", "1", "0: CUDA device code stays in the engine's memory at capture"),
+    Variable("COLDSNAP_PREFETCH", "1", "0: no GPU weight prefetch during a restore"),
+    Variable("COLDSNAP_PREFETCH_THREADS", "8", "readers per weight prefetcher"),
+    Variable("COLDSNAP_PREFETCH_MODE", "buffered", "how prefetched weights reach the GPU: buffered or mapped"),
+    Variable("COLDSNAP_LIBCUDA", "", "the libcuda.so.1 to load first"),
+    Variable("COLDSNAP_TINY_MODEL", "/var/lib/coldsnap/fixtures/tiny-llama", "where model=tiny is made and read"),
+    Variable("COLDSNAP_VLLM_VENV", "/var/lib/coldsnap/venvs/vllm", "the vLLM CPU build's venv"),
+    Variable("COLDSNAP_SGLANG_VENV", "/var/lib/coldsnap/venvs/sglang", "the SGLang CPU build's venv"),
+    Variable("COLDSNAP_VLLM_CUDA_SITE", "/tmp/vllm-site", "where vLLM's CUDA build is installed (GPU machine)"),
+    Variable("COLDSNAP_RESULTS", "the checkout's bench/results", "result files `coldsnap capabilities` cites"),
+    Variable("COLDSNAP_DEBUG", "", "1: an internal error prints its traceback"),
+    Variable("COLDSNAP_CLI", "the coldsnap beside the interpreter", "the coldsnap command sparkrun's plugin runs"),
+    Variable("COLDSNAP_DOCKER_EXEC_ROOT", "/run/docker", "dockerd's exec root, for sparkrun's plugin"),
+    Variable("COLDSNAP_SPARKRUN_MODE", "", "set by `sparkrun coldsnap capture/restore` for the plugin's executor"),
+    Variable("COLDSNAP_SPARKRUN_RECORD", "", "where the plugin's executor records what it started (capture)"),
+    Variable("COLDSNAP_SPARKRUN_VENV", "/var/lib/coldsnap/venvs/sparkrun", "sparkrun's venv (the sparkrun bench)"),
+)
+
+
+def _env(name: str) -> str | None:
+    value = os.environ.get(name)
+    return value if value else None
+
+
+def _flag(name: str, default: bool) -> bool:
+    """'0' is off, any other value on; unset is the default."""
+    value = os.environ.get(name)
+    return default if value is None or value == "" else value != "0"
 
 
 @dataclass(frozen=True)
@@ -15,7 +75,34 @@ class Settings:
     receipts: Path
     staged: Path  # capsules unpacked for restore, one directory per capsule digest (coldsnap.flows.staging)
     criu_prefix: Path
-    criu_binary: str | None  # explicit CRIU entry point; wins over the prefix
+    criu_binary: str | None = None  # explicit CRIU entry point; wins over the prefix
+    staged_max_gib: str | None = None
+    runc: str | None = None
+    signing_key: str | None = None
+    policy_file: Path = Path("/etc/coldsnap/policy.json")
+    registry_user: str | None = None
+    registry_password: str | None = field(default=None, repr=False)
+    insecure_registries: frozenset[str] = frozenset()
+    pull_pieces: bool = True
+    writeback_mib: str = ""
+    layer_max_mib: str = "1024"
+    lazy_pages: bool = False
+    code_stash: bool = True
+    prefetch: bool = True
+    prefetch_threads: str = "8"
+    prefetch_mode: str = "buffered"
+    libcuda: str | None = None
+    tiny_model: Path = Path("/var/lib/coldsnap/fixtures/tiny-llama")
+    vllm_venv: str | None = None
+    sglang_venv: str | None = None
+    vllm_cuda_site: Path = Path("/tmp/vllm-site")
+    results: str | None = None
+    debug: bool = False
+    cli: str | None = None
+    docker_exec_root: str | None = None
+    sparkrun_mode: str = ""
+    sparkrun_record: str | None = None
+    sparkrun_venv: Path = Path("/var/lib/coldsnap/venvs/sparkrun")
 
     @property
     def code(self) -> Path:
@@ -34,6 +121,8 @@ class Settings:
 
 
 def settings() -> Settings:
+    """The settings as the environment gives them now (read whole, each call: cheap, and a test or a bench that
+    moves COLDSNAP_HOME between calls sees the move)."""
     home = Path(os.environ.get("COLDSNAP_HOME", "/var/lib/coldsnap"))
     return Settings(
         home=home,
@@ -42,5 +131,33 @@ def settings() -> Settings:
         receipts=Path(os.environ.get("COLDSNAP_RECEIPTS", home / "receipts")),
         staged=Path(os.environ.get("COLDSNAP_STAGED", home / "staged")),
         criu_prefix=Path(os.environ.get("COLDSNAP_CRIU_PREFIX", home / "criu")),
-        criu_binary=os.environ.get("COLDSNAP_CRIU") or None,
+        criu_binary=_env("COLDSNAP_CRIU"),
+        staged_max_gib=_env("COLDSNAP_STAGED_MAX_GIB"),
+        runc=_env("COLDSNAP_RUNC"),
+        signing_key=_env("COLDSNAP_SIGNING_KEY"),
+        policy_file=Path(_env("COLDSNAP_POLICY_FILE") or "/etc/coldsnap/policy.json"),
+        registry_user=_env("COLDSNAP_REGISTRY_USER"),
+        registry_password=_env("COLDSNAP_REGISTRY_PASSWORD"),
+        insecure_registries=frozenset(h.strip() for h in os.environ.get("COLDSNAP_INSECURE_REGISTRIES", "").split(",")
+                                      if h.strip()),
+        pull_pieces=_flag("COLDSNAP_PULL_PIECES", True),
+        writeback_mib=os.environ.get("COLDSNAP_WRITEBACK_MIB", ""),
+        layer_max_mib=os.environ.get("COLDSNAP_LAYER_MAX_MIB", "1024"),
+        lazy_pages=os.environ.get("COLDSNAP_LAZY_PAGES", "0") == "1",
+        code_stash=_flag("COLDSNAP_CODE_STASH", True),
+        prefetch=_flag("COLDSNAP_PREFETCH", True),
+        prefetch_threads=os.environ.get("COLDSNAP_PREFETCH_THREADS", "8"),
+        prefetch_mode=os.environ.get("COLDSNAP_PREFETCH_MODE", "buffered"),
+        libcuda=_env("COLDSNAP_LIBCUDA"),
+        tiny_model=Path(os.environ.get("COLDSNAP_TINY_MODEL", "/var/lib/coldsnap/fixtures/tiny-llama")),
+        vllm_venv=_env("COLDSNAP_VLLM_VENV"),
+        sglang_venv=_env("COLDSNAP_SGLANG_VENV"),
+        vllm_cuda_site=Path(_env("COLDSNAP_VLLM_CUDA_SITE") or "/tmp/vllm-site"),
+        results=_env("COLDSNAP_RESULTS"),
+        debug=bool(os.environ.get("COLDSNAP_DEBUG")),
+        cli=_env("COLDSNAP_CLI"),
+        docker_exec_root=_env("COLDSNAP_DOCKER_EXEC_ROOT"),
+        sparkrun_mode=os.environ.get("COLDSNAP_SPARKRUN_MODE", ""),
+        sparkrun_record=_env("COLDSNAP_SPARKRUN_RECORD"),
+        sparkrun_venv=Path(os.environ.get("COLDSNAP_SPARKRUN_VENV", "/var/lib/coldsnap/venvs/sparkrun")),
     )

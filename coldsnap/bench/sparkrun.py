@@ -35,7 +35,7 @@ from coldsnap.contracts import CaptureRequest, ColdSnapError, ErrorCode
 
 Progress = Callable[[str], None]
 SPARKRUN_SETUP = REPO / "packaging" / "sparkrun" / "setup.sh"
-SPARKRUN_VENV = Path(os.environ.get("COLDSNAP_SPARKRUN_VENV", "/var/lib/coldsnap/venvs/sparkrun"))
+SPARKRUN_VENV = settings().sparkrun_venv
 IMAGE = "coldsnap-sparkrun:1"
 TTFT = re.compile(r"TTFT ([0-9.]+)s")
 SENSITIVE = ("/etc", "/boot", "/proc", "/sys", "/dev", "/root", "/run", "/var/run", "/var/lib/docker")

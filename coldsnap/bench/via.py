@@ -78,8 +78,8 @@ def container_bench_ready(opts: BenchOptions, via: str, component: str, progress
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, "--samples must be at least 1")
     if os.geteuid() != 0:
         raise ColdSnapError(ErrorCode.ENVIRONMENT, f"--via {via} needs root ({component}, runc, CRIU)")
-    criu_prefix = os.environ.get("COLDSNAP_CRIU_PREFIX") or str(settings().criu_prefix)
-    if not os.access(os.environ.get("COLDSNAP_CRIU") or f"{criu_prefix}/bin/criu", os.X_OK):
+    criu_prefix = str(settings().criu_prefix)
+    if not os.access(settings().criu, os.X_OK):
         raise ColdSnapError(ErrorCode.ENVIRONMENT, f"CRIU not provisioned at {criu_prefix}: run `make setup`")
     progress(f"making sure {component} is installed (packaging/containers/setup.sh install {component})")
     r = _sh([str(SETUP), "install", component])
@@ -93,7 +93,7 @@ def private_base(name: str, progress: Progress = lambda m: None) -> Iterator[tup
     """(a fresh directory under /var/tmp, the environment that points ColdSnap's home and run dir into it): set in
     this process, and so in every daemon and tool a container bench starts, for the duration; then restored, and
     the directory removed."""
-    criu_prefix = os.environ.get("COLDSNAP_CRIU_PREFIX") or str(settings().criu_prefix)
+    criu_prefix = str(settings().criu_prefix)
     base = Path(tempfile.mkdtemp(prefix=f"coldsnap-bench-{name}-", dir="/var/tmp"))
     env = coldsnap_env(base, criu_prefix)
     saved = {k: os.environ.get(k) for k in (*env, "COLDSNAP_STORE", "COLDSNAP_RECEIPTS")}

@@ -22,6 +22,7 @@ import requests
 
 from coldsnap.base.digests import chunk_sha256
 from coldsnap.base.files import WriteBehind
+from coldsnap.base.paths import settings
 from coldsnap.contracts import ColdSnapError, ErrorCode, WeightFile
 
 READ = 1 << 20
@@ -35,7 +36,7 @@ class NoRanges(Exception):
 
 def wanted() -> bool:
     """By pieces unless COLDSNAP_PULL_PIECES=0 (one stream per blob, hashed whole: for comparison)."""
-    return os.environ.get("COLDSNAP_PULL_PIECES", "1") != "0"
+    return settings().pull_pieces
 
 
 def workers() -> int:

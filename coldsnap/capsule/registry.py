@@ -40,6 +40,7 @@ from coldsnap.base.digests import (
 )
 from coldsnap.base.files import WriteBehind
 from coldsnap.base.files import fsync_dir as _fsync_dir
+from coldsnap.base.paths import settings
 from coldsnap.capsule import pieces, referrers, trust
 from coldsnap.capsule.bloblocks import blob_locks as _blob_locks
 from coldsnap.capsule.bloblocks import partial_path
@@ -115,7 +116,7 @@ class _Client:
         session.cookies.set_policy(DefaultCookiePolicy(allowed_domains=[]))
         self.reg.session = self.reg.auth.session = session
         self.static: dict[str, str] = {}
-        user, password = os.environ.get("COLDSNAP_REGISTRY_USER"), os.environ.get("COLDSNAP_REGISTRY_PASSWORD")
+        user, password = settings().registry_user, settings().registry_password
         if user and password:
             self.reg.auth.set_basic_auth(user, password)
         else:  # ~/.docker/config.json (auths, credsStore, credHelpers)

@@ -79,7 +79,7 @@ def host_public_key_path() -> Path:
 
 def signing_key(create: bool = True) -> SigningKey | None:
     """COLDSNAP_SIGNING_KEY, else the host's own key (made on first use when create)."""
-    given = os.environ.get("COLDSNAP_SIGNING_KEY")
+    given = settings().signing_key
     path = Path(given) if given else keys_dir() / "capsule.key"
     if not path.exists():
         if given:
@@ -104,7 +104,7 @@ def signing_key(create: bool = True) -> SigningKey | None:
 
 def host_public_key() -> ec.EllipticCurvePublicKey | None:
     """This host's own capsule key (what its captures are signed with), if it has one."""
-    key = signing_key(create=False) if not os.environ.get("COLDSNAP_SIGNING_KEY") else signing_key()
+    key = signing_key(create=False) if not settings().signing_key else signing_key()
     return key.public if key else None
 
 

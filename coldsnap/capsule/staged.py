@@ -74,7 +74,7 @@ def in_flight() -> set[str]:
 
 
 def cap_bytes() -> int:
-    configured = os.environ.get("COLDSNAP_STAGED_MAX_GIB")
+    configured = settings().staged_max_gib
     if configured:
         return int(float(configured) * 2**30)
     probe = root() if root().exists() else root().parent

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import fnmatch
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import ValidationError
 
 from coldsnap.base.files import atomic_write, private_dir
+from coldsnap.base.paths import settings
 from coldsnap.capsule import signing
 from coldsnap.capsule.store import CapsuleStore, LoadedCapsule
 from coldsnap.contracts import ColdSnapError, ErrorCode, RestorePolicy
@@ -31,7 +31,7 @@ NAMESPACE_ANNOTATIONS = ("io.kubernetes.cri.sandbox-namespace", "io.kubernetes.p
 
 
 def policy_path() -> Path:
-    return Path(os.environ.get("COLDSNAP_POLICY_FILE") or POLICY_PATH)
+    return settings().policy_file
 
 
 def load_policy() -> RestorePolicy:

@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from coldsnap import __version__
+from coldsnap.base.paths import settings
 from coldsnap.contracts import ENGINE_NAMES, EXIT_CODES, SCHEMAS, ColdSnapError, ErrorCode, parse_request
 from coldsnap.contracts.parse import MAX_BYTES, short
 
@@ -22,7 +23,8 @@ def _epilog() -> str:
         codes.setdefault(status, []).append(code.value)
     table = ", ".join(f"{status} {'/'.join(names)}" for status, names in sorted(codes.items()))
     return (f"exit codes: 0 ok, {table}.\nPaths: COLDSNAP_HOME (/var/lib/coldsnap), COLDSNAP_STORE, "
-            "COLDSNAP_RUN (/run/coldsnap), COLDSNAP_RECEIPTS, COLDSNAP_CRIU_PREFIX, COLDSNAP_CRIU.")
+            "COLDSNAP_RUN (/run/coldsnap), COLDSNAP_RECEIPTS, COLDSNAP_CRIU_PREFIX, COLDSNAP_CRIU; every setting: "
+            "docs/settings.md.")
 
 
 def _progress(args) -> Any:
@@ -259,7 +261,6 @@ def cmd_wake(args) -> int:
 
 
 def _store():
-    from coldsnap.base.paths import settings
     from coldsnap.capsule import CapsuleStore
 
     return CapsuleStore(settings().store).init()
@@ -298,7 +299,6 @@ def cmd_rm(args) -> int:
 
 
 def cmd_gc(args) -> int:
-    from coldsnap.base.paths import settings
     from coldsnap.capsule.gc import gc
 
     r = {**gc(_store(), grace_s=args.grace, code_dir=settings().code), "recovered": args.recovered}
@@ -340,7 +340,6 @@ SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSW|KEY|CREDENTIAL|AUTH", re.I)
 
 
 def cmd_inspect(args) -> int:
-    from coldsnap.base.paths import settings
     from coldsnap.capsule import CapsuleStore, trust
     from coldsnap.contracts import capsule as mt
     from coldsnap.host.run_args import ENGINES, run_args
@@ -378,7 +377,6 @@ def _bench_options(args, **fixed):
 
 
 def cmd_run_args(args) -> int:
-    from coldsnap.base.paths import settings
     from coldsnap.capsule import CapsuleStore
     from coldsnap.host.run_args import run_args
     from coldsnap.host.runtimes import default_runtime_path
@@ -446,7 +444,6 @@ def cmd_bench(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from coldsnap.base.paths import settings
     from coldsnap.bench.run import BenchOptions, run_bench
 
     opts = BenchOptions(engine="reference", device="cpu", weights_mode="auto", samples=args.samples,
@@ -688,7 +685,7 @@ def main(argv: list[str] | None = None) -> int:
         print("coldsnap: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # a bug: still one line, with the traceback only on request
-        if os.environ.get("COLDSNAP_DEBUG"):
+        if settings().debug:
             raise
         print(f"coldsnap: internal error: {type(e).__name__}: {_one_line(str(e), 500)} (set COLDSNAP_DEBUG=1 for a "
               "traceback)", file=sys.stderr)

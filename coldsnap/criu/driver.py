@@ -95,7 +95,7 @@ class CriuOptions:
 
 def lazy_pages_wanted() -> bool:
     """Lazy pages with COLDSNAP_LAZY_PAGES=1."""
-    return os.environ.get("COLDSNAP_LAZY_PAGES", "0") == "1"
+    return settings().lazy_pages
 
 
 class LazyPages:

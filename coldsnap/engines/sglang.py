@@ -31,6 +31,7 @@ Engine options (request.engine.options):
 
 from __future__ import annotations
 
+from coldsnap.base.paths import settings
 from coldsnap.contracts import CaptureRequest
 from coldsnap.engines.base import EngineAdapter, PreparedLaunch, option_flags
 from coldsnap.engines.venv_engine import (
@@ -51,7 +52,7 @@ class SglangAdapter(EngineAdapter):
 
     def prepare(self, request: CaptureRequest) -> PreparedLaunch:
         mode = self.resolve_weights_mode(request.policy.weights_mode)
-        opts, python, model_dir, served = cpu_engine_setup("sglang", request, "COLDSNAP_SGLANG_VENV", DEFAULT_VENV)
+        opts, python, model_dir, served = cpu_engine_setup("sglang", request, settings().sglang_venv, DEFAULT_VENV)
         argv = request.launch.command or [
             *seccomp_prefix(),
             str(python), "-m", "sglang.launch_server",

@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from coldsnap.base.paths import settings
 from coldsnap.contracts import ColdSnapError, ErrorCode, Mount
 from coldsnap.engines import tinymodel
 
@@ -14,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def default_model_dir() -> Path:
-    return Path(os.environ.get("COLDSNAP_TINY_MODEL", "/var/lib/coldsnap/fixtures/tiny-llama"))
+    return settings().tiny_model
 
 
 def ensure_venv(engine: str, venv: Path, default: str) -> Path:
@@ -152,14 +153,14 @@ def base_env() -> dict[str, str]:
 
 
 
-def cpu_engine_setup(engine: str, request, env_var: str, default_venv: str) -> tuple[dict, Path, Path, str]:
+def cpu_engine_setup(engine: str, request, configured: str | None, default_venv: str) -> tuple[dict, Path, Path, str]:
     """What every venv engine's prepare() starts with: CPU only, its venv (built on first use), its model.
     Returns (remaining options, venv python, model dir, served model name)."""
     if any(d.startswith("cuda") for d in request.launch.devices):
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"the {engine} adapter drives the engine's CPU build only "
                             "(launch.devices must be empty)")
     opts = dict(request.engine.options)
-    venv = ensure_venv(engine, Path(str(opts.pop("venv", None) or os.environ.get(env_var) or default_venv)),
+    venv = ensure_venv(engine, Path(str(opts.pop("venv", None) or configured or default_venv)),
                        default_venv)
     python = venv / "bin" / "python"
     model_dir, served = resolve_model(opts, python)

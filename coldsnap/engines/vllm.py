@@ -49,11 +49,11 @@ CUDA only:
 from __future__ import annotations
 
 import http.client
-import os
 import shutil
 import time
 from pathlib import Path
 
+from coldsnap.base.paths import settings
 from coldsnap.contracts import CaptureRequest, ColdSnapError, ErrorCode
 from coldsnap.engines.base import EngineAdapter, PreparedLaunch, option_flags, post_json
 from coldsnap.engines.venv_engine import (
@@ -98,7 +98,7 @@ class VllmAdapter(EngineAdapter):
         if is_cuda(request):
             return self._prepare_cuda(request)
         mode = self.resolve_weights_mode(request.policy.weights_mode)
-        opts, python, model_dir, served = cpu_engine_setup("vllm", request, "COLDSNAP_VLLM_VENV", DEFAULT_VENV)
+        opts, python, model_dir, served = cpu_engine_setup("vllm", request, settings().vllm_venv, DEFAULT_VENV)
         kv_gib = int(opts.pop("kv_cache_gib", 1))
         if kv_gib < 1:
             raise ColdSnapError(ErrorCode.INVALID_REQUEST, "kv_cache_gib must be at least 1")
@@ -133,7 +133,7 @@ class VllmAdapter(EngineAdapter):
     def _prepare_cuda(self, request: CaptureRequest) -> PreparedLaunch:
         mode = "native" if request.policy.weights_mode in ("auto", "native") else request.policy.weights_mode
         opts = dict(request.engine.options)
-        site = Path(str(opts.pop("site", None) or os.environ.get("COLDSNAP_VLLM_CUDA_SITE") or DEFAULT_CUDA_SITE))
+        site = Path(str(opts.pop("site", None) or settings().vllm_cuda_site))
         if not (site / "vllm" / "__init__.py").exists():
             raise ColdSnapError(ErrorCode.ENVIRONMENT, f"no vLLM CUDA build in {site}: install the carry "
                                 "(packaging/device/vllm_carry.py, then its install.sh) or give --engine-opt site=DIR")

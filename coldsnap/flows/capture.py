@@ -4,7 +4,6 @@ and write a capsule. Any failure stops the workload and leaves no capsule, proce
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import uuid
 from dataclasses import dataclass
@@ -309,7 +308,7 @@ def _code_dir() -> str | None:
     """Where engines put the CUDA device code they hold in anonymous memory (coldsnap.gpu.codestash); None with
     COLDSNAP_CODE_STASH=0. On by default since restores of stashed capsules validated on the GPU machines (tensor
     parallel 2: 420 MB less to dump; one GPU: 92 MB)."""
-    if os.environ.get("COLDSNAP_CODE_STASH", "1") == "0":
+    if not settings().code_stash:
         return None
     return str(private_dir(settings().code))
 

@@ -5,7 +5,6 @@ The pulled capsule then goes through admission and staging like any other (stage
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from typing import Callable
@@ -30,7 +29,7 @@ def insecure_registries() -> set[str]:
     """HOST[:PORT]s this node pulls from over plain HTTP: COLDSNAP_INSECURE_REGISTRIES, comma-separated. The node's
     operator sets it (as docker's insecure-registries), not a request: a container's annotations cannot ask for
     HTTP. Digests are verified either way; HTTP gives up the transport's privacy and its server identity."""
-    return {h.strip() for h in os.environ.get("COLDSNAP_INSECURE_REGISTRIES", "").split(",") if h.strip()}
+    return set(settings().insecure_registries)
 
 
 def local_digest(store: CapsuleStore, ref: str) -> str | None:

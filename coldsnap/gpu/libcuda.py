@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import ctypes
 import glob
-import os
 from typing import Any
+
+from coldsnap.base.paths import settings
 
 # Names for the codes we expect, used when libcuda can't name a code itself (it is absent, or cuGetErrorName fails).
 _KNOWN_ERRORS = {
@@ -36,8 +37,8 @@ def library_candidates() -> list[str]:
 
     The CUDA toolkit's stubs/libcuda.so is never a candidate (it loads, then every call fails with STUB_LIBRARY)."""
     names: list[str] = []
-    if os.environ.get("COLDSNAP_LIBCUDA"):
-        names.append(os.environ["COLDSNAP_LIBCUDA"])
+    if settings().libcuda:
+        names.append(str(settings().libcuda))
     names.append("libcuda.so.1")
     for d in (
         "/usr/local/nvidia/lib64",

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from coldsnap.base.paths import settings
+
 
 @dataclass
 class GpuCheckpoint:
@@ -90,10 +92,9 @@ class Prefetch:
 def _prefetch_refusal(profile, supported: bool) -> str | None:
     """Why this restore gets no prefetch (None: it does). supported: the engine takes prefetched weights and this
     restore reloads them from a file."""
-    import os
 
     weights = profile.model.weights if profile.model else []
-    if os.environ.get("COLDSNAP_PREFETCH", "1") == "0":
+    if not settings().prefetch:
         return "COLDSNAP_PREFETCH=0"
     if not supported:
         return f"the {profile.engine.name} engine does not reload weights from a file on this restore"
@@ -135,10 +136,10 @@ def start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir) -
         if free is None or free < 2 * size + (8 << 30):
             return Prefetch(skipped=f"not enough free memory on {gpu} for a second copy of the weights")
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}  # GPUs are named by UUID
-    threads = os.environ.get("COLDSNAP_PREFETCH_THREADS", "8")  # readers per prefetcher (they compete with CRIU)
+    threads = settings().prefetch_threads  # readers per prefetcher (they compete with CRIU)
     if not threads.isdigit() or int(threads) < 1:
         return Prefetch(skipped=f"COLDSNAP_PREFETCH_THREADS={threads!r} is not a positive number")
-    mode = os.environ.get("COLDSNAP_PREFETCH_MODE", "buffered")  # how the weights reach the GPU (prefetch.MODES)
+    mode = settings().prefetch_mode  # how the weights reach the GPU (prefetch.MODES)
     if mode not in MODES:
         return Prefetch(skipped=f"COLDSNAP_PREFETCH_MODE={mode!r} is not one of {', '.join(MODES)}")
     p = Prefetch()

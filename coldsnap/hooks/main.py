@@ -11,8 +11,9 @@ Containers the shim did not handle pass through every stage untouched (exit 0)."
 
 from __future__ import annotations
 
-import os
 import sys
+
+from coldsnap.base.paths import settings
 
 STAGES = ("createRuntime", "createContainer", "startContainer", "prestart", "poststart", "poststop")
 MAX_STATE_BYTES = 1 << 20
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         from coldsnap.contracts import EXIT_CODES, ColdSnapError, ErrorCode
         from coldsnap.contracts.parse import short
 
-        if os.environ.get("COLDSNAP_DEBUG"):
+        if settings().debug:
             raise
         err = e if isinstance(e, ColdSnapError) else ColdSnapError(ErrorCode.INTERNAL,
                                                                     f"{type(e).__name__}: {short(str(e), 200)}")

@@ -5,11 +5,11 @@ device runs). Nothing here is written by hand: a claim without a result file doe
 from __future__ import annotations
 
 import json
-import os
 import typing
 from pathlib import Path
 
 import coldsnap
+from coldsnap.base.paths import settings
 from coldsnap.contracts import ENGINE_NAMES, FORMAT_VERSION, OPERATIONS, Capabilities, CapsuleProfile, Policy
 from coldsnap.contracts.profile import Qualification
 
@@ -18,7 +18,7 @@ REPO_RESULTS = Path(coldsnap.__file__).resolve().parents[1] / "bench" / "results
 
 
 def results_dir() -> Path:
-    return Path(os.environ.get("COLDSNAP_RESULTS") or REPO_RESULTS)
+    return Path(settings().results or REPO_RESULTS)
 
 
 def _where(data: dict) -> str:

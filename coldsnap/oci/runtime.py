@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import sys
 
+from coldsnap.base.paths import settings
+
 RUNTIME_CONFIG = "/etc/coldsnap/runtime.json"
 WRAPPER_NAMES = ("coldsnap-runtime", "coldsnap-runc")
 
@@ -60,7 +62,7 @@ def apply_config_env() -> None:
 
 
 def find_runc() -> str:
-    for candidate in (os.environ.get("COLDSNAP_RUNC"), _from_config()):
+    for candidate in (settings().runc, _from_config()):
         if candidate:
             if os.access(candidate, os.X_OK) and not _is_self(candidate):
                 return candidate

@@ -9,10 +9,10 @@ decision is not to pass through."""
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Callable
 
+from coldsnap.base.paths import settings
 from coldsnap.oci.argv import RuncArgv, parse_runc_argv, valid_container_id
 from coldsnap.oci.runtime import RuncNotFound, apply_config_env, exec_runc, find_runc
 
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - whatever raised: one line in runc's log format, never a traceback
         from coldsnap.oci.runclog import fail
 
-        if os.environ.get("COLDSNAP_DEBUG"):
+        if settings().debug:
             raise
         code = getattr(getattr(e, "code", None), "value", "internal")
         message = getattr(e, "message", None) or f"{type(e).__name__}: {e}"

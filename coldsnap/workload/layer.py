@@ -19,6 +19,7 @@ import os
 import stat
 from pathlib import Path
 
+from coldsnap.base.paths import settings
 from coldsnap.contracts import CapturedFile, ColdSnapError, ErrorCode
 from coldsnap.workload.hostfiles import copy_sparse
 
@@ -27,7 +28,7 @@ SKIP = ("/proc/", "/sys/", "/dev/")  # never on the root filesystem of a contain
 
 
 def max_bytes() -> int:
-    return int(float(os.environ.get("COLDSNAP_LAYER_MAX_MIB", "1024")) * 2**20)
+    return int(float(settings().layer_max_mib) * 2**20)
 
 
 def _unescape(field: str) -> str:

@@ -11,12 +11,13 @@ Settings live in sparkrun's config.yaml under `plugins.coldsnap` (each can also 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from coldsnap.base.paths import settings as settings_of_coldsnap
 
 MODE_ENV = "COLDSNAP_SPARKRUN_MODE"  # capture: the launch `sparkrun coldsnap capture` makes (cold, recorded)
 RECORD_ENV = "COLDSNAP_SPARKRUN_RECORD"  # where that launch's executor writes what it started
@@ -43,10 +44,10 @@ def _sparkrun_settings() -> dict:
 def settings() -> Settings:
     raw = _sparkrun_settings()
     beside = Path(sys.prefix) / "bin" / "coldsnap"
-    cli = os.environ.get("COLDSNAP_CLI") or raw.get("cli") or (str(beside) if beside.exists() else None) \
+    cli = settings_of_coldsnap().cli or raw.get("cli") or (str(beside) if beside.exists() else None) \
         or shutil.which("coldsnap") or "coldsnap"
     return Settings(cli=str(cli), docker_runtime=str(raw.get("docker_runtime") or "coldsnap"),
-                    docker_exec_root=os.environ.get("COLDSNAP_DOCKER_EXEC_ROOT") or str(
+                    docker_exec_root=settings_of_coldsnap().docker_exec_root or str(
                         raw.get("docker_exec_root") or "/run/docker"),
                     cpu_slot=bool(raw.get("cpu_slot", False)),
                     fallback_to_cold=bool(raw.get("fallback_to_cold", True)))

@@ -12,13 +12,13 @@ validates it before `docker run` returns; sparkrun's readiness, logs and stop th
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import sys
 import time
 
 from sparkrun.orchestration.executors.docker import DockerExecutor
 
+from coldsnap.base.paths import settings
 from coldsnap.integrations.sparkrun import client, serve
 from coldsnap.integrations.sparkrun.identity import identity, tag_of
 
@@ -55,7 +55,7 @@ class ColdSnapExecutor(DockerExecutor):
                                                       sparkrun_labels=sparkrun_labels)
         cold = serve.cold_serve(container_name, serve_command, env)
         capsule, why = self._decide(container_name, launch, serve_command)
-        strict = os.environ.get(client.MODE_ENV) == "restore"  # sparkrun coldsnap restore: no cold start
+        strict = settings().sparkrun_mode == "restore"  # sparkrun coldsnap restore: no cold start
         refuse = f"echo {shlex.quote('ColdSnap: ' + why)} >&2\nexit 1\n"
         body = refuse if strict else cold
         if capsule:
@@ -78,10 +78,10 @@ class ColdSnapExecutor(DockerExecutor):
         tag = tag_of(ident)
         record = {"container": name, "identity": ident, "tag": tag, "image": launch["image"],
                   "time": time.time()}
-        mode = os.environ.get(client.MODE_ENV, "")
+        mode = settings().sparkrun_mode
         try:
             if mode == "capture":
-                path = os.environ.get(client.RECORD_ENV)
+                path = settings().sparkrun_record
                 if path:
                     with open(path, "w") as f:
                         json.dump(record, f)
