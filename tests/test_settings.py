@@ -53,13 +53,18 @@ def environment_reads(tree: ast.AST) -> list[str]:
     return out
 
 
+# The shim's pass-through path (every runc call on a node) imports nothing of ours but oci/: it reads the two
+# variables it needs itself (tests/test_shim_decision.py holds it to that).
+SHIM_READS = {"coldsnap/oci/runtime.py": ["COLDSNAP_RUNC"], "coldsnap/oci/records.py": ["COLDSNAP_RUN"]}
+
+
 def test_no_module_but_the_settings_reads_a_coldsnap_variable():
     readers = {}
     for path in PACKAGE.rglob("*.py"):
         reads = environment_reads(ast.parse(path.read_text()))
         if reads and path != PACKAGE / "base" / "paths.py":
             readers[str(path.relative_to(REPO))] = reads
-    assert readers == {}
+    assert readers == SHIM_READS
 
 
 def test_settings_follow_the_environment(monkeypatch, tmp_path):

@@ -18,6 +18,7 @@ from coldsnap.base.paths import settings
 from coldsnap.contracts import ColdSnapError, ErrorCode
 from coldsnap.criu.driver import CriuOptions, first_error_line
 from coldsnap.oci.argv import RuncArgv
+from coldsnap.oci.runtime import Runc
 
 RUNC_FLAGS = ("--tcp-established", "--ext-unix-sk", "--shell-job", "--file-locks")
 CHECKPOINT_ONLY = ("--leave-running",)
@@ -64,8 +65,8 @@ def checkpoint_container(runc: str, runc_root: str | Path, container_id: str, im
                     options: CriuOptions) -> list[str]:
     flags, lines = split_options(options.cli_flags(), "checkpoint")
     conf = write_config(work.parent / "criu.conf", lines)
-    argv = [runc, "--root", str(runc_root), "--criu", settings().criu, "checkpoint", "--image-path", str(images),
-            "--work-path", str(work), *flags, container_id]
+    argv = Runc.at_root(runc, runc_root).argv("--criu", settings().criu, "checkpoint", "--image-path", str(images),
+                                              "--work-path", str(work), *flags, container_id)
     r = subprocess.run(argv, env={**os.environ, "CRIU_CONFIG_FILE": str(conf)}, capture_output=True, text=True,
                        stdin=subprocess.DEVNULL)
     if r.returncode != 0:
@@ -76,10 +77,10 @@ def checkpoint_container(runc: str, runc_root: str | Path, container_id: str, im
 
 def restore_argv(runc: str, parsed: RuncArgv, images: Path, work: Path, pid_file: str, flags: list[str]) -> list[str]:
     """The caller's globals (its --log/--criu replaced: runc logs to our work dir, CRIU is ColdSnap's)."""
-    argv = [runc, *parsed.global_argv(drop=("criu", "log", "log-format")),
-            "--log", str(work / "runc.log"), "--log-format", "json", "--criu", settings().criu,
-            "restore", "--detach", "--image-path", str(images), "--work-path", str(work),
-            "--bundle", parsed.bundle, "--pid-file", os.path.abspath(pid_file)]
+    argv = Runc.for_call(runc, parsed, drop=("criu", "log", "log-format")).argv(
+        "--log", str(work / "runc.log"), "--log-format", "json", "--criu", settings().criu,
+        "restore", "--detach", "--image-path", str(images), "--work-path", str(work),
+        "--bundle", parsed.bundle, "--pid-file", os.path.abspath(pid_file))
     if parsed.console_socket:
         argv += ["--console-socket", os.path.abspath(parsed.console_socket)]
     if parsed.flag("no-pivot"):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import uuid
 from pathlib import Path
 from typing import Callable
@@ -45,6 +44,7 @@ from coldsnap.flows.quiesce import open_connections, wait_no_connections
 from coldsnap.flows.receipts import finish_receipt, receipt_on_failure
 from coldsnap.flows.spans import Timeline
 from coldsnap.gpu import steps as gpu_steps
+from coldsnap.oci.runtime import Runc
 from coldsnap.oci.spec import coldsnap_annotations, load_spec, netns_path, root_path
 from coldsnap.workload import hostfiles
 from coldsnap.workload.layer import HeldLayer
@@ -59,8 +59,7 @@ def _quiet(_: str) -> None:
 
 
 def container_state(runc: str, runc_root: str | Path, container_id: str) -> dict:
-    r = subprocess.run([runc, "--root", str(runc_root), "state", container_id], capture_output=True, text=True,
-                       stdin=subprocess.DEVNULL)
+    r = Runc.at_root(runc, runc_root).state(container_id)
     if r.returncode != 0:
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"container {container_id!r} under runc root {runc_root}: "
                             f"{(r.stderr or r.stdout).strip() or 'runc state failed'}")

@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +48,7 @@ from coldsnap.gpu import steps as gpu_steps
 from coldsnap.oci import records, runclog
 from coldsnap.oci.argv import RuncArgv
 from coldsnap.oci.hooks import add_coldsnap_hooks
+from coldsnap.oci.runtime import Runc
 from coldsnap.oci.spec import coldsnap_annotations, netns_path, root_path, write_spec
 from coldsnap.workload import hostfiles
 from coldsnap.workload.layer import PutBack, put_back_layer
@@ -214,8 +214,7 @@ def _restore(runc: str, parsed: RuncArgv, staged: Staged, spec: dict, creq: Cont
 
 
 def _remove_container(runc: str, parsed: RuncArgv) -> None:
-    subprocess.run([runc, *parsed.global_argv(drop=("log", "log-format")), "delete", "--force", parsed.container_id],
-                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    Runc.for_call(runc, parsed).delete_force(parsed.container_id)
 
 
 def _unlock_network(netns: str | None) -> dict:
@@ -257,7 +256,7 @@ def _fall_back(runc: str, parsed: RuncArgv, creq: ContainerRequest, tl: Timeline
     # The caller's own create, as runc would run it (all fds: --preserve-fds, the console socket's); the record
     # and the receipt say what happened only once runc has answered.
     with tl.span("cold-start"):
-        rc = subprocess.call([runc, *parsed.argv], close_fds=False)
+        rc = Runc(runc).call(parsed.argv)
     if rc == 0:
         try:  # the container exists now: bookkeeping that fails must not fail its create
             _fell_back(creq, parsed, tl, result, reason)

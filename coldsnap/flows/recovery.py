@@ -29,6 +29,7 @@ from coldsnap.engines import get_adapter
 from coldsnap.gpu import steps as gpu_steps
 from coldsnap.net import destroy_network, netns_inode
 from coldsnap.oci import records
+from coldsnap.oci.runtime import Runc
 from coldsnap.workload.claim import CLAIM
 from coldsnap.workload.state import WorkloadState, list_states, save_state
 from coldsnap.workload.target import Target
@@ -156,8 +157,7 @@ def _undo(j: Journal) -> str:
 
 # --- containers the shim was restoring -------------------------------------------------------------------------
 def _delete_container(runc: str, root: str, container_id: str) -> None:
-    subprocess.run([runc, "--root", root, "delete", "--force", container_id], stdin=subprocess.DEVNULL,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
+    Runc.at_root(runc, root).delete_force(container_id)
     records.forget(container_id)
 
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import os
 
-from coldsnap.base.paths import settings
-
 # Host-global markers, one per container the shim keeps a record of (wherever COLDSNAP_RUN puts the records): the
 # coldsnap-runc launcher sends `start` and `delete` of a marked container to the shim, all others straight to runc.
 # A marker is named <FNV-1a 64 of the runc root's real path>-<id> (ids are unique per root, not per host).
@@ -43,7 +41,8 @@ def _mark(root: str | None, container_id: str, present: bool) -> None:
 
 
 def state_dir() -> str:
-    return os.path.join(settings().run, "shim")
+    # COLDSNAP_RUN read here, not through base.paths.settings(): the shim's start and delete import nothing but oci/
+    return os.path.join(os.environ.get("COLDSNAP_RUN", "/run/coldsnap"), "shim")
 
 
 def _checked(container_id: str) -> str:

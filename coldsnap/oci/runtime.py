@@ -10,9 +10,13 @@ keeps its store, run state and receipts is configured there. Variables already s
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import NoReturn
 
-from coldsnap.base.paths import settings
+from coldsnap.oci.argv import RuncArgv
 
 RUNTIME_CONFIG = "/etc/coldsnap/runtime.json"
 WRAPPER_NAMES = ("coldsnap-runtime", "coldsnap-runc")
@@ -62,7 +66,8 @@ def apply_config_env() -> None:
 
 
 def find_runc() -> str:
-    for candidate in (settings().runc, _from_config()):
+    # read here, not through base.paths.settings(): the pass-through path imports nothing of ours but oci/
+    for candidate in (os.environ.get("COLDSNAP_RUNC"), _from_config()):
         if candidate:
             if os.access(candidate, os.X_OK) and not _is_self(candidate):
                 return candidate
@@ -76,6 +81,55 @@ def find_runc() -> str:
                        + ", or put runc on PATH")
 
 
-def exec_runc(runc: str, argv: list[str] | tuple[str, ...]) -> None:
-    """Become runc with the caller's argv, unchanged (stdio, environment and fds are inherited as they are)."""
-    os.execv(runc, [runc, *argv])
+@dataclass(frozen=True)
+class Runc:
+    """The real runc and the global flags its commands run with (--root, --systemd-cgroup, …): every runc command
+    line ColdSnap runs is built here (as nvidia-container-toolkit's oci.Runtime does), and the caller's own argv
+    goes to runc unchanged."""
+
+    binary: str
+    global_flags: tuple[str, ...] = ()
+
+    @classmethod
+    def at_root(cls, binary: str, root: str | os.PathLike) -> "Runc":
+        return cls(binary, ("--root", os.fspath(root)))
+
+    @classmethod
+    def for_call(cls, binary: str, parsed: RuncArgv, drop: tuple[str, ...] = ("log", "log-format")) -> "Runc":
+        """Our commands beside a caller's: its global flags (its --root above all), less those in drop."""
+        return cls(binary, tuple(parsed.global_argv(drop=drop)))
+
+    def argv(self, *args: str) -> list[str]:
+        return [self.binary, *self.global_flags, *args]
+
+    def run(self, *args: str, env: Mapping[str, str] | None = None, capture: bool = True,
+            timeout: float | None = None) -> subprocess.CompletedProcess:
+        """A command of ours (stdin closed), its output captured unless capture is False (then inherited)."""
+        return subprocess.run(self.argv(*args), env=env, stdin=subprocess.DEVNULL, timeout=timeout,
+                              capture_output=capture, text=True)
+
+    def quietly(self, *args: str, timeout: float | None = 60) -> int:
+        """A cleanup command (delete, kill): its output discarded, its exit status returned."""
+        return subprocess.run(self.argv(*args), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, timeout=timeout).returncode
+
+    def delete_force(self, container_id: str) -> int:
+        return self.quietly("delete", "--force", container_id)
+
+    def kill(self, container_id: str, signal: str = "KILL") -> int:
+        return self.quietly("kill", container_id, signal)
+
+    def state(self, container_id: str) -> subprocess.CompletedProcess:
+        return self.run("state", container_id)
+
+    def call(self, argv: Sequence[str], env: Mapping[str, str] | None = None) -> int:
+        """The caller's argv, as given (no globals of ours added): stdio and every fd inherited."""
+        return subprocess.call([self.binary, *argv], env=env, close_fds=False)
+
+    def become(self, argv: Sequence[str]) -> NoReturn:
+        """Become runc with the caller's argv, unchanged (stdio, environment and fds are inherited as they are)."""
+        os.execv(self.binary, [self.binary, *argv])
+
+
+def exec_runc(runc: str, argv: list[str] | tuple[str, ...]) -> NoReturn:
+    Runc(runc).become(argv)

@@ -4,14 +4,14 @@ runc's poststop hooks (coldsnap-hook poststop among them) run inside runc's dele
 from __future__ import annotations
 
 import os
-import subprocess
 
 from coldsnap.oci import records
 from coldsnap.oci.argv import RuncArgv
+from coldsnap.oci.runtime import Runc
 
 
 def delete(runc: str, parsed: RuncArgv) -> int:
-    rc = subprocess.call([runc, *parsed.argv])
+    rc = Runc(runc).call(parsed.argv)
     cid = parsed.container_id
     if rc == 0 or not os.path.exists(os.path.join(parsed.root, cid)):  # deleted, or runc never knew it
         records.forget(cid)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
-from coldsnap.base.paths import settings
 from coldsnap.oci.argv import RuncArgv, parse_runc_argv, valid_container_id
 from coldsnap.oci.runtime import RuncNotFound, apply_config_env, exec_runc, find_runc
 
@@ -83,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(args, parsed)
     except Exception as e:  # noqa: BLE001 - whatever raised: one line in runc's log format, never a traceback
+        from coldsnap.base.paths import settings  # an error's path only: the pass-through imports no more
         from coldsnap.oci.runclog import fail
 
         if settings().debug:

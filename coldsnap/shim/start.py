@@ -5,13 +5,13 @@ A failed poststart hook stops the container and fails the start, as it does unde
 from __future__ import annotations
 
 import json
-import subprocess
 
 from coldsnap.base.journal import same_process
 from coldsnap.base.procfs import alive
 from coldsnap.oci import records, runclog
 from coldsnap.oci.argv import RuncArgv
 from coldsnap.oci.hooks import run_stage
+from coldsnap.oci.runtime import Runc
 from coldsnap.oci.spec import annotations_of, load_spec
 
 
@@ -26,8 +26,7 @@ def start_restored(runc: str, parsed: RuncArgv, record: dict) -> int:
         owner = record.get("owner") or {}
         if same_process(owner.get("pid"), owner.get("start")):
             return runclog.fail(parsed, f"coldsnap-runtime: container {cid} is still being restored")
-        subprocess.run([runc, *parsed.global_argv(drop=("log", "log-format")), "delete", "--force", cid],
-                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        Runc.for_call(runc, parsed).delete_force(cid)
         records.forget(cid)
         return runclog.fail(parsed, f"coldsnap-runtime: the restore of container {cid} was interrupted before it "
                             "was validated; the container was deleted (create it again)")
@@ -42,8 +41,7 @@ def start_restored(runc: str, parsed: RuncArgv, record: dict) -> int:
         return runclog.fail(parsed, f"coldsnap-runtime: cannot read {record['bundle']}/config.json: {e}")
     error = run_stage(spec, "poststart", oci_state(record, spec))
     if error:
-        subprocess.run([runc, *parsed.global_argv(drop=("log", "log-format")), "kill", cid, "KILL"],
-                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        Runc.for_call(runc, parsed).kill(cid)
         return runclog.fail(parsed, f"coldsnap-runtime: {error}")
     record = records.load(cid) or record  # the hook may have added to it
     record["started"] = True
