@@ -21,10 +21,10 @@ import time
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable
 
 from coldsnap.base.paths import settings
 from coldsnap.base.procfs import alive
+from coldsnap.base.progress import Progress
 from coldsnap.bench.rootfs import host_usr_rootfs
 from coldsnap.bench.run import BenchOptions, BenchResult, _chart, _stats, host_record, side_by_side
 from coldsnap.bench.via import CACHE, ENGINE_ARGS, PORT, _sh, container_bench_ready, private_base
@@ -32,7 +32,6 @@ from coldsnap.contracts import CaptureRequest, ColdSnapError, ErrorCode, Validat
 from coldsnap.contracts import capsule as mt
 from coldsnap.workload.probe import ValidationProbe
 
-Progress = Callable[[str], None]
 IMAGE = "localhost/coldsnap-bench:1"
 NO_FALLBACK = json.dumps({"fallback_to_cold": False})  # a failed restore must fail the sample, not start cold
 

@@ -25,15 +25,14 @@ import tarfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable
 
 from coldsnap.base.paths import settings
+from coldsnap.base.progress import Progress
 from coldsnap.bench.rootfs import host_usr_rootfs
 from coldsnap.bench.run import BenchOptions, BenchResult, _chart, _stats, host_record, side_by_side
 from coldsnap.bench.via import PYTHON_HOME, REPO, VENV, Docker, container_bench_ready, private_base
 from coldsnap.contracts import CaptureRequest, ColdSnapError, ErrorCode
 
-Progress = Callable[[str], None]
 SPARKRUN_SETUP = REPO / "packaging" / "sparkrun" / "setup.sh"
 SPARKRUN_VENV = settings().sparkrun_venv
 IMAGE = "coldsnap-sparkrun:1"

@@ -26,10 +26,11 @@ import uuid
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 from coldsnap.base.paths import settings
 from coldsnap.base.procfs import alive
+from coldsnap.base.progress import Progress
 from coldsnap.bench.rootfs import host_usr_rootfs
 from coldsnap.bench.run import BenchOptions, BenchResult, _chart, _stats, host_record, side_by_side
 from coldsnap.contracts import ColdSnapError, ErrorCode, Validation
@@ -37,7 +38,6 @@ from coldsnap.contracts import capsule as mt
 from coldsnap.workload.probe import ProbeResult, ValidationProbe
 from coldsnap.workload.target import Target
 
-Progress = Callable[[str], None]
 REPO = Path(__file__).resolve().parents[2]
 VENV = Path(sys.prefix)
 PYTHON_HOME = Path(sys.base_prefix)

@@ -41,6 +41,7 @@ from coldsnap.base.digests import (
 from coldsnap.base.files import WriteBehind
 from coldsnap.base.files import fsync_dir as _fsync_dir
 from coldsnap.base.paths import settings
+from coldsnap.base.progress import TransferProgress
 from coldsnap.capsule import pieces, referrers, trust
 from coldsnap.capsule.bloblocks import blob_locks as _blob_locks
 from coldsnap.capsule.bloblocks import partial_path
@@ -56,7 +57,6 @@ CONNECT_TIMEOUT = 10
 READ_TIMEOUT = 300
 DOWNLOAD_ATTEMPTS = 3  # connection drops inside one pull are resumed this many times
 
-Progress = Callable[[str, int, int], None]  # (digest, bytes done, bytes total)
 
 _REPO_RE = re.compile(r"^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*$")
 _TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
@@ -253,7 +253,7 @@ def _descriptors(manifest: dict, where: str) -> list[Descriptor]:
     return list(unique.values())
 
 
-def _upload_blob(client: _Client, path: Path, desc: Descriptor, progress: Progress | None) -> int:
+def _upload_blob(client: _Client, path: Path, desc: Descriptor, progress: TransferProgress | None) -> int:
     r = client.request("POST", f"{client.base}/blobs/uploads/", ok=(202,), what=f"starting upload of {desc.digest}",
                        headers={"Content-Length": "0"})
     url = client.location(r)
@@ -311,7 +311,7 @@ def payload_of_capsule(manifest: dict) -> bool:
 
 
 def push(store: CapsuleStore, digest: str, ref: str, insecure: bool = False,
-         progress: Progress | None = None) -> dict:
+         progress: TransferProgress | None = None) -> dict:
     """Push the local capsule `digest` (config, layers, then its manifest bytes unchanged) to `ref`.
 
     Returns {digest, ref, bytes_transferred, blobs_uploaded, blobs_present, seconds}."""
@@ -445,7 +445,8 @@ class _Sink:
             raise self.error
 
 
-def _download(client: _Client, desc: Descriptor, part: Path, progress: Progress | None) -> tuple[int, int, bool]:
+def _download(client: _Client, desc: Descriptor, part: Path,
+              progress: TransferProgress | None) -> tuple[int, int, bool]:
     """Bring part up to desc.size bytes, resuming what is there, hashing as it goes.
 
     Returns (bytes received, bytes resumed, whether the result matches desc's size and digest)."""
@@ -506,7 +507,8 @@ def _download(client: _Client, desc: Descriptor, part: Path, progress: Progress 
     return received, resumed, ok
 
 
-def _fetch_blob(client: _Client, store: CapsuleStore, desc: Descriptor, progress: Progress | None) -> tuple[int, int]:
+def _fetch_blob(client: _Client, store: CapsuleStore, desc: Descriptor,
+                progress: TransferProgress | None) -> tuple[int, int]:
     part = partial_path(store, desc.digest)
     received_total = resumed_total = 0
     for attempt in range(2):
@@ -525,7 +527,7 @@ def _fetch_blob(client: _Client, store: CapsuleStore, desc: Descriptor, progress
 
 
 def _fetch_pieces(client: _Client, store: CapsuleStore, desc: Descriptor, wf: WeightFile,
-                  progress: Progress | None) -> tuple[int, int] | None:
+                  progress: TransferProgress | None) -> tuple[int, int] | None:
     """(received, resumed) of a blob fetched by pieces, or None when the registry does not answer ranges."""
     try:
         return pieces.fetch_by_pieces(lambda: _Client(client.ref, client.scheme == "http"),
@@ -559,7 +561,7 @@ def _the_capsule_listed(client: "_Client", listed: list) -> str | None:
 
 
 def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: bool = False,
-         progress: Progress | None = None, artifact_type: str = mt.ARTIFACT_TYPE,
+         progress: TransferProgress | None = None, artifact_type: str = mt.ARTIFACT_TYPE,
          on_blobs: Callable[[str, dict], None] | None = None, pins: dict[str, WeightFile] | None = None
          ) -> PullResult:
     """Fetch the capsule `ref` into `store`; returns its manifest digest (a PullResult: .bytes_transferred …).

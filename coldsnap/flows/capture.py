@@ -9,13 +9,13 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable
 
 from coldsnap.base.digests import pin_in_background
 from coldsnap.base.files import private_dir
 from coldsnap.base.journal import Journal
 from coldsnap.base.paths import settings
 from coldsnap.base.procfs import alive
+from coldsnap.base.progress import Progress, quiet
 from coldsnap.capsule import CapsuleStore, pack_dir, trust
 from coldsnap.capsule.gc import discard
 from coldsnap.capsule.payload import write_payload
@@ -46,8 +46,6 @@ from coldsnap.workload.claim import claimed
 from coldsnap.workload.process import kill_tree
 from coldsnap.workload.state import WorkloadState, run_dir, save_state
 
-Progress = Callable[[str], None]
-
 
 @dataclass
 class CaptureResult:
@@ -56,11 +54,8 @@ class CaptureResult:
     receipt: Receipt
 
 
-def _quiet(_: str) -> None:
-    pass
 
-
-def capture(request: CaptureRequest, progress: Progress = _quiet) -> CaptureResult:
+def capture(request: CaptureRequest, progress: Progress = quiet) -> CaptureResult:
     """--snapshot-driver full (the default): the serving workload with its device state. template: the engine
     before it touches its device. both: the template first, then the full capsule, which names it."""
     tl = Timeline()

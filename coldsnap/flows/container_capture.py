@@ -15,11 +15,11 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Callable
 
 from coldsnap.base.files import private_dir
 from coldsnap.base.journal import Journal
 from coldsnap.base.paths import settings
+from coldsnap.base.progress import Progress, quiet
 from coldsnap.contracts import (
     CapsuleProfile,
     CaptureRequest,
@@ -50,12 +50,8 @@ from coldsnap.workload import hostfiles
 from coldsnap.workload.layer import HeldLayer
 from coldsnap.workload.target import Target, validate
 
-Progress = Callable[[str], None]
 DEFAULT_PORT = 8000
 
-
-def _quiet(_: str) -> None:
-    pass
 
 
 def container_state(runc: str, runc_root: str | Path, container_id: str) -> dict:
@@ -110,7 +106,7 @@ def capture_container(container_id: str, runc_root: str | Path = "/run/runc", bu
                       image_digest: str | None = None, image: str | None = None, weights_mode: str = "native",
                       kv_discard: bool = True, leave_running: bool = False, model: Model | None = None,
                       tag: str | None = None, runc: str = "runc", quiesce: str = "drain",
-                      progress: Progress = _quiet) -> CaptureResult:
+                      progress: Progress = quiet) -> CaptureResult:
     """Capture the running container into a capsule (snapshot_driver criu-runc). weights_mode says how the
     engine in the container holds its weights (native: in the images; recovery: file-backed, reloaded).
     quiesce: "drain" (wait for no client connection) or "none" (capture with requests in flight). image: the image

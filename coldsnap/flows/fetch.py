@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
 
 from coldsnap.base.paths import settings
+from coldsnap.base.progress import Progress
 from coldsnap.capsule import CapsuleStore
 from coldsnap.contracts import RestoreRequest
-
-Progress = Callable[[str], None]
 
 
 def is_registry_reference(ref: str) -> bool:

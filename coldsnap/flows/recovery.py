@@ -19,11 +19,11 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Callable
 
 from coldsnap.base import journal as journals
 from coldsnap.base.journal import Journal, same_process
 from coldsnap.base.procfs import alive, in_network_namespace
+from coldsnap.base.progress import Progress, quiet
 from coldsnap.contracts import ColdSnapError, NetworkPlan
 from coldsnap.engines import get_adapter
 from coldsnap.gpu import steps as gpu_steps
@@ -34,14 +34,8 @@ from coldsnap.workload.claim import CLAIM
 from coldsnap.workload.state import WorkloadState, list_states, save_state
 from coldsnap.workload.target import Target
 
-Progress = Callable[[str], None]
 
-
-def _quiet(_: str) -> None:
-    pass
-
-
-def recover(progress: Progress = _quiet) -> list[str]:
+def recover(progress: Progress = quiet) -> list[str]:
     """Clean up after every operation whose owner is gone; one sentence per operation cleaned."""
     done = []
     for j in journals.entries():

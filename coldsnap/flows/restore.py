@@ -9,12 +9,12 @@ import shutil
 import time
 import uuid
 from contextlib import ExitStack
-from typing import Callable
 
 from coldsnap.base.files import private_dir
 from coldsnap.base.journal import Journal, start_time
 from coldsnap.base.paths import settings
 from coldsnap.base.procfs import alive, descendants
+from coldsnap.base.progress import Progress, quiet
 from coldsnap.capsule import LoadedCapsule
 from coldsnap.capsule import staged as staged_area
 from coldsnap.contracts import ColdSnapError, ErrorCode, Receipt, RestoreRequest, Validation
@@ -35,15 +35,9 @@ from coldsnap.workload.probe import ValidationProbe
 from coldsnap.workload.process import kill_tree
 from coldsnap.workload.state import WorkloadState, run_dir, save_state
 
-Progress = Callable[[str], None]
-
-
-def _quiet(_: str) -> None:
-    pass
-
 
 # --- the whole restore -------------------------------------------------------------------------------------------
-def restore(request: RestoreRequest, progress: Progress = _quiet) -> Receipt:
+def restore(request: RestoreRequest, progress: Progress = quiet) -> Receipt:
     tl = Timeline()
     op = "prepare" if request.operation == "prepare" else "restore"
     op_id = request.id or f"{op}-{uuid.uuid4().hex[:12]}"
