@@ -10,14 +10,16 @@ import sys
 import pytest
 
 from coldsnap.oci.argv import parse_runc_argv
+from coldsnap.oci.records import ShimRecord
 from coldsnap.shim.main import ANSWER_START, DELETE, PASS_THROUGH, RESTORE, annotated_spec, decide
 
 ROOT = "/run/runc"
 ANNOTATED = {"ociVersion": "1.0.2", "annotations": {"io.coldsnap.capsule": "sha256:" + "a" * 64}}
-RESTORED = {"outcome": "restored", "id": "c1", "root": ROOT}
-FELL_BACK = {"outcome": "fell-back", "id": "c1", "root": ROOT}
-RESTORING = {"outcome": "restoring", "id": "c1", "root": ROOT, "owner": {"pid": 1, "start": 0}}
-OTHER_ROOT = {"outcome": "restored", "id": "c1", "root": "/run/other-runc"}
+RESTORED = ShimRecord.from_json({"outcome": "restored", "id": "c1", "root": ROOT, "bundle": "/b"})
+FELL_BACK = ShimRecord.from_json({"outcome": "fell-back", "id": "c1", "root": ROOT, "bundle": "/b"})
+RESTORING = ShimRecord.from_json({"outcome": "restoring", "id": "c1", "root": ROOT, "bundle": "/b",
+                                  "owner": {"pid": 1, "start": 0}})
+OTHER_ROOT = ShimRecord.from_json({"outcome": "restored", "id": "c1", "root": "/run/other-runc", "bundle": "/b"})
 
 # (argv, the bundle's spec is annotated, the shim's record of c1, expected action)
 TABLE = [
@@ -111,3 +113,22 @@ def test_the_pass_through_imports_only_a_handful_of_stdlib_modules(tmp_path, arg
     assert ours <= PASS_THROUGH_MODULES | MORE.get(argv[0], set()), sorted(ours)
     assert len(ours) <= 7
     assert not {m for m in imported if m.split(".")[0] in ("pydantic", "pycriu", "pyroute2", "torch", "zstandard")}
+
+
+def test_a_shim_record_is_typed_and_survives_its_file(tmp_path, monkeypatch):
+    from coldsnap.oci import records
+    from coldsnap.oci.records import Outcome, Owner
+
+    monkeypatch.setenv("COLDSNAP_RUN", str(tmp_path))
+    monkeypatch.setattr(records, "MARKERS", str(tmp_path / "markers"))
+    record = ShimRecord(outcome=Outcome.RESTORING, id="c1", root=ROOT, bundle="/b", runc="/usr/bin/runc",
+                        owner=Owner(pid=7, start=11), criu_options=["--tcp-established"])
+    records.save("c1", record)
+    assert json.loads((tmp_path / "shim" / "c1.json").read_text())["outcome"] == "restoring"  # the file's word
+    assert records.load("c1") == record
+    (tmp_path / "shim" / "c1.json").write_text(json.dumps({**record.to_json(), "from_a_later_version": 1}))
+    assert records.load("c1") == record  # what it does not know, it leaves
+    for damaged in ("{not json", json.dumps({"outcome": "unheard-of", "id": "c1", "root": ROOT, "bundle": "/b"}),
+                    json.dumps({"id": "c1"})):
+        (tmp_path / "shim" / "c1.json").write_text(damaged)
+        assert records.load("c1") is None, damaged

@@ -48,6 +48,7 @@ from coldsnap.gpu import steps as gpu_steps
 from coldsnap.oci import records, runclog
 from coldsnap.oci.argv import RuncArgv
 from coldsnap.oci.hooks import add_coldsnap_hooks
+from coldsnap.oci.records import Outcome, Owner, ShimRecord
 from coldsnap.oci.runtime import Runc
 from coldsnap.oci.spec import coldsnap_annotations, netns_path, root_path, write_spec
 from coldsnap.workload import hostfiles
@@ -113,7 +114,7 @@ class CreateOutcome:
 
     action: Literal["restored", "cold", "exec", "fail"]
     message: str = ""
-    record: dict | None = None
+    record: ShimRecord | None = None
     exit_code: int = 0
 
 
@@ -167,13 +168,13 @@ def restore_at_create(runc: str, parsed: RuncArgv, spec: dict) -> CreateOutcome:
         return _fall_back(runc, parsed, creq, tl, capsule, cause, attempted, netns_path(spec))
 
     profile = capsule.profile
-    record = {
-        "outcome": "restored", "id": cid, "root": parsed.root, "bundle": parsed.bundle, "capsule": capsule.digest,
-        "request": creq.request.model_dump(mode="json"),
-        "validation": creq.validation(profile.validation).model_dump(mode="json"),
-        "expected_text": profile.expected_text, "weights_mode": profile.weights_mode,
-        "criu_options": profile.criu_options, "timeline": tl.to_dict(), "started": False, **restored,
-    }
+    record = ShimRecord(
+        outcome=Outcome.RESTORED, id=cid, root=parsed.root, bundle=parsed.bundle, capsule=capsule.digest,
+        request=creq.request.model_dump(mode="json"),
+        validation=creq.validation(profile.validation).model_dump(mode="json"),
+        expected_text=profile.expected_text, weights_mode=profile.weights_mode,
+        criu_options=profile.criu_options, timeline=tl.to_dict(), **restored,
+    )
     records.save(cid, record)
     return CreateOutcome("restored", record=record)
 
@@ -184,8 +185,8 @@ def _restore(runc: str, parsed: RuncArgv, staged: Staged, spec: dict, creq: Cont
     cid = parsed.container_id
     # Recorded before runc restores anything: whoever looks next (the next runc call for this id, coldsnap gc)
     # deletes a container whose restore this shim did not live to validate.
-    records.save(cid, {"outcome": "restoring", "id": cid, "root": parsed.root, "bundle": parsed.bundle,
-                       "runc": runc, "owner": {"pid": os.getpid(), "start": start_time(os.getpid())}})
+    records.save(cid, ShimRecord(outcome=Outcome.RESTORING, id=cid, root=parsed.root, bundle=parsed.bundle,
+                                 runc=runc, owner=Owner(pid=os.getpid(), start=start_time(os.getpid()))))
     work = work_dir(cid)
     t0 = time.monotonic()  # the restore clock: staging excluded, as for process mode
     # files of a bound /dev/shm the dump refers to, and those the container wrote into its root filesystem: into
@@ -273,8 +274,8 @@ def _fell_back(creq: ContainerRequest, parsed: RuncArgv, tl: Timeline, result: d
     """The receipt and the record of a container started cold (its poststart hook says so; its delete forgets)."""
     cid = parsed.container_id
     finish_receipt(creq.request, cid, "restore", tl, "fell-back", result=result)
-    records.save(cid, {"outcome": "fell-back", "id": cid, "root": parsed.root, "bundle": parsed.bundle,
-                       "reason": reason, "receipt": str(receipt_path(cid))})
+    records.save(cid, ShimRecord(outcome=Outcome.FELL_BACK, id=cid, root=parsed.root, bundle=parsed.bundle,
+                                 reason=reason, receipt=str(receipt_path(cid))))
 
 
 # --- poststart ---------------------------------------------------------------------------------------------------
@@ -290,32 +291,32 @@ def validate_restored(state: dict) -> Validated | None:
     it (or it is validated already); else validate it, write its receipt and say how it went."""
     cid = state["id"]
     record = records.load(cid)
-    if record is None or record.get("validated"):
+    if record is None or record.validated:
         return None
-    if record.get("outcome") == "fell-back":
-        return Validated(True, f"{cid} started cold: {record.get('reason')} (receipt {record.get('receipt')})")
-    pid = int(state.get("pid") or record["pid"])
-    request = RestoreRequest.model_validate(record["request"])
-    tl = Timeline.from_dict(record["timeline"])
-    target = Target(pid=pid, port=int(record["port"]), host=record.get("host"))
+    if record.outcome == Outcome.FELL_BACK:
+        return Validated(True, f"{cid} started cold: {record.reason} (receipt {record.receipt})")
+    pid = int(state.get("pid") or record.pid or 0)
+    request = RestoreRequest.model_validate(record.request)
+    tl = Timeline.from_dict(record.timeline)
+    target = Target(pid=pid, port=int(record.port or 0), host=record.host)
     try:
         start = time.monotonic()
         try:
-            res = validate(target, Validation.model_validate(record["validation"]), record["expected_text"])
+            res = validate(target, Validation.model_validate(record.validation), record.expected_text)
         finally:
             tl.add("validate", start, time.monotonic())
     except ColdSnapError as e:
         receipt = finish_receipt(request, cid, "restore", tl, "failed",
-                                 result={"container": cid, "capsule": record["capsule"]}, error=e)
-        return Validated(False, f"{cid} restored from {record['capsule'][:19]}… but failed validation against "
+                                 result={"container": cid, "capsule": record.capsule}, error=e)
+        return Validated(False, f"{cid} restored from {record.capsule[:19]}… but failed validation against "
                          f"{target.describe()}: {e} (receipt {receipt_path(cid)})", receipt)
-    ttft = res.first_token_s - record["t0"]
+    ttft = res.first_token_s - (record.t0 or 0.0)
     receipt = finish_receipt(request, cid, "restore", tl, "succeeded", result={
-        "container": cid, "capsule": record["capsule"], "pid": pid, "address": target.describe(),
+        "container": cid, "capsule": record.capsule, "pid": pid, "address": target.describe(),
         "time_to_first_token_s": round(ttft, 4), "validated_text": res.text,
-        "cuda_processes": record.get("cuda_processes", 0), "criu_options": record.get("criu_options", []),
-        "runc_restore": record.get("runc_restore", []), "weights_mode": record.get("weights_mode")})
-    record.update(validated=True, receipt=str(receipt_path(cid)))
+        "cuda_processes": record.cuda_processes, "criu_options": record.criu_options,
+        "runc_restore": record.runc_restore, "weights_mode": record.weights_mode})
+    record.validated, record.receipt = True, str(receipt_path(cid))
     records.save(cid, record)
-    return Validated(True, f"{cid} restored from {record['capsule'][:19]}… and validated: first token {ttft:.3f} s "
+    return Validated(True, f"{cid} restored from {record.capsule[:19]}… and validated: first token {ttft:.3f} s "
                      f"after the restore began (receipt {receipt_path(cid)})", receipt)

@@ -161,14 +161,13 @@ def _interrupted_container_restores() -> list[str]:
     shim = Path(records.state_dir())
     for path in sorted(shim.glob("*.json")) if shim.is_dir() else []:
         record = records.load(path.stem)
-        if not record or record.get("outcome") != "restoring":
+        if record is None or record.outcome != records.Outcome.RESTORING:
             continue
-        owner = record.get("owner") or {}
-        if same_process(owner.get("pid"), owner.get("start")):
+        if record.owner and same_process(record.owner.pid, record.owner.start):
             continue
         try:
-            _delete_container(record["runc"], record["root"], record["id"])
-            out.append(f"restore of container {record['id']} was interrupted; the container was deleted")
-        except (OSError, KeyError, subprocess.SubprocessError, ColdSnapError) as e:
+            _delete_container(record.runc, record.root, record.id)
+            out.append(f"restore of container {record.id} was interrupted; the container was deleted")
+        except (OSError, subprocess.SubprocessError, ColdSnapError) as e:
             out.append(f"restore of container {path.stem} was interrupted; could not delete it: {e}")
     return out

@@ -8,6 +8,69 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import asdict, dataclass, field, fields
+from enum import Enum
+from typing import Any
+
+
+class Outcome(str, Enum):
+    """What `create` did with the container."""
+
+    RESTORING = "restoring"  # runc restore under way (its shim alive), or interrupted (its shim gone)
+    RESTORED = "restored"  # running as restored, validated by the poststart hook
+    FELL_BACK = "fell-back"  # started cold by runc (the reason says why)
+
+
+@dataclass
+class Owner:
+    pid: int
+    start: int | None  # its start time (a PID alone can be reused)
+
+
+@dataclass
+class ShimRecord:
+    """The record of one container the shim handled (stdlib only: the shim's start and delete read it)."""
+
+    outcome: Outcome
+    id: str
+    root: str
+    bundle: str
+    runc: str = ""
+    owner: Owner | None = None  # the shim that restores it (restoring)
+    capsule: str = ""
+    # what the poststart hook validates with and writes the receipt from (restored): the request, the
+    # validation and the timeline as JSON (pydantic stays off this floor; the hook reads them back)
+    request: dict[str, Any] = field(default_factory=dict)
+    validation: dict[str, Any] = field(default_factory=dict)
+    timeline: dict[str, Any] = field(default_factory=dict)
+    expected_text: str | None = None
+    weights_mode: str | None = None
+    criu_options: list[str] = field(default_factory=list)
+    pid: int | None = None  # host PID of the restored init
+    t0: float | None = None  # monotonic: when the restore began
+    port: int | None = None
+    host: str | None = None
+    work_dir: str | None = None
+    runc_restore: list[str] = field(default_factory=list)
+    cuda_processes: int = 0
+    started: bool = False
+    validated: bool = False
+    reason: str | None = None  # fell-back: why
+    receipt: str | None = None
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "ShimRecord":
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        values["outcome"] = Outcome(values["outcome"])
+        if isinstance(values.get("owner"), dict):
+            values["owner"] = Owner(pid=int(values["owner"]["pid"]), start=values["owner"].get("start"))
+        return cls(**values)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["outcome"] = self.outcome.value
+        return data
 
 # Host-global markers, one per container the shim keeps a record of (wherever COLDSNAP_RUN puts the records): the
 # coldsnap-runc launcher sends `start` and `delete` of a marked container to the shim, all others straight to runc.
@@ -60,39 +123,40 @@ def work_dir_path(container_id: str) -> str:
     return os.path.join(state_dir(), "work", _checked(container_id))
 
 
-def load(container_id: str | None) -> dict | None:
+def load(container_id: str | None) -> ShimRecord | None:
+    """The container's record; None when there is none or it cannot be read."""
     if not container_id:
         return None
     try:
         with open(state_path(container_id), encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
+            return ShimRecord.from_json(json.load(f))
+    except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def save(container_id: str, data: dict) -> str:
+def save(container_id: str, record: ShimRecord) -> str:
     from coldsnap.base.files import atomic_write  # not on the pass-through path
 
     path = state_path(container_id)
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-    _mark(data.get("root"), container_id, True)  # first: a marker without a record only costs a call the shim's start
-    atomic_write(path, json.dumps(data, indent=1).encode("utf-8"))
+    _mark(record.root, container_id, True)  # first: a marker without a record only costs a call the shim's start
+    atomic_write(path, json.dumps(record.to_json(), indent=1).encode("utf-8"))
     return path
 
 
 def remove(container_id: str | None) -> None:
     if container_id:
-        record = load(container_id) or {}
+        record = load(container_id)
         try:
             os.unlink(state_path(container_id))
         except (ValueError, FileNotFoundError):
             pass
-        _mark(record.get("root"), container_id, False)
+        _mark(record.root if record else None, container_id, False)
 
 
-def belongs(data: dict | None, root: str) -> bool:
+def belongs(record: ShimRecord | None, root: str) -> bool:
     """A record applies only to the runc root it was made under (ids are unique per root, not per host)."""
-    return bool(data) and os.path.realpath(data.get("root", "")) == os.path.realpath(root)
+    return record is not None and os.path.realpath(record.root) == os.path.realpath(root)
 
 
 def forget(container_id: str) -> None:
@@ -101,7 +165,7 @@ def forget(container_id: str) -> None:
     shim keeps CRIU's log from it before it cleans up.)"""
     import shutil
 
-    record = load(container_id) or {}
-    if record.get("work_dir"):
-        shutil.rmtree(record["work_dir"], ignore_errors=True)
+    record = load(container_id)
+    if record is not None and record.work_dir:
+        shutil.rmtree(record.work_dir, ignore_errors=True)
     remove(container_id)

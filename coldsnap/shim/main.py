@@ -10,10 +10,13 @@ decision is not to pass through."""
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from coldsnap.oci.argv import RuncArgv, parse_runc_argv, valid_container_id
 from coldsnap.oci.runtime import RuncNotFound, apply_config_env, exec_runc, find_runc
+
+if TYPE_CHECKING:
+    from coldsnap.oci.records import ShimRecord
 
 ANNOTATION_CAPSULE = "io.coldsnap.capsule"  # == coldsnap.contracts.capsule.ANNOTATION_CAPSULE (not imported: pydantic)
 
@@ -37,7 +40,7 @@ def annotated_spec(bundle: str) -> dict | None:
     return spec if coldsnap_annotations(spec).get(ANNOTATION_CAPSULE, "").strip() else None
 
 
-def shim_record(container_id: str) -> dict | None:
+def shim_record(container_id: str) -> "ShimRecord | None":
     from coldsnap.oci import records
 
     return records.load(container_id)
@@ -55,13 +58,13 @@ def decide(parsed: RuncArgv, spec_of: Callable[[str], dict | None] = annotated_s
         if spec is not None:
             return RESTORE, spec
     elif command in ("start", "delete"):
-        from coldsnap.oci.records import belongs
+        from coldsnap.oci.records import Outcome, belongs
 
         record = record_of(cid)
         if belongs(record, parsed.root):
             if command == "delete":
                 return DELETE, record
-            if record.get("outcome") in ("restored", "restoring"):
+            if record is not None and record.outcome in (Outcome.RESTORED, Outcome.RESTORING):
                 return ANSWER_START, record
     return PASS_THROUGH, None
 
