@@ -226,7 +226,7 @@ def test_vllm_sleeps_before_the_checkpoint_and_wakes_after_the_restore(mode, wok
     adapter = get_adapter("vllm")
     released = adapter.before_capture("127.0.0.1", server.port, True, mode)
     level = {"native": 1, "recovery": 2}[mode]
-    assert released["sleep_level"] == level and server.paths() == [f"/sleep?level={level}"]
+    assert released.sleep_level == level and server.paths() == [f"/sleep?level={level}"]
     resumed = adapter.after_restore("127.0.0.1", server.port, bool(released), mode)
     assert server.paths()[1:] == woken and len(resumed) == len(woken)
     if mode == "recovery":
@@ -237,7 +237,7 @@ def test_vllm_sleeps_before_the_checkpoint_and_wakes_after_the_restore(mode, wok
 def test_vllm_without_sleep_mode_releases_nothing():
     server = SleepModeStandIn(sleep_mode=False)  # the CPU build: no dev endpoints
     adapter = get_adapter("vllm")
-    assert adapter.before_capture("127.0.0.1", server.port, True, "native") == {}
+    assert not adapter.before_capture("127.0.0.1", server.port, True, "native")
     assert adapter.after_restore("127.0.0.1", server.port, False, "native") == {}
     assert server.paths() == []
     server.server.shutdown()

@@ -1,6 +1,7 @@
 """Contracts: pydantic models and constants only. No I/O; imports nothing else of ColdSnap."""
 
 from coldsnap.contracts.base import FORMAT_VERSION, Strict, canonical_json, sha256_hex
+from coldsnap.contracts.engine import EngineRelease
 from coldsnap.contracts.errors import EXIT_CODES, ColdSnapError, ErrorCode
 from coldsnap.contracts.parse import parse_request
 from coldsnap.contracts.profile import (
@@ -41,6 +42,7 @@ SCHEMAS = {
     "capsule-profile": CapsuleProfile,
     "capabilities": Capabilities,
     "policy": RestorePolicy,
+    "engine-release": EngineRelease,
 }
 
 __all__ = [
@@ -56,6 +58,7 @@ __all__ = [
     "Distributed",
     "EXIT_CODES",
     "Engine",
+    "EngineRelease",
     "ErrorCode",
     "ErrorInfo",
     "FORMAT_VERSION",

@@ -8,7 +8,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from coldsnap.contracts import CaptureRequest, ColdSnapError, Distributed, ErrorCode, Model, Mount
+from coldsnap.contracts import CaptureRequest, ColdSnapError, Distributed, EngineRelease, ErrorCode, Model, Mount
 
 # What a container's process starts with besides the launch's own variables (process mode adds the same two in
 # coldsnap.workload.process.workload_env; a container gets nothing from its engine unless the spec names it).
@@ -80,14 +80,15 @@ class EngineAdapter:
 
     # Hooks around capture and restore; default: nothing to release.
     def before_capture(self, host: str, port: int, kv_discard: bool, weights_mode: str,
-                       save_weights: bool = False, code_dir: str | None = None, lease: str | None = None) -> dict:
+                       save_weights: bool = False, code_dir: str | None = None,
+                       lease: str | None = None) -> EngineRelease:
         """Release what the capture should not carry. save_weights (native mode, process capture): an engine that
         can writes its in-memory weights to a file of its own, drops them, and names the file in the answer's
         saved_weights; one that cannot ignores it (its weights stay in the dump). code_dir (process capture): an
         engine that can moves the CUDA device code it holds in anonymous memory into files there
         (coldsnap.gpu.codestash); one that cannot ignores it. lease (process capture): the capturer's lease file
         (coldsnap.engines.lease); an engine that releases anything resumes itself once the lease is let go."""
-        return {}
+        return EngineRelease()
 
     def after_restore(self, host: str, port: int, kv_discarded: bool, weights_mode: str,
                       prefetched: str | dict[str, str] | None = None) -> dict:

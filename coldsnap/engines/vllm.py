@@ -54,7 +54,7 @@ import time
 from pathlib import Path
 
 from coldsnap.base.paths import settings
-from coldsnap.contracts import CaptureRequest, ColdSnapError, ErrorCode
+from coldsnap.contracts import CaptureRequest, ColdSnapError, EngineRelease, ErrorCode
 from coldsnap.engines.base import EngineAdapter, PreparedLaunch, option_flags, post_json
 from coldsnap.engines.venv_engine import (
     as_bool,
@@ -175,13 +175,14 @@ class VllmAdapter(EngineAdapter):
 
     # --- sleep mode around the checkpoint (CUDA; a server without it has nothing to release) -----------------------
     def before_capture(self, host: str, port: int, kv_discard: bool, weights_mode: str,
-                       save_weights: bool = False, code_dir: str | None = None, lease: str | None = None) -> dict:
+                       save_weights: bool = False, code_dir: str | None = None,
+                       lease: str | None = None) -> EngineRelease:
         if not has_sleep_mode(host, port):
-            return {}
+            return EngineRelease()
         level = SLEEP_LEVEL.get(weights_mode, 1)
         t = time.monotonic()
         post_json(host, port, f"/sleep?level={level}", timeout=600)
-        return {"sleep_level": level, "sleep_s": round(time.monotonic() - t, 3)}
+        return EngineRelease(sleep_level=level, sleep_s=round(time.monotonic() - t, 3))
 
     def after_restore(self, host: str, port: int, kv_discarded: bool, weights_mode: str,
                       prefetched: str | dict[str, str] | None = None) -> dict:

@@ -24,6 +24,7 @@ from coldsnap.contracts import (
     CapturedFile,
     CaptureRequest,
     ColdSnapError,
+    EngineRelease,
     ErrorCode,
     Model,
     Receipt,
@@ -207,7 +208,7 @@ def _capture_named(name: str, request: CaptureRequest, tl: Timeline, progress: P
             engine_version=info.get("version") or launch.engine_version,
             network=plan, workload_name=name, files=files, distributed=adapter.distributed(info),
             engine_lease=lease.path if released else None,
-            prefetch_plans=(released or {}).pop("prefetch_plans", None) or {})
+            prefetch_plans=released.prefetch_plans)
         packed = thin_and_pack(images, files, profile, request.tag, released, tl, progress, extra_src,
                                journal=journal, template_capsule=template_capsule)
         return {
@@ -224,7 +225,7 @@ def _capture_named(name: str, request: CaptureRequest, tl: Timeline, progress: P
             "cuda_processes": len(gpu.pids),
             "criu_options": options.cli_flags(),
             "criu_stats": dump_stats,
-            **({"release": released} if released else {}),
+            **({"release": released.facts()} if released else {}),
         }, profile
     except ColdSnapError as e:
         if cold is not None and e.code == ErrorCode.WORKLOAD_FAILED and not alive(cold.state.pid):
@@ -334,7 +335,7 @@ def capsule_profile(driver: str, request: CaptureRequest, criu: CriuDriver, info
 
 
 def thin_and_pack(images: Path, files: list[CapturedFile], profile: CapsuleProfile, tag: str | None,
-                  released: dict | None, tl: Timeline, progress: Progress,
+                  released: EngineRelease, tl: Timeline, progress: Progress,
                   sources: dict[str, str] | None = None, journal: Journal | None = None,
                   template_capsule: str | None = None) -> dict:
     """Drop the dump's zero pages, pack the capsule; returns what the receipt says of it. Its layers are written in
@@ -369,17 +370,17 @@ def thin_and_pack(images: Path, files: list[CapturedFile], profile: CapsuleProfi
             "signed_by": signed_by}
 
 
-def saved_weights_model(adapter, released: dict | None) -> Model | None:
+def saved_weights_model(adapter, released: EngineRelease) -> Model | None:
     """The model as the engine saved its in-memory weights at release (native mode, engines that can): that file,
     not the one it loaded, is what a restore reloads."""
-    saved = (released or {}).get("saved_weights")
+    saved = released.saved_weights
     return adapter.describe_model(saved) if saved else None
 
 
-def weights_travel_apart(profile: CapsuleProfile, released: dict | None) -> bool:
+def weights_travel_apart(profile: CapsuleProfile, released: EngineRelease) -> bool:
     """Whether the weights go as a payload beside the images: pinned files (recovery) or the engine's own save of
     its native weights. Otherwise (native weights kept in memory) they are in the images."""
-    return profile.weights_mode == "recovery" or bool((released or {}).get("saved_weights"))
+    return profile.weights_mode == "recovery" or bool(released.saved_weights)
 
 
 def write_capsule(store: CapsuleStore, scratch: Path, files: list[CapturedFile], images: Path,

@@ -27,6 +27,7 @@ from coldsnap.contracts import (
     ContainerLaunch,
     ContainerMount,
     Engine,
+    EngineRelease,
     ErrorCode,
     Launch,
     Lifecycle,
@@ -167,7 +168,7 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
         options = container_options(request.lifecycle.leave_running, request.policy.quiesce)
         gpu = gpu_steps.GpuCheckpoint()
         connections = 0
-        released: dict = {}
+        released = EngineRelease()
         release = journal.add("released", container_pid=pid, host=host, port=request.launch.port,
                               engine=request.engine.name, weights_mode=weights_mode)
         cuda = journal.add("cuda", root=pid)

@@ -14,7 +14,7 @@ import time
 import uuid
 
 from coldsnap.base.procfs import alive
-from coldsnap.contracts import ColdSnapError, ErrorCode, Receipt, Validation, WorkloadRequest
+from coldsnap.contracts import ColdSnapError, EngineRelease, ErrorCode, Receipt, Validation, WorkloadRequest
 from coldsnap.engines import get_adapter
 from coldsnap.flows.receipts import finish_receipt, receipt_on_failure
 from coldsnap.flows.spans import Timeline
@@ -55,7 +55,7 @@ def sleep(request: WorkloadRequest, progress=lambda m: None) -> Receipt:
             raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"workload {ws.name!r} is already sleeping")
         mode = _sleep_mode(ws, request.sleep_mode)
         host, port = _address(ws)
-        released = {}
+        released = EngineRelease()
         if mode == "engine":
             with tl.span("engine-release"):
                 released = get_adapter(ws.engine).before_capture(host, port, True, "recovery")
@@ -74,7 +74,7 @@ def sleep(request: WorkloadRequest, progress=lambda m: None) -> Receipt:
         progress(f"{ckpt.summary} ({mode} sleep)")
         return finish_receipt(request, op_id, "sleep", tl, "succeeded",
                               result={"workload": ws.name, "mode": mode, "cuda_processes": len(ckpt.pids),
-                                      "seconds": ckpt.seconds, "engine_release": released})
+                                      "seconds": ckpt.seconds, "engine_release": released.facts()})
 
 
 def wake(request: WorkloadRequest, progress=lambda m: None, validation: Validation | None = None) -> Receipt:

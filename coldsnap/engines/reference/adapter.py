@@ -8,7 +8,7 @@ from pathlib import Path
 
 from coldsnap.base.digests import CHUNK_BYTES, pinned_digests
 from coldsnap.base.paths import settings
-from coldsnap.contracts import CaptureRequest, Distributed, Model, Mount, WeightFile
+from coldsnap.contracts import CaptureRequest, Distributed, EngineRelease, Model, Mount, WeightFile
 from coldsnap.engines.base import EngineAdapter, PreparedLaunch, option_flags, post_json
 
 MODEL_ID = "coldsnap/reference-tiny"
@@ -95,7 +95,8 @@ class ReferenceAdapter(EngineAdapter):
                            settings=tp.get("settings") or {})
 
     def before_capture(self, host: str, port: int, kv_discard: bool, weights_mode: str,
-                       save_weights: bool = False, code_dir: str | None = None, lease: str | None = None) -> dict:
+                       save_weights: bool = False, code_dir: str | None = None,
+                       lease: str | None = None) -> EngineRelease:
         # recovery: weights and KV go (the engine reloads the weights from the pinned file after restore). native
         # with save_weights: the engine first saves its weights as they are in memory to a file of its own, which
         # travels beside the images as a content-addressed payload, and reloads from it after restore. native
@@ -104,10 +105,12 @@ class ReferenceAdapter(EngineAdapter):
         if lease:
             stash["lease"] = lease
         if weights_mode == "native" and save_weights:
-            return post_json(host, port, "/coldsnap/release", {"weights": True, "save": True, **stash})
+            return EngineRelease.model_validate(
+                post_json(host, port, "/coldsnap/release", {"weights": True, "save": True, **stash}))
         if not kv_discard and weights_mode != "recovery":
-            return {}
-        return post_json(host, port, "/coldsnap/release", {"weights": weights_mode == "recovery", **stash})
+            return EngineRelease()
+        return EngineRelease.model_validate(
+            post_json(host, port, "/coldsnap/release", {"weights": weights_mode == "recovery", **stash}))
 
     def after_restore(self, host: str, port: int, kv_discarded: bool, weights_mode: str,
                       prefetched: str | dict[str, str] | None = None) -> dict:
