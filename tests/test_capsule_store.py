@@ -182,7 +182,7 @@ def test_unpack_refuses_escaping_members(tmp_path):
 
 
 def test_gc_spares_blobs_a_live_capture_wrote_or_reuses_and_refreshes_their_age(store, tmp_path):
-    from coldsnap.base.journal import Journal
+    from coldsnap.base.journal import Blob, Journal
     from coldsnap.capsule.gc import discard, gc
 
     written = store.put_bytes(b"a layer a capture in flight just wrote", "x")
@@ -190,7 +190,7 @@ def test_gc_spares_blobs_a_live_capture_wrote_or_reuses_and_refreshes_their_age(
     old = time.time() - 7200
     os.utime(store.blob_path(reused.digest), (old, old))
     journal = Journal.begin("capture", workload="gc-race")  # this test process is the capture, alive
-    journal.add("blob", digest=written.digest)
+    journal.add(Blob(written.digest))
     assert store.put_bytes(b"a layer it reuses", "y").digest == reused.digest  # reuse: its age starts again
     assert time.time() - store.blob_path(reused.digest).stat().st_mtime < 60
     out = gc(store, grace_s=0)  # even with no grace period

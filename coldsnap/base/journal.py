@@ -15,8 +15,9 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Any, ClassVar, TypeVar
 
 from coldsnap.base.files import atomic_write, private_dir
 from coldsnap.base.paths import settings
@@ -45,6 +46,105 @@ def same_process(pid: int | None, started: int | None) -> bool:
         return False
 
 
+# --- what an operation records, kind by kind (the file says each one's kind; recovery reads them by type) ---------
+@dataclass(eq=False)  # a thing is itself: drop() and `in` go by identity
+class Thing:
+    kind: ClassVar[str] = ""
+
+
+@dataclass(eq=False)
+class Dir(Thing):
+    """A work, staging or scratch directory (workload_dir: the workload's run directory, kept with a kept
+    workload)."""
+
+    kind: ClassVar[str] = "dir"
+    path: str
+    workload_dir: bool = False
+
+
+@dataclass(eq=False)
+class Network(Thing):
+    """A network namespace with its veth and addresses: a NetworkPlan's JSON (pydantic stays off this floor)."""
+
+    kind: ClassVar[str] = "network"
+    plan: dict[str, Any]
+
+
+@dataclass(eq=False)
+class Workload(Thing):
+    """A workload's process tree in its network namespace; pid and start once it runs."""
+
+    kind: ClassVar[str] = "workload"
+    name: str
+    netns: str
+    pid: int | None = None
+    start: int | None = None
+
+
+@dataclass(eq=False)
+class Validated(Thing):
+    """The capture's workload answered its validation: a --leave-running workload is kept from here on."""
+
+    kind: ClassVar[str] = "validated"
+
+
+@dataclass(eq=False)
+class Released(Thing):
+    """An engine released for the dump: resumed if the operation dies (container_pid: a container's engine)."""
+
+    kind: ClassVar[str] = "released"
+    engine: str
+    weights_mode: str
+    port: int
+    host: str | None = None
+    container_pid: int | None = None
+
+
+@dataclass(eq=False)
+class ShmFiles(Thing):
+    """Host /dev/shm files a dumped tree used (with_workload: they go with the workload)."""
+
+    kind: ClassVar[str] = "files"
+    paths: list[str]
+    with_workload: bool = False
+
+
+@dataclass(eq=False)
+class CudaTree(Thing):
+    """A process tree whose CUDA state the driver checkpointed: restored if the operation dies."""
+
+    kind: ClassVar[str] = "cuda"
+    root: int
+
+
+@dataclass(eq=False)
+class Blob(Thing):
+    """A store blob a capture wrote or reuses: gc spares it until the capsule is indexed."""
+
+    kind: ClassVar[str] = "blob"
+    digest: str
+
+
+THINGS: dict[str, type[Thing]] = {t.kind: t for t in (Dir, Network, Workload, Validated, Released, ShmFiles,
+                                                      CudaTree, Blob)}
+
+
+def _thing_to_json(thing: Thing) -> dict[str, Any]:
+    return {"kind": thing.kind, **asdict(thing)}
+
+
+def _thing_of(data: dict[str, Any]) -> Thing | None:
+    """A thing from its JSON; None for a kind this version does not know."""
+    cls = THINGS.get(data.get("kind", ""))
+    if cls is None:
+        return None
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in data.items() if k in names})
+
+
+T = TypeVar("T", bound=Thing)
+
+
 def ops_dir() -> Path:
     return settings().run / "ops"
 
@@ -54,7 +154,7 @@ class Journal:
     path: Path
     kind: str
     owner: dict
-    things: list[dict] = field(default_factory=list)
+    things: list[Thing] = field(default_factory=list)
     about: dict = field(default_factory=dict)
 
     @classmethod
@@ -70,28 +170,35 @@ class Journal:
     def load(cls, path: Path) -> "Journal | None":
         try:
             data = json.loads(path.read_text())
-            return cls(path=path, kind=str(data["kind"]), owner=dict(data["owner"]), things=list(data["things"]),
+            things = [t for t in (_thing_of(x) for x in data["things"]) if t is not None]
+            return cls(path=path, kind=str(data["kind"]), owner=dict(data["owner"]), things=things,
                        about=dict(data.get("about") or {}))
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
     def _write(self) -> None:
         atomic_write(self.path, json.dumps({"kind": self.kind, "owner": self.owner, "about": self.about,
-                                            "things": self.things}, indent=1).encode())
+                                            "things": [_thing_to_json(t) for t in self.things]}, indent=1).encode())
 
-    def add(self, kind: str, **thing) -> dict:
+    def add(self, thing: T) -> T:
         """Record a thing before making it (written to disk before this returns)."""
-        entry = {"kind": kind, **thing}
-        self.things.append(entry)
+        self.things.append(thing)
         self._write()
-        return entry
+        return thing
 
-    def update(self, entry: dict, **more) -> None:
+    def update(self, thing: Thing, **more: Any) -> None:
         """Add what became known about a thing (e.g. the PID of a process once it started)."""
-        entry.update(more)
+        for name, value in more.items():
+            if not hasattr(thing, name):
+                raise AttributeError(f"a {thing.kind} has no {name}")
+            setattr(thing, name, value)
         self._write()
 
-    def drop(self, entry: dict) -> None:
+    def of(self, kind: type[T]) -> list[T]:
+        """Its things of one kind, in the order they were recorded."""
+        return [t for t in self.things if isinstance(t, kind)]
+
+    def drop(self, entry: Thing) -> None:
         """The thing is gone, or handed over to its next owner (a workload's state file)."""
         self.things = [t for t in self.things if t is not entry]
         self._write()

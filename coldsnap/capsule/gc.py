@@ -129,8 +129,8 @@ def remove(store: CapsuleStore, ref: str) -> list[str]:
 def in_flight_blobs(but: "journal.Journal | None" = None) -> set[str]:
     """Blobs an operation that still runs (other than `but`) has written or reused for a capsule it has not indexed
     yet (its journal names them: coldsnap.base.journal)."""
-    return {t["digest"] for j in journal.entries() if j.owner_alive() and (but is None or j.path != but.path)
-            for t in j.things if t.get("kind") == "blob" and isinstance(t.get("digest"), str)}
+    return {t.digest for j in journal.entries() if j.owner_alive() and (but is None or j.path != but.path)
+            for t in j.of(journal.Blob)}
 
 
 def discard(store: CapsuleStore, digests: list[str], mine: "journal.Journal | None" = None) -> int:

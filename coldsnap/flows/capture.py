@@ -12,7 +12,7 @@ from pathlib import Path
 
 from coldsnap.base.digests import pin_in_background
 from coldsnap.base.files import private_dir
-from coldsnap.base.journal import Journal
+from coldsnap.base.journal import Blob, CudaTree, Dir, Journal, Released, ShmFiles, Validated
 from coldsnap.base.paths import settings
 from coldsnap.base.procfs import alive
 from coldsnap.base.progress import Progress, quiet
@@ -111,9 +111,9 @@ def _capture_named(name: str, request: CaptureRequest, tl: Timeline, progress: P
     journal = Journal.begin("capture", workload=name, leave_running=leave_running, engine=request.engine.name,
                             weights_mode=launch.weights_mode)
     work = cfg.run / "capture" / uuid.uuid4().hex
-    journal.add("dir", path=str(work))
+    journal.add(Dir(str(work)))
     images = private_dir(work) / "images"
-    wdir_entry = journal.add("dir", path=str(cfg.run / "workloads" / name), workload_dir=True)
+    wdir_entry = journal.add(Dir(str(cfg.run / "workloads" / name), workload_dir=True))
     wdir = run_dir(name)
     lease = hold_lease(wdir / "engine.lease")  # the engine resumes itself if this capture dies (engines.lease)
     cold = None
@@ -137,7 +137,7 @@ def _capture_named(name: str, request: CaptureRequest, tl: Timeline, progress: P
             progress(f"ready after {cold.ready - cold.started:.1f} s; validated: {first.text!r}")
             with tl.span("validate"):
                 probe.complete(expected=first.text)  # determinism: a restore will be held to this text
-            journal.add("validated")  # from here a --leave-running workload is kept whatever happens to the capture
+            journal.add(Validated())  # from here a --leave-running workload is kept whatever happens to the capture
 
         model = request.model or launch.model
         info = engine_info(plan.workload_address, plan.port)
@@ -154,8 +154,8 @@ def _capture_named(name: str, request: CaptureRequest, tl: Timeline, progress: P
             tag = request.tag if request.snapshot_driver == "template" or not request.tag else f"{request.tag}-template"
             return _dump_template(request, tl, progress, criu, adapter, launch, cold, info, model, images, wdir, tag,
                                   journal)
-        released_entry = journal.add("released", host=plan.workload_address, port=plan.port,
-                                     engine=request.engine.name, weights_mode=launch.weights_mode)
+        released_entry = journal.add(Released(host=plan.workload_address, port=plan.port,
+                                              engine=request.engine.name, weights_mode=launch.weights_mode))
         with tl.span("release"):
             # native: the weights leave the dump as a file of their own, where the engine can save them (a
             # container's engine would save inside the container's filesystem, so container capture does not ask
@@ -168,9 +168,9 @@ def _capture_named(name: str, request: CaptureRequest, tl: Timeline, progress: P
             wait_no_connections(pid, plan.port)
         # Host /dev/shm names the tree uses (a semaphore's real name among them): removed with the dumped tree.
         shm_names = hostfiles.tree_shm_files(pid)
-        journal.add("files", paths=shm_names, with_workload=True)
+        journal.add(ShmFiles(shm_names, with_workload=True))
 
-        cuda_entry = journal.add("cuda", root=pid)
+        cuda_entry = journal.add(CudaTree(pid))
         with tl.span("gpu-checkpoint"):
             gpu = gpu_steps.checkpoint_tree(pid)
         progress(gpu.summary)
@@ -346,7 +346,7 @@ def thin_and_pack(images: Path, files: list[CapturedFile], profile: CapsuleProfi
     progress(thinned.summary)
     store = CapsuleStore(settings().store).init()
     scratch = store.root / "tmp" / f"pack-{uuid.uuid4().hex}"
-    entry = journal.add("dir", path=str(scratch)) if journal else None
+    entry = journal.add(Dir(str(scratch))) if journal else None
     try:
         with tl.span("pack"):
             progress("packing the capsule")
@@ -390,7 +390,7 @@ def write_capsule(store: CapsuleStore, scratch: Path, files: list[CapturedFile],
     into the store as blobs, then its manifest indexed."""
     def keep(desc):
         if journal:  # gc spares a blob an in-flight capture wrote or reuses, until it is indexed
-            journal.add("blob", digest=desc.digest)
+            journal.add(Blob(desc.digest))
         return desc
 
     layers = []

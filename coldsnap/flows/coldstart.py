@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from coldsnap.base.journal import Journal, start_time
+from coldsnap.base.journal import Journal, Network, Thing, Workload, start_time
 from coldsnap.base.procfs import alive
 from coldsnap.contracts import ColdSnapError, ErrorCode, NetworkPlan, Validation
 from coldsnap.net import create_network, destroy_network, new_network
@@ -22,7 +22,7 @@ class ColdStart:
     first: ProbeResult | None  # None: a template, which serves nothing until it is resumed
     started: float  # monotonic: when the start was issued
     ready: float  # monotonic: when /health first answered
-    journaled: list[dict] = field(default_factory=list)  # its entries in the caller's journal, to drop at hand-over
+    journaled: list[Thing] = field(default_factory=list)  # its entries in the caller's journal, to drop at hand-over
 
     @property
     def time_to_first_token(self) -> float:
@@ -46,7 +46,7 @@ def start_cold(name: str, plan: NetworkPlan | int, argv: list[str], env: dict[st
 
     def record(chosen: NetworkPlan) -> None:
         nonlocal network
-        network = journal.add("network", plan=chosen.model_dump())
+        network = journal.add(Network(chosen.model_dump()))
 
     try:
         if isinstance(plan, NetworkPlan):
@@ -60,7 +60,7 @@ def start_cold(name: str, plan: NetworkPlan | int, argv: list[str], env: dict[st
         if own:
             journal.close()
         raise
-    workload = journal.add("workload", name=name, netns=plan.netns)
+    workload = journal.add(Workload(name=name, netns=plan.netns))
     try:
         started = time.monotonic()
         pid = start_in_namespaces(argv, workload_env(env), plan, log, cwd=cwd)

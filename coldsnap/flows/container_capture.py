@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 
 from coldsnap.base.files import private_dir
-from coldsnap.base.journal import Journal
+from coldsnap.base.journal import CudaTree, Dir, Journal, Released
 from coldsnap.base.paths import settings
 from coldsnap.base.progress import Progress, quiet
 from coldsnap.contracts import (
@@ -155,7 +155,7 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
     # Journaled: a capture killed after it released the engine leaves the container serving once someone looks.
     journal = Journal.begin("container-capture", container=cid)
     tmp = settings().run / "capture" / uuid.uuid4().hex
-    journal.add("dir", path=str(tmp))
+    journal.add(Dir(str(tmp)))
     images, work = private_dir(tmp) / "images", private_dir(tmp / "work")
     held_shm = held_layer = None
     try:
@@ -169,9 +169,9 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
         gpu = gpu_steps.GpuCheckpoint()
         connections = 0
         released = EngineRelease()
-        release = journal.add("released", container_pid=pid, host=host, port=request.launch.port,
-                              engine=request.engine.name, weights_mode=weights_mode)
-        cuda = journal.add("cuda", root=pid)
+        release = journal.add(Released(container_pid=pid, host=host, port=request.launch.port,
+                                       engine=request.engine.name, weights_mode=weights_mode))
+        cuda = journal.add(CudaTree(pid))
         if not in_flight:  # in flight, requests still need their KV cache (and weights): nothing is released
             with tl.span("release"):
                 released = target.call(adapter.before_capture, kv_discard, weights_mode)

@@ -8,8 +8,9 @@ What an interrupted operation leaves, and what becomes of it:
     capture, which is brought back as it was (its CUDA state restored, its engine resumed) and kept, with its
     state file, for `coldsnap status` and `stop`.
   released (a container capture): the container's engine is resumed; the container is the user's.
-  process (prefetchers), dir and file (capture and restore work, staging temp dirs, partial layers): removed.
-  container (the shim, during `runc restore`): deleted with runc, its record forgotten."""
+  dir (capture and restore work, staging temp dirs, partial layers' scratch): removed.
+  files (host /dev/shm files of a dumped tree): removed with the workload.
+And a container the shim was restoring (its record says so): deleted with runc, its record forgotten."""
 
 from __future__ import annotations
 
@@ -21,7 +22,18 @@ import time
 from pathlib import Path
 
 from coldsnap.base import journal as journals
-from coldsnap.base.journal import Journal, same_process
+from coldsnap.base.journal import (
+    CudaTree,
+    Dir,
+    Journal,
+    Network,
+    Released,
+    ShmFiles,
+    Thing,
+    Validated,
+    Workload,
+    same_process,
+)
 from coldsnap.base.procfs import alive, in_network_namespace
 from coldsnap.base.progress import Progress, quiet
 from coldsnap.contracts import ColdSnapError, NetworkPlan
@@ -85,9 +97,9 @@ def _claimed(netns: str, by_other_than: Journal) -> bool:
         if ws.plan.netns == netns and alive(ws.pid):
             return True
 
-    def names(t: dict) -> bool:
-        held = (t.get("netns"), (t.get("plan") or {}).get("netns"))
-        return t.get("kind") in ("network", "workload") and netns in held
+    def names(t: Thing) -> bool:
+        return (isinstance(t, Workload) and t.netns == netns) or (isinstance(t, Network) and
+                                                                  t.plan.get("netns") == netns)
 
     return any(j.path != by_other_than.path and j.owner_alive() and any(names(t) for t in j.things)
                for j in journals.entries())
@@ -96,19 +108,19 @@ def _claimed(netns: str, by_other_than: Journal) -> bool:
 def _keep_left_running(j: Journal) -> bool:
     """A --leave-running capture's workload must serve on whatever happened to the capture: bring it back (CUDA
     state, engine) and give it a state file. False when there is nothing alive to keep."""
-    if j.kind != "capture" or not j.about.get("leave_running") or not any(t["kind"] == "validated" for t in j.things):
+    if j.kind != "capture" or not j.about.get("leave_running") or not j.of(Validated):
         return False
-    workload = next((t for t in j.things if t["kind"] == "workload"), None)
-    if workload is None or not same_process(workload.get("pid"), workload.get("start")):
+    workload = next(iter(j.of(Workload)), None)
+    if workload is None or workload.pid is None or not same_process(workload.pid, workload.start):
         return False
     plan = NetworkPlan.model_validate(j.about["plan"])
     for t in j.things:
-        if t["kind"] == "cuda":
-            gpu_steps.restore_restored_tree(workload["pid"])
-        elif t["kind"] == "released":
-            get_adapter(t["engine"]).after_capture_left_running(t["host"], t["port"], True, t["weights_mode"])
-    wdir = next((t["path"] for t in j.things if t.get("workload_dir")), "")
-    save_state(WorkloadState(name=workload["name"], pid=workload["pid"], network=plan.model_dump(), origin="cold",
+        if isinstance(t, CudaTree):
+            gpu_steps.restore_restored_tree(workload.pid)
+        elif isinstance(t, Released):
+            get_adapter(t.engine).after_capture_left_running(t.host, t.port, True, t.weights_mode)
+    wdir = next((d.path for d in j.of(Dir) if d.workload_dir), "")
+    save_state(WorkloadState(name=workload.name, pid=workload.pid, network=plan.model_dump(), origin="cold",
                              run_dir=wdir, log=str(Path(wdir) / "engine.log") if wdir else "",
                              url=f"http://{plan.workload_address}:{plan.port}", engine=j.about.get("engine", ""),
                              weights_mode=j.about.get("weights_mode", "")))
@@ -119,30 +131,23 @@ def _undo(j: Journal) -> str:
     kept = _keep_left_running(j)
     killed = 0
     for t in reversed(j.things):
-        kind = t.get("kind")
-        if kind == "workload" and not kept and t.get("netns"):
-            if not _claimed(t["netns"], j):
-                killed += kill_network_namespace(t["netns"])
-        elif kind == "network" and not kept:
-            plan = NetworkPlan.model_validate(t["plan"])
+        if isinstance(t, Workload) and not kept and t.netns:
+            if not _claimed(t.netns, j):
+                killed += kill_network_namespace(t.netns)
+        elif isinstance(t, Network) and not kept:
+            plan = NetworkPlan.model_validate(t.plan)
             if not _claimed(plan.netns, j):
                 destroy_network(plan)
-        elif kind == "files" and not kept:
-            for path in t.get("paths") or []:
+        elif isinstance(t, ShmFiles) and not kept:
+            for path in t.paths:
                 Path(path).unlink(missing_ok=True)
-        elif kind == "process" and same_process(t.get("pid"), t.get("start")):
-            os.kill(t["pid"], signal.SIGKILL)
-        elif kind == "dir" and not (kept and t.get("workload_dir")):
-            shutil.rmtree(t["path"], ignore_errors=True)
-        elif kind == "file":
-            Path(t["path"]).unlink(missing_ok=True)
-        elif kind == "released" and t.get("container_pid") and alive(t["container_pid"]):
-            target = Target(pid=t["container_pid"], port=t["port"], host=t.get("host"))
-            for cuda in (x for x in j.things if x.get("kind") == "cuda"):
-                gpu_steps.restore_restored_tree(cuda["root"])
-            target.call(get_adapter(t["engine"]).after_capture_left_running, True, t["weights_mode"])
-        elif kind == "container":
-            _delete_container(t["runc"], t["root"], t["id"])
+        elif isinstance(t, Dir) and not (kept and t.workload_dir):
+            shutil.rmtree(t.path, ignore_errors=True)
+        elif isinstance(t, Released) and t.container_pid and alive(t.container_pid):
+            target = Target(pid=t.container_pid, port=t.port, host=t.host)
+            for cuda in j.of(CudaTree):
+                gpu_steps.restore_restored_tree(cuda.root)
+            target.call(get_adapter(t.engine).after_capture_left_running, True, t.weights_mode)
     what = f"{j.kind} of {j.about.get('workload') or j.about.get('capsule') or j.about.get('container') or '?'}"
     if kept:
         return f"{what} was interrupted; its workload serves on (coldsnap status, coldsnap stop)"

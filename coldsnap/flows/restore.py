@@ -11,7 +11,7 @@ import uuid
 from contextlib import ExitStack
 
 from coldsnap.base.files import private_dir
-from coldsnap.base.journal import Journal, start_time
+from coldsnap.base.journal import Dir, Journal, Network, Workload, start_time
 from coldsnap.base.paths import settings
 from coldsnap.base.procfs import alive, descendants
 from coldsnap.base.progress import Progress, quiet
@@ -131,17 +131,17 @@ def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progr
 
     def record(chosen) -> None:
         nonlocal network
-        network = journal.add("network", plan=chosen.model_dump())
+        network = journal.add(Network(chosen.model_dump()))
 
     try:
         with tl.span("network"):
             # A network of its own, whatever the capture's was: the engine listens on 0.0.0.0, its own connections
             # go over loopback, and N restores of one capsule each get a namespace and addresses of their own.
             plan = new_network(name, profile.network.port, before=record)
-            workload = journal.add("workload", name=name, netns=plan.netns)
+            workload = journal.add(Workload(name=name, netns=plan.netns))
         progress("restoring with CRIU")
         work = settings().run / "restore-work" / uuid.uuid4().hex
-        journal.add("dir", path=str(work))
+        journal.add(Dir(str(work)))
         private_dir(work)
         # the restored engine waits on this lease for its resume, instead of resuming itself
         lease = hold_lease(profile.engine_lease) if profile.engine_lease else None
@@ -203,9 +203,8 @@ def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progr
                 lazy.kill()
             if network is not None and network in journal.things:  # ours: created by this restore
                 destroy_network(plan)
-        for t in journal.things:
-            if t["kind"] == "dir":
-                shutil.rmtree(t["path"], ignore_errors=True)
+        for d in journal.of(Dir):
+            shutil.rmtree(d.path, ignore_errors=True)
         journal.close()
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Iterator
 
 from coldsnap.base.files import private_dir
-from coldsnap.base.journal import Journal
+from coldsnap.base.journal import Dir, Journal
 from coldsnap.base.paths import settings
 from coldsnap.capsule import CapsuleStore, LoadedCapsule, unpack_layer
 from coldsnap.capsule import staged as staged_area
@@ -99,7 +99,7 @@ def _unpack_layers(store: CapsuleStore, digest: str, criu: str, files: str | Non
     shutil.rmtree(root, ignore_errors=True)
     tmp = root.with_name(root.name + f".tmp{os.getpid()}.{threading.get_ident()}")
     journal = Journal.begin("stage", capsule=digest)  # a stager killed midway leaves no temp dir for long
-    journal.add("dir", path=str(tmp))
+    journal.add(Dir(str(tmp)))
     private_dir(tmp)
     try:
         unpack_layer(store.blob_path(criu), tmp / "images")
