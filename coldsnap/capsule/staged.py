@@ -19,7 +19,7 @@ COMPLETE = ".complete"
 
 
 @dataclass
-class StagedCapsule:
+class StagedDirectory:
     digest: str
     path: Path
     bytes: int
@@ -45,12 +45,12 @@ def _size(path: Path) -> int:
     return total
 
 
-def entries() -> list[StagedCapsule]:
+def entries() -> list[StagedDirectory]:
     out = []
     for path in sorted(root().iterdir()) if root().is_dir() else []:
         marker = path / COMPLETE
         if path.is_dir() and marker.exists() and len(path.name) == 64:
-            out.append(StagedCapsule("sha256:" + path.name, path, _size(path), marker.stat().st_mtime))
+            out.append(StagedDirectory("sha256:" + path.name, path, _size(path), marker.stat().st_mtime))
     return out
 
 

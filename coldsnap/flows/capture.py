@@ -184,7 +184,7 @@ def _capture_named(name: str, request: CaptureRequest, tl: Timeline, progress: P
 
         if leave_running:
             with tl.span("resume"):
-                gpu_steps.restore_tree(gpu)
+                gpu_steps.resume_in_place(gpu)
                 journal.drop(cuda_entry)
                 adapter.after_capture_left_running(plan.workload_address, plan.port, bool(released),
                                                    launch.weights_mode)

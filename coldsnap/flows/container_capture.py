@@ -236,5 +236,5 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
 
 
 def _resume(target: Target, adapter, gpu, kv_discard: bool, weights_mode: str) -> None:
-    gpu_steps.restore_tree(gpu)
+    gpu_steps.resume_in_place(gpu)
     target.call(adapter.after_capture_left_running, kv_discard, weights_mode)

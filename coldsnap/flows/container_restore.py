@@ -43,7 +43,7 @@ from coldsnap.flows.fallback import may_fall_back
 from coldsnap.flows.fetch import fetch, is_registry_reference
 from coldsnap.flows.receipts import failed_state, finish_receipt, receipt_path
 from coldsnap.flows.spans import Timeline
-from coldsnap.flows.staging import Staged, stage
+from coldsnap.flows.staging import StagedForRestore, stage
 from coldsnap.gpu import steps as gpu_steps
 from coldsnap.oci import records, runclog
 from coldsnap.oci.argv import RuncArgv
@@ -179,7 +179,8 @@ def restore_at_create(runc: str, parsed: RuncArgv, spec: dict) -> CreateOutcome:
     return CreateOutcome("restored", record=record)
 
 
-def _restore(runc: str, parsed: RuncArgv, staged: Staged, spec: dict, creq: ContainerRequest, tl: Timeline) -> dict:
+def _restore(runc: str, parsed: RuncArgv, staged: StagedForRestore, spec: dict, creq: ContainerRequest,
+             tl: Timeline) -> dict:
     """criu-restore and hydrate spans; returns what the record needs. spec: the new container's."""
     profile = staged.capsule.profile
     cid = parsed.container_id
@@ -202,7 +203,7 @@ def _restore(runc: str, parsed: RuncArgv, staged: Staged, spec: dict, creq: Cont
                                           settings().receipts)
         target = Target(pid=pid, port=creq.port or profile.launch.port, host=creq.host)
         with tl.span("hydrate"):
-            gpu = gpu_steps.restore_restored_tree(pid) if profile.cuda_pids else gpu_steps.GpuCheckpoint()
+            gpu = gpu_steps.restore_after_criu(pid) if profile.cuda_pids else gpu_steps.GpuCheckpoint()
             adapter = get_adapter(profile.engine.name)
             target.call(adapter.after_restore, profile.kv_discarded, profile.weights_mode)
     except BaseException:
@@ -249,7 +250,7 @@ def _fall_back(runc: str, parsed: RuncArgv, creq: ContainerRequest, tl: Timeline
     message = f"coldsnap: {reason}; starting the container cold"
     if parsed.command == "run" and not parsed.detach:  # runc stays in the foreground: hand over to it
         try:
-            _fell_back(creq, parsed, tl, result, reason)
+            _record_cold_start(creq, parsed, tl, result, reason)
         except Exception as e:  # noqa: BLE001 - bookkeeping must not stand between the container and its start
             message += f" (and no receipt: {short(str(e), 200)})"
         return CreateOutcome("exec", message)
@@ -260,7 +261,7 @@ def _fall_back(runc: str, parsed: RuncArgv, creq: ContainerRequest, tl: Timeline
         rc = Runc(runc).call(parsed.argv)
     if rc == 0:
         try:  # the container exists now: bookkeeping that fails must not fail its create
-            _fell_back(creq, parsed, tl, result, reason)
+            _record_cold_start(creq, parsed, tl, result, reason)
         except Exception as e:  # noqa: BLE001
             runclog.log(parsed, "warning", f"coldsnap: no receipt or record for the cold start: {short(str(e), 200)}")
         return CreateOutcome("cold", message, exit_code=0)
@@ -270,7 +271,7 @@ def _fall_back(runc: str, parsed: RuncArgv, creq: ContainerRequest, tl: Timeline
     return CreateOutcome("cold", message, exit_code=rc)
 
 
-def _fell_back(creq: ContainerRequest, parsed: RuncArgv, tl: Timeline, result: dict, reason: str) -> None:
+def _record_cold_start(creq: ContainerRequest, parsed: RuncArgv, tl: Timeline, result: dict, reason: str) -> None:
     """The receipt and the record of a container started cold (its poststart hook says so; its delete forgets)."""
     cid = parsed.container_id
     finish_receipt(creq.request, cid, "restore", tl, "fell-back", result=result)

@@ -87,7 +87,7 @@ def wake(request: WorkloadRequest, progress=lambda m: None, validation: Validati
         t0 = time.monotonic()
         host, port = _address(ws)
         with tl.span("gpu-restore"):
-            gpu_steps.restore_tree(gpu_steps.GpuCheckpoint(pids=ws.cuda_pids))
+            gpu_steps.resume_in_place(gpu_steps.GpuCheckpoint(pids=ws.cuda_pids))
         resumed = {}
         if ws.sleep_mode == "engine":
             with tl.span("engine-resume"):

@@ -116,7 +116,7 @@ def _keep_left_running(j: Journal) -> bool:
     plan = NetworkPlan.model_validate(j.about["plan"])
     for t in j.things:
         if isinstance(t, CudaTree):
-            gpu_steps.restore_restored_tree(workload.pid)
+            gpu_steps.restore_after_criu(workload.pid)
         elif isinstance(t, Released):
             get_adapter(t.engine).after_capture_left_running(t.host, t.port, True, t.weights_mode)
     wdir = next((d.path for d in j.of(Dir) if d.workload_dir), "")
@@ -146,7 +146,7 @@ def _undo(j: Journal) -> str:
         elif isinstance(t, Released) and t.container_pid and alive(t.container_pid):
             target = Target(pid=t.container_pid, port=t.port, host=t.host)
             for cuda in j.of(CudaTree):
-                gpu_steps.restore_restored_tree(cuda.root)
+                gpu_steps.restore_after_criu(cuda.root)
             target.call(get_adapter(t.engine).after_capture_left_running, True, t.weights_mode)
     what = f"{j.kind} of {j.about.get('workload') or j.about.get('capsule') or j.about.get('container') or '?'}"
     if kept:

@@ -27,7 +27,7 @@ from coldsnap.flows.fallback import may_fall_back
 from coldsnap.flows.fetch import fetch, is_registry_reference
 from coldsnap.flows.receipts import finish_receipt, receipt_on_failure
 from coldsnap.flows.spans import Timeline
-from coldsnap.flows.staging import Staged, put_back_files, reloads_weights, stage
+from coldsnap.flows.staging import StagedForRestore, put_back_files, reloads_weights, stage
 from coldsnap.gpu import steps as gpu_steps
 from coldsnap.net import destroy_network, netns_path, new_network
 from coldsnap.workload.claim import claimed
@@ -107,7 +107,7 @@ def workload_name(request: RestoreRequest, profile) -> str:
             or profile.network.netns.removeprefix("coldsnap-"))
 
 
-def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progress: Progress) -> dict:
+def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timeline, progress: Progress) -> dict:
     profile = staged.capsule.profile
     name = workload_name(request, profile)
     gpu_steps.refuse_without_room(profile, request.gpu_map)
@@ -154,7 +154,7 @@ def _restore_staged(request: RestoreRequest, staged: Staged, tl: Timeline, progr
         journal.update(workload, pid=pid, start=start_time(pid))
         criu_account = criu_stats(work, "restore")
         with tl.span("hydrate"):
-            gpu = gpu_steps.restore_restored_tree(pid, gpu_pairs=list(request.gpu_map.items()) or None)
+            gpu = gpu_steps.restore_after_criu(pid, gpu_pairs=list(request.gpu_map.items()) or None)
             prefetch = prefetch_started()
             engine = adapter.after_restore(plan.workload_address, plan.port, profile.kv_discarded,
                                            profile.weights_mode, prefetched=prefetch.for_engine())

@@ -28,16 +28,16 @@ from coldsnap.workload import hostfiles
 
 
 @dataclass
-class Staged:
+class StagedForRestore:
     capsule: LoadedCapsule
     images: Path
     files: Path | None
     parts: dict[str, float] = field(default_factory=dict)  # seconds of verify, weights, unpack: inside "stage"
 
 
-def stage(capsule: LoadedCapsule) -> Staged:
+def stage(capsule: LoadedCapsule) -> StagedForRestore:
     """Verify every blob digest, check pinned weights, unpack CRIU images (cached per capsule digest), put back
-    the CUDA code files the capsule's processes map. Each part is timed (Staged.parts, which receipts carry as
+    the CUDA code files the capsule's processes map. Each part is timed (StagedForRestore.parts, which receipts carry as
     `stage_parts`), so a receipt says which of them a first restore on a node waited for."""
     parts: dict[str, float] = {}
     store = CapsuleStore(settings().store)
@@ -60,7 +60,8 @@ def stage(capsule: LoadedCapsule) -> Staged:
     staged_area.used(capsule.digest)
     staged_area.evict(keep=frozenset({capsule.digest}))  # the area stays within its cap
     files = root / "files"
-    staged = Staged(capsule=capsule, images=root / "images", files=files if files.exists() else None, parts=parts)
+    staged = StagedForRestore(capsule=capsule, images=root / "images", files=files if files.exists() else None,
+                              parts=parts)
     put_back_files(staged, only_code=True)  # big, and the same for every restore: here, off the restore's clock
     return staged
 
@@ -129,7 +130,7 @@ def reloads_weights(capsule: LoadedCapsule) -> bool:
     return bool(capsule.profile.model) and (bool(payload) or capsule.profile.weights_mode == "recovery")
 
 
-def put_back_files(staged: Staged, only_code: bool = False) -> None:
+def put_back_files(staged: StagedForRestore, only_code: bool = False) -> None:
     """Files the process held open must look as they did at the dump (CRIU checks their size): the run dir's log,
     host /dev/shm state, CUDA code files (only those with only_code). Sparse, atomic, with their recorded mode."""
     for i, f in enumerate(staged.capsule.profile.files):

@@ -43,7 +43,9 @@ def checkpoint_tree(root_pid: int) -> GpuCheckpoint:
                          summary=f"CUDA state of {len(pids)} process(es) checkpointed")
 
 
-def restore_tree(ckpt: GpuCheckpoint, gpu_pairs=None) -> GpuCheckpoint:
+def resume_in_place(ckpt: GpuCheckpoint, gpu_pairs=None) -> GpuCheckpoint:
+    """The CUDA state of a tree checkpointed in place (a --leave-running capture, a wake), restored + unlocked:
+    the same processes, the same PIDs."""
     if not ckpt.pids:
         return ckpt
     from coldsnap.gpu import tree
@@ -53,7 +55,7 @@ def restore_tree(ckpt: GpuCheckpoint, gpu_pairs=None) -> GpuCheckpoint:
                          summary=f"CUDA state of {len(ckpt.pids)} process(es) restored")
 
 
-def restore_restored_tree(root_pid: int, gpu_pairs=None) -> GpuCheckpoint:
+def restore_after_criu(root_pid: int, gpu_pairs=None) -> GpuCheckpoint:
     """After `criu restore`: restore + unlock every process of the tree whose CUDA state is checkpointed.
     Their host PIDs are new (the PID namespace kept the inner ones), so find them again."""
     from coldsnap.gpu.cuda_checkpoint import CudaCheckpointAPI
