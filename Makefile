@@ -13,10 +13,12 @@ setup-containers: setup
 demo: setup
 	$(VENV)/bin/coldsnap demo
 
-# The floors (import-linter contracts in pyproject.toml) and ruff, before the suite: both fail fast.
+# The floors (import-linter contracts in pyproject.toml), ruff and the type checker (mypy, pyproject.toml's
+# [tool.mypy] files), before the suite: all fail fast.
 lint: setup
 	$(VENV)/bin/ruff check coldsnap tests packaging
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
 test: lint
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)

@@ -29,7 +29,7 @@ if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; 
     # torch==2.13.0 is the CPU build on this machine's disk (pip's find-links); a plain `torch` would fetch CUDA.
     "$VENV/bin/pip" install -q --disable-pip-version-check torch==2.13.0 numpy 2>&1 | grep -v "^WARNING: Location" || true
     "$VENV/bin/pip" install -q --disable-pip-version-check -e '.[engine,bench,test]' 2>&1 | grep -v "^WARNING: Location" || true
-    [ -x "$VENV/bin/ruff" ] && [ -x "$VENV/bin/lint-imports" ] && \
+    [ -x "$VENV/bin/ruff" ] && [ -x "$VENV/bin/lint-imports" ] && [ -x "$VENV/bin/mypy" ] && \
     "$VENV/bin/python" -c "import coldsnap, torch, pydantic, pyroute2, zstandard, oras, matplotlib, pytest, hypothesis, grpc, cri_api, kubernetes_validate" \
         || { log "venv is incomplete"; exit 1; }
     echo "$want" >"$stamp"

@@ -61,7 +61,8 @@ def _remember(key: str, before: os.stat_result, started_ns: int | None, **facts)
     if started_ns is not None and started_ns - before.st_ctime_ns < SETTLED_NS:
         return
     memo = {p: e for p, e in _read_memo().items() if os.path.exists(p)}  # forget files that are gone
-    entry = memo.get(key) if isinstance(memo.get(key), dict) else {}
+    found = memo.get(key)
+    entry: dict = found if isinstance(found, dict) else {}
     if entry.get("version") != _version(before):
         entry = {}
     memo[key] = {**entry, "version": _version(before), **facts}
@@ -167,9 +168,9 @@ def pinned_digests(path: str | os.PathLike, chunk_bytes: int = CHUNK_BYTES) -> t
         return entry["sha256"].removeprefix("sha256:"), list(entry["chunks"])
     started_ns = time.time_ns()
     with ThreadPoolExecutor(1) as pool:
-        chunks = pool.submit(chunk_sha256s, key, chunk_bytes)
+        pending = pool.submit(chunk_sha256s, key, chunk_bytes)
         digest, _ = (entry["sha256"], 0) if "sha256" in entry else sha256_file(key)
-        chunks = chunks.result()
+        chunks = pending.result()
     _remember(key, before, started_ns, sha256=digest, chunks=chunks, chunk_bytes=chunk_bytes)
     return digest.removeprefix("sha256:"), chunks
 

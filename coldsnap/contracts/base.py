@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import Any, Final
 
 from pydantic import BaseModel, ConfigDict
 
-FORMAT_VERSION = 1
+FORMAT_VERSION: Final = 1
 
 
 class Strict(BaseModel):

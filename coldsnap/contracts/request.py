@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal, Union, get_args
 
 from pydantic import Field, TypeAdapter, field_validator, model_validator
 
@@ -11,7 +11,8 @@ from coldsnap.contracts.base import FORMAT_VERSION, Strict
 
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-ENGINE_NAMES = ("reference", "vllm", "sglang")  # the engines with an adapter (coldsnap.engines.ADAPTERS)
+EngineName = Literal["reference", "vllm", "sglang"]  # the engines with an adapter (coldsnap.engines.ADAPTERS)
+ENGINE_NAMES: tuple[str, ...] = get_args(EngineName)
 
 
 class WeightFile(Strict):
@@ -52,7 +53,7 @@ class Model(Strict):
 
 
 class Engine(Strict):
-    name: Literal[ENGINE_NAMES] = "reference"
+    name: EngineName = "reference"
     version: str | None = None
     options: dict[str, str | int | float | bool] = Field(
         default_factory=dict, description="Engine-specific launch options (the adapter documents them)."

@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Final, Literal
 
 from pydantic import Field
 
 from coldsnap.contracts.base import Strict
 
-POLICY_FORMAT = 1
+POLICY_FORMAT: Final = 1
 
 
 class TrustRule(Strict):

@@ -182,7 +182,7 @@ class VllmAdapter(EngineAdapter):
         level = SLEEP_LEVEL.get(weights_mode, 1)
         t = time.monotonic()
         post_json(host, port, f"/sleep?level={level}", timeout=600)
-        return EngineRelease(sleep_level=level, sleep_s=round(time.monotonic() - t, 3))
+        return EngineRelease.model_validate({"sleep_level": level, "sleep_s": round(time.monotonic() - t, 3)})
 
     def after_restore(self, host: str, port: int, kv_discarded: bool, weights_mode: str,
                       prefetched: str | dict[str, str] | None = None) -> dict:

@@ -11,6 +11,7 @@ from coldsnap import __version__
 from coldsnap.base.files import atomic_write, private_dir
 from coldsnap.base.paths import settings
 from coldsnap.contracts import ColdSnapError, ErrorCode, ErrorInfo, Receipt, sha256_hex
+from coldsnap.contracts.receipt import State
 from coldsnap.flows.resources import out_of_room
 from coldsnap.flows.spans import Timeline
 
@@ -19,12 +20,12 @@ def receipt_path(operation_id: str) -> Path:
     return settings().receipts / f"{operation_id}.json"
 
 
-def failed_state(error: ColdSnapError) -> str:
+def failed_state(error: ColdSnapError) -> State:
     """A refusal (the capsule does not fit here) reads differently from a failure."""
     return "refused" if error.code == ErrorCode.INCOMPATIBLE else "failed"
 
 
-def build_receipt(request, op_id: str, operation: str, tl: Timeline, state: str, result: dict | None = None,
+def build_receipt(request, op_id: str, operation: str, tl: Timeline, state: State, result: dict | None = None,
                   error: ColdSnapError | None = None) -> Receipt:
     return Receipt(
         operation=operation,
@@ -46,7 +47,7 @@ def write_receipt(receipt: Receipt) -> Path:
     return path
 
 
-def finish_receipt(request, op_id: str, operation: str, tl: Timeline, state: str, result: dict | None = None,
+def finish_receipt(request, op_id: str, operation: str, tl: Timeline, state: State, result: dict | None = None,
                    error: ColdSnapError | None = None) -> Receipt:
     """Build and write the receipt; an error that ends the operation carries it to the entry point."""
     receipt = build_receipt(request, op_id, operation, tl, state, result, error)

@@ -117,7 +117,7 @@ def _keep_left_running(j: Journal) -> bool:
     for t in j.things:
         if isinstance(t, CudaTree):
             gpu_steps.restore_after_criu(workload.pid)
-        elif isinstance(t, Released):
+        elif isinstance(t, Released) and t.host:  # a process capture's engine, at its workload's address
             get_adapter(t.engine).after_capture_left_running(t.host, t.port, True, t.weights_mode)
     wdir = next((d.path for d in j.of(Dir) if d.workload_dir), "")
     save_state(WorkloadState(name=workload.name, pid=workload.pid, network=plan.model_dump(), origin="cold",

@@ -17,8 +17,9 @@ MAX_ID = 200  # the shim's record is <id>.json, its temp file longer: beyond thi
 
 
 def valid_container_id(container_id: str | None) -> bool:
-    return (bool(container_id) and len(container_id) <= MAX_ID and container_id not in (".", "..")
-            and set(container_id) <= ID_CHARS)
+    if not container_id:
+        return False
+    return len(container_id) <= MAX_ID and container_id not in (".", "..") and set(container_id) <= ID_CHARS
 
 GLOBAL_VALUE = frozenset({"root", "log", "log-format", "criu", "rootless"})
 
@@ -92,6 +93,14 @@ class RuncArgv:
     @property
     def container_id(self) -> str | None:
         return self.args[0] if self.args else None
+
+    @property
+    def id(self) -> str:
+        """The container id of a command the shim handles (its decision checked it: valid_container_id)."""
+        cid = self.container_id
+        if cid is None:
+            raise ValueError(f"runc {self.command} without a container id")
+        return cid
 
     @property
     def bundle(self) -> str:

@@ -20,6 +20,6 @@ def create(runc: str, parsed: RuncArgv, spec: dict) -> int:
         runclog.log(parsed, "warning", outcome.message)
         exec_runc(runc, parsed.argv)
         return 127  # not reached
-    if parsed.command == "run":  # run --detach = create + start
+    if parsed.command == "run" and outcome.record is not None:  # run --detach = create + start
         return start_restored(runc, parsed, outcome.record)
     return 0

@@ -12,7 +12,7 @@ from coldsnap.oci.runtime import Runc
 
 def delete(runc: str, parsed: RuncArgv) -> int:
     rc = Runc(runc).call(parsed.argv)
-    cid = parsed.container_id
+    cid = parsed.id
     if rc == 0 or not os.path.exists(os.path.join(parsed.root, cid)):  # deleted, or runc never knew it
         records.forget(cid)
     return rc

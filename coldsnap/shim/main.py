@@ -47,11 +47,11 @@ def shim_record(container_id: str) -> "ShimRecord | None":
 
 
 def decide(parsed: RuncArgv, spec_of: Callable[[str], dict | None] = annotated_spec,
-           record_of: Callable[[str], dict | None] = shim_record) -> tuple[str, dict | None]:
+           record_of: Callable[[str], "ShimRecord | None"] = shim_record) -> tuple[str, "dict | ShimRecord | None"]:
     """(action, the annotated spec or the shim's record) for a runc command line. spec_of(bundle) returns the spec
     only when it is annotated; record_of(id) the shim's record of a container, if any."""
     command, cid = parsed.command, parsed.container_id
-    if not valid_container_id(cid):
+    if cid is None or not valid_container_id(cid):
         return PASS_THROUGH, None  # runc refuses it (or needs no id): nothing of ours is touched
     if command in ("create", "run"):
         spec = spec_of(parsed.bundle)
@@ -109,7 +109,7 @@ def _run(args: list[str], parsed: RuncArgv) -> int:
         exec_runc(runc, args)
         return 127  # not reached
     _full_python()
-    if action == RESTORE:
+    if action == RESTORE and isinstance(data, dict):
         from coldsnap.shim.create import create
 
         return create(runc, parsed, data)
@@ -117,8 +117,11 @@ def _run(args: list[str], parsed: RuncArgv) -> int:
         from coldsnap.shim.delete import delete
 
         return delete(runc, parsed)
+    from coldsnap.oci.records import ShimRecord
     from coldsnap.shim.start import start_restored
 
+    if not isinstance(data, ShimRecord):
+        raise RuntimeError(f"no shim record for {action}")
     return start_restored(runc, parsed, data)
 
 

@@ -22,7 +22,7 @@ def oci_state(record: ShimRecord, spec: dict) -> str:
 
 
 def start_restored(runc: str, parsed: RuncArgv, record: ShimRecord) -> int:
-    cid = parsed.container_id
+    cid = parsed.id
     if record.outcome == Outcome.RESTORING:  # its create died before the restore was done
         if record.owner and same_process(record.owner.pid, record.owner.start):
             return runclog.fail(parsed, f"coldsnap-runtime: container {cid} is still being restored")
