@@ -350,7 +350,7 @@ def test_ls_rm_gc(src, tmp_path):
     payload = src.put_bytes(b"native weights payload", "application/octet-stream")
     a, _ = make_capsule(src, tmp_path, [shared, own_a], tag="a", engine="vllm")
     b, _ = make_capsule(src, tmp_path, [shared, own_b], tag="b", engine="sglang",
-                        annotations={capsule_gc.ANNOTATION_PAYLOAD: payload.digest})
+                        annotations={mt.ANNOTATION_PAYLOAD: payload.digest})
     stray = src.put_bytes(b"unreferenced", "application/octet-stream")
 
     rows = {r["tag"]: r for r in capsule_gc.list_capsules(src)}

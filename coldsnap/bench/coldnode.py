@@ -47,7 +47,6 @@ from coldsnap.capsule import CapsuleStore, pieces
 from coldsnap.capsule.registry import push
 from coldsnap.capsule.signing import host_public_key_path
 from coldsnap.contracts import ColdSnapError, ErrorCode
-from coldsnap.contracts import capsule as mt
 from coldsnap.engines import get_adapter
 from coldsnap.flows.capture import capture
 
@@ -268,7 +267,7 @@ def _storage(path: Path) -> str:
 
 
 def _payload_layers(store: CapsuleStore, digest: str) -> list[dict]:
-    payload = store.load(digest).manifest.get("annotations", {}).get(mt.ANNOTATION_PAYLOAD)
+    payload = store.load(digest).payload
     if not payload or not store.has_blob(payload):
         return []
     return json.loads(store.blob_path(payload).read_bytes()).get("layers", [])

@@ -20,12 +20,11 @@ from coldsnap.base import journal
 from coldsnap.base.paths import settings
 from coldsnap.capsule import staged
 from coldsnap.capsule.bloblocks import acquire_blob_lock, lock_path, release_blob_lock
-from coldsnap.capsule.store import DIGEST_RE, CapsuleStore, parse_reference
+from coldsnap.capsule.store import DIGEST_RE, CapsuleStore, manifest_annotations, parse_reference, tag_of
 from coldsnap.contracts import ColdSnapError, ErrorCode
 from coldsnap.contracts import capsule as mt
 from coldsnap.gpu import codestash
 
-ANNOTATION_PAYLOAD = "io.coldsnap.payload"
 TMP_MAX_AGE_S = 3600.0
 DEFAULT_GRACE_S = 600.0
 _MANIFEST_TYPES = {mt.MANIFEST_MEDIA_TYPE, mt.INDEX_MEDIA_TYPE,
@@ -33,10 +32,6 @@ _MANIFEST_TYPES = {mt.MANIFEST_MEDIA_TYPE, mt.INDEX_MEDIA_TYPE,
                    "application/vnd.docker.distribution.manifest.list.v2+json"}
 _DIGEST_IN_TEXT = re.compile(r"sha256:[0-9a-f]{64}")
 _HEX = re.compile(r"^[0-9a-f]{64}$")
-
-
-def _tag(entry: dict) -> str | None:
-    return (entry.get("annotations") or {}).get(mt.ANNOTATION_REF_NAME)
 
 
 def _json_blob(store: CapsuleStore, digest: str, limit: int = 4 << 20) -> dict | None:
@@ -52,8 +47,7 @@ def _json_blob(store: CapsuleStore, digest: str, limit: int = 4 << 20) -> dict |
 
 def payload_digests(manifest: dict) -> list[str]:
     """Digests named by the io.coldsnap.payload annotation (a digest, a list, or JSON holding digests)."""
-    value = (manifest.get("annotations") or {}).get(ANNOTATION_PAYLOAD, "")
-    return _DIGEST_IN_TEXT.findall(value) if isinstance(value, str) else []
+    return _DIGEST_IN_TEXT.findall(manifest_annotations(manifest).get(mt.ANNOTATION_PAYLOAD, ""))
 
 
 def reachable(store: CapsuleStore) -> set[str]:
@@ -87,10 +81,10 @@ def list_capsules(store: CapsuleStore) -> list[dict]:
         manifest = _json_blob(store, digest) if digest else None
         if manifest is not None and manifest.get("artifactType") != mt.ARTIFACT_TYPE:
             continue  # another tool's artifact in the layout (a signature, an image): not a capsule
-        row = {"digest": digest, "tag": _tag(entry), "created": None, "engine": None, "size": None,
+        row = {"digest": digest, "tag": tag_of(entry), "created": None, "engine": None, "size": None,
                "complete": False, "staged_bytes": unpacked.get(digest, 0)}
         if manifest:
-            ann = manifest.get("annotations") or {}
+            ann = manifest_annotations(manifest)
             row["created"] = ann.get(mt.ANNOTATION_CREATED)
             row["engine"] = ann.get(mt.ANNOTATION_ENGINE)
             descs = [manifest.get("config") or {}] + list(manifest.get("layers") or [])
@@ -113,8 +107,8 @@ def remove(store: CapsuleStore, ref: str) -> list[str]:
 
         def hit(e: dict) -> bool:
             if digest:
-                return e.get("digest") == digest and (name is None or _tag(e) == name)
-            return _tag(e) == name
+                return e.get("digest") == digest and (name is None or tag_of(e) == name)
+            return tag_of(e) == name
 
         gone = [e["digest"] for e in entries if hit(e)]
         if not gone:

@@ -45,7 +45,7 @@ from coldsnap.base.progress import TransferProgress
 from coldsnap.capsule import pieces, referrers, trust
 from coldsnap.capsule.bloblocks import blob_locks as _blob_locks
 from coldsnap.capsule.bloblocks import partial_path
-from coldsnap.capsule.store import DIGEST_RE, CapsuleStore, Descriptor
+from coldsnap.capsule.store import DIGEST_RE, CapsuleStore, Descriptor, manifest_annotations
 from coldsnap.contracts import CapsuleProfile, ColdSnapError, ErrorCode, WeightFile
 from coldsnap.contracts import capsule as mt
 from coldsnap.contracts.parse import strict_json
@@ -323,12 +323,12 @@ def push(store: CapsuleStore, digest: str, ref: str, insecure: bool = False,
     if remote.digest and remote.digest != digest:
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"{ref} names {remote.digest}, but the capsule is {digest}")
     raw, manifest = _read_local_manifest(store, digest)
-    payload = manifest.get("annotations", {}).get(mt.ANNOTATION_PAYLOAD)
+    payload = manifest_annotations(manifest).get(mt.ANNOTATION_PAYLOAD)
     payload_result = None
     if payload:  # the weights payload goes first, by digest: a capsule in a registry never points at nothing
         payload_result = push(store, payload, f"{remote.host}/{remote.repository}@{payload}", insecure, progress)
     # The template a refused restore falls to travels with its full capsule, by digest, before it.
-    template = manifest.get("annotations", {}).get(mt.ANNOTATION_TEMPLATE)
+    template = manifest_annotations(manifest).get(mt.ANNOTATION_TEMPLATE)
     template_result = None
     if template and store.has_blob(template):
         template_result = push(store, template, f"{remote.host}/{remote.repository}@{template}", insecure, progress)
@@ -616,7 +616,7 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
         raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"{remote} is not a ColdSnap "
                             f"{'capsule' if artifact_type == mt.ARTIFACT_TYPE else 'payload'} "
                             f"(artifactType {manifest.get('artifactType')!r})")
-    annotations = manifest.get("annotations", {}) if artifact_type == mt.ARTIFACT_TYPE else {}
+    annotations = manifest_annotations(manifest) if artifact_type == mt.ARTIFACT_TYPE else {}
     payload, template = annotations.get(mt.ANNOTATION_PAYLOAD), annotations.get(mt.ANNOTATION_TEMPLATE)
     pulled: list[PullResult] = []  # what this pull brought before the capsule itself
     early = _Fetched()

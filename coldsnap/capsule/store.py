@@ -66,6 +66,32 @@ class LoadedCapsule:
     def layer(self, media_type: str) -> Descriptor | None:
         return next((d for d in self.layers if d.media_type == media_type), None)
 
+    @property
+    def annotations(self) -> dict[str, str]:
+        return manifest_annotations(self.manifest)
+
+    @property
+    def payload(self) -> str | None:
+        """The digest of its weights payload, when its weights travel apart from the images."""
+        return self.annotations.get(mt.ANNOTATION_PAYLOAD) or None
+
+    @property
+    def template(self) -> str | None:
+        """The digest of the template capsule captured with it (--snapshot-driver both)."""
+        return self.annotations.get(mt.ANNOTATION_TEMPLATE) or None
+
+    @property
+    def env_names(self) -> list[str]:
+        """The names (never the values) of the variables its workload was started with."""
+        return [n for n in self.annotations.get(mt.ANNOTATION_ENV_NAMES, "").split(",") if n]
+
+
+def manifest_annotations(manifest: dict) -> dict[str, str]:
+    """A manifest's annotations, the one way they are read: string values only (whatever else a manifest from
+    elsewhere holds is not ours to trust)."""
+    value = manifest.get("annotations") if isinstance(manifest, dict) else None
+    return {k: v for k, v in value.items() if isinstance(v, str)} if isinstance(value, dict) else {}
+
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:-]{0,254}$")  # a local tag or a registry repository[:tag]
 
@@ -107,7 +133,8 @@ def reuse(blob: Path) -> bool:
         return False
 
 
-def _tag(entry: dict) -> str | None:
+def tag_of(entry: dict) -> str | None:
+    """The tag an index.json entry gives its manifest (org.opencontainers.image.ref.name)."""
     ann = entry.get("annotations")
     return ann.get(mt.ANNOTATION_REF_NAME) if isinstance(ann, dict) else None
 
@@ -235,9 +262,9 @@ class CapsuleStore:
                  "artifactType": mt.ARTIFACT_TYPE}
         if tag:
             entry["annotations"] = {mt.ANNOTATION_REF_NAME: tag}
-        manifests = [m for m in self.index() if not (m["digest"] == mdesc.digest and _tag(m) == tag)]
+        manifests = [m for m in self.index() if not (m["digest"] == mdesc.digest and tag_of(m) == tag)]
         if tag:  # a tag names one capsule: move it
-            manifests = [m for m in manifests if _tag(m) != tag]
+            manifests = [m for m in manifests if tag_of(m) != tag]
         manifests.append(entry)
         self._atomic_write(self.root / "index.json", self._index_bytes(manifests))
 
@@ -248,7 +275,7 @@ class CapsuleStore:
         if digest:
             if not self.has_blob(digest):
                 raise ColdSnapError(ErrorCode.CAPSULE_NOT_FOUND, f"capsule {digest} is not in the store {self.root}")
-            if name is not None and not any(m.get("digest") == digest and _tag(m) == name for m in self.index()):
+            if name is not None and not any(m.get("digest") == digest and tag_of(m) == name for m in self.index()):
                 raise ColdSnapError(ErrorCode.CAPSULE_NOT_FOUND, f"capsule {digest} is not tagged {short(name)} in "
                                     f"the store {self.root}")
             return digest
@@ -257,7 +284,7 @@ class CapsuleStore:
                                 f"capsule reference {short(ref)} is not pinned by digest; use NAME@sha256:… "
                                 f"or pass --allow-unpinned")
         for m in reversed(self.index()):
-            if _tag(m) == name:
+            if tag_of(m) == name:
                 return m["digest"]
         raise ColdSnapError(ErrorCode.CAPSULE_NOT_FOUND, f"no capsule tagged {short(name)} in the store {self.root}")
 

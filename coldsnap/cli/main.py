@@ -341,7 +341,6 @@ SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSW|KEY|CREDENTIAL|AUTH", re.I)
 
 def cmd_inspect(args) -> int:
     from coldsnap.capsule import CapsuleStore, trust
-    from coldsnap.contracts import capsule as mt
     from coldsnap.host.run_args import ENGINES, run_args
     from coldsnap.host.runtimes import default_runtime_path
 
@@ -349,7 +348,7 @@ def cmd_inspect(args) -> int:
     cap = store.load(store.resolve(args.ref, allow_unpinned=args.allow_unpinned))
     out = {"digest": cap.digest, "manifest": cap.manifest,
            "profile": cap.profile.model_dump(mode="json", exclude={"launch": {"env"}})}
-    names = [n for n in (cap.manifest.get("annotations") or {}).get(mt.ANNOTATION_ENV_NAMES, "").split(",") if n]
+    names = cap.env_names
     out["secret_like_env"] = [n for n in names if SECRET_NAME.search(n)]
     if out["secret_like_env"]:  # their values are in the capsule's memory images: whoever restores it has them
         print(f"coldsnap: warning: environment variables that look like credentials travelled in this capsule "

@@ -90,9 +90,8 @@ def _driver_for(capsule: LoadedCapsule, op: str) -> str:
 
 def _template_of(capsule: LoadedCapsule) -> LoadedCapsule | None:
     """The template capsule a full capsule names (captured with it, --snapshot-driver both), when this store has it."""
-    from coldsnap.contracts import capsule as mt
 
-    digest = (capsule.manifest.get("annotations") or {}).get(mt.ANNOTATION_TEMPLATE)
+    digest = capsule.template
     if not digest:
         return None
     try:

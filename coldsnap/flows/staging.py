@@ -44,7 +44,7 @@ def stage(capsule: LoadedCapsule) -> StagedForRestore:
     with _timed(parts, "verify"):
         store.verify(capsule)
     profile = capsule.profile
-    payload = capsule.manifest.get("annotations", {}).get(mt.ANNOTATION_PAYLOAD)
+    payload = capsule.payload
     if reloads_weights(capsule):
         with _timed(parts, "weights"):
             if payload:
@@ -126,8 +126,7 @@ def _unpack_layers(store: CapsuleStore, digest: str, criu: str, files: str | Non
 def reloads_weights(capsule: LoadedCapsule) -> bool:
     """Whether the restored engine reloads its weights from files (recovery's pinned files, or native weights that
     travel as a payload), rather than finding them in its restored memory."""
-    payload = capsule.manifest.get("annotations", {}).get(mt.ANNOTATION_PAYLOAD)
-    return bool(capsule.profile.model) and (bool(payload) or capsule.profile.weights_mode == "recovery")
+    return bool(capsule.profile.model) and (bool(capsule.payload) or capsule.profile.weights_mode == "recovery")
 
 
 def put_back_files(staged: StagedForRestore, only_code: bool = False) -> None:
