@@ -17,7 +17,7 @@ from coldsnap.base.procfs import alive, descendants
 from coldsnap.base.progress import Progress, quiet
 from coldsnap.capsule import LoadedCapsule
 from coldsnap.capsule import staged as staged_area
-from coldsnap.contracts import ColdSnapError, ErrorCode, Receipt, RestoreRequest, Validation
+from coldsnap.contracts import ColdSnapError, ErrorCode, NetworkPlan, Receipt, RestoreRequest, Validation
 from coldsnap.criu import CriuDriver, CriuOptions, criu_stats, lazy_pages_wanted
 from coldsnap.engines import get_adapter
 from coldsnap.engines.lease import hold as hold_lease
@@ -124,19 +124,14 @@ def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timel
         private_dir(settings().run / "prefetch"))
     prefetched = None
     lease = None
-    network = None
-    plan = None
     lazy = None
-
-    def record(chosen) -> None:
-        nonlocal network
-        network = journal.add(Network(chosen.model_dump()))
-
     try:
         with tl.span("network"):
             # A network of its own, whatever the capture's was: the engine listens on 0.0.0.0, its own connections
             # go over loopback, and N restores of one capsule each get a namespace and addresses of their own.
-            plan = new_network(name, profile.network.port, before=record)
+            # Journaled between its choice and its making (new_network's `before`).
+            plan = new_network(name, profile.network.port,
+                               before=lambda chosen: journal.add(Network(chosen.model_dump())))
             workload = journal.add(Workload(name=name, netns=plan.netns))
         progress("restoring with CRIU")
         work = settings().run / "restore-work" / uuid.uuid4().hex
@@ -177,8 +172,8 @@ def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timel
                                  url=f"http://{plan.workload_address}:{plan.port}", cuda_pids=gpu.pids,
                                  engine=profile.engine.name, weights_mode=profile.weights_mode))
         ok = True
-        journal.drop(workload)  # its state file owns it now
-        journal.drop(network)
+        for owned in (workload, *journal.of(Network)):  # its state file owns them now
+            journal.drop(owned)
         return {"capsule": staged.capsule.digest, "snapshot_driver": profile.snapshot_driver, "workload": name,
                 "pid": pid,
                 "url": f"http://{plan.workload_address}:{plan.port}",
@@ -200,8 +195,8 @@ def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timel
                 kill_tree(pid)
             if lazy is not None:
                 lazy.kill()
-            if network is not None and network in journal.things:  # ours: created by this restore
-                destroy_network(plan)
+            for network in journal.of(Network):  # ours: chosen (and perhaps made) by this restore
+                destroy_network(NetworkPlan.model_validate(network.plan))
         for d in journal.of(Dir):
             shutil.rmtree(d.path, ignore_errors=True)
         journal.close()
