@@ -31,7 +31,7 @@ HOOK = RUNTIME.with_name("coldsnap-hook")
 CRIU = os.environ.get("COLDSNAP_CRIU_PREFIX", "/var/lib/coldsnap/criu") + "/bin/criu"
 
 ENGINE_PORT = 8000
-ENGINE_ARGS = [str(VENV / "bin" / "python"), "-m", "coldsnap.engines.reference.server",
+ENGINE_ARGS = [str(VENV / "bin" / "python"), "-m", "coldsnap_reference.server",
                "--weights", "/models/reference.safetensors", "--host", "0.0.0.0", "--port", str(ENGINE_PORT),
                "--device", "cpu", "--no-compile", "--layers", "2", "--hidden", "64", "--heads", "2",
                "--kv-mib", "4", "--threads", "1", "--weights-load", "copy", "--warmup-tokens", "2"]

@@ -162,7 +162,7 @@ def test_an_annotated_pod_restores_inside_start_container_validated(lab, capture
     assert receipt_of(pod.id) is None and not shim_record(pod.id).exists()
     # ExecSync into the restored container; its log (kubectl logs) shows the restored process's output.
     r = lab.node.exec_sync(cid, ["/bin/sh", "-c", "tr '\\0' ' ' </proc/1/cmdline"])
-    assert r.exit_code == 0 and "coldsnap.engines.reference.server" in r.stdout.decode()
+    assert r.exit_code == 0 and "coldsnap_reference.server" in r.stdout.decode()
     logs = lab.node.log_lines(pod, cid)
     assert any('"event": "resumed"' in line for line in logs), logs[-5:]
     print(f"\n[measured] CRI StartContainer of a restore: {start_s:.3f} s "

@@ -19,8 +19,8 @@ from coldsnap.flows.admission import admit
 
 torch = pytest.importorskip("torch")
 
-from coldsnap.engines.reference.model import ModelConfig, local_shape, param_specs, shards  # noqa: E402
-from coldsnap.engines.reference.weights import ensure_weights, load_into, load_weights  # noqa: E402
+from coldsnap_reference.model import ModelConfig, local_shape, param_specs, shards  # noqa: E402
+from coldsnap_reference.weights import ensure_weights, load_into, load_weights  # noqa: E402
 
 SMALL = ModelConfig(hidden=64, layers=2, heads=4, intermediate=96, max_seq=64, prefill_chunk=16)
 
@@ -60,7 +60,7 @@ def test_load_into_hydrates_each_rank_in_place(tmp_path, threads):
 
 
 def test_nccl_settings_are_parsed_strictly_and_recorded(monkeypatch):
-    from coldsnap.engines.reference.tp import CAPTURE_SAFE_ENV, parse_nccl_env, settings_in_force
+    from coldsnap_reference.tp import CAPTURE_SAFE_ENV, parse_nccl_env, settings_in_force
 
     assert parse_nccl_env("NCCL_BUFFSIZE=1048576, NCCL_MAX_NCHANNELS=2") == {"NCCL_BUFFSIZE": "1048576",
                                                                           "NCCL_MAX_NCHANNELS": "2"}
@@ -86,7 +86,7 @@ def test_load_into_refuses_a_model_of_another_shape(tmp_path):
 
 
 def test_tensor_parallel_size_must_divide_heads_and_mlp():
-    from coldsnap.engines.reference.model import check_tensor_parallel
+    from coldsnap_reference.model import check_tensor_parallel
 
     check_tensor_parallel(SMALL, 2)
     with pytest.raises(ValueError, match="multiples"):

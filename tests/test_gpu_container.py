@@ -42,7 +42,7 @@ from test_engine_vllm import completions
 from coldsnap.contracts import CaptureRequest
 from coldsnap.contracts import capsule as mt
 from coldsnap.engines import get_adapter
-from coldsnap.engines.reference.adapter import MODEL_ID
+from coldsnap.engines.reference import MODEL_ID
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 

@@ -17,8 +17,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from coldsnap.engines.reference.model import ModelConfig, Runner, build_model, decode, encode, shards  # noqa: E402
-from coldsnap.engines.reference.weights import (  # noqa: E402
+from coldsnap.gpu.prefetch import ALIGN, check_pieces, copy_jobs, data_section, packed_layout, read_bytes, split_jobs  # noqa: E402
+from coldsnap_reference.model import ModelConfig, Runner, build_model, decode, encode, shards  # noqa: E402
+from coldsnap_reference.weights import (  # noqa: E402
     ensure_weights,
     load_prefetched,
     load_weights,
@@ -26,7 +27,6 @@ from coldsnap.engines.reference.weights import (  # noqa: E402
     prefetch_plan,
     read_header,
 )
-from coldsnap.gpu.prefetch import ALIGN, check_pieces, copy_jobs, data_section, packed_layout, read_bytes, split_jobs  # noqa: E402
 
 TINY = ModelConfig(layers=1, hidden=64, heads=2, intermediate=176, max_seq=64, prefill_chunk=16)
 

@@ -19,8 +19,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from coldsnap.engines.reference.model import ModelConfig, Runner, build_model, decode, encode, param_specs  # noqa: E402
-from coldsnap.engines.reference.weights import ensure_weights, load_weights, read_header, sidecar  # noqa: E402
+from coldsnap_reference.model import ModelConfig, Runner, build_model, decode, encode, param_specs  # noqa: E402
+from coldsnap_reference.weights import ensure_weights, load_weights, read_header, sidecar  # noqa: E402
 
 TINY = ModelConfig(layers=1, hidden=64, heads=2, intermediate=176, max_seq=64, prefill_chunk=16)
 TINY_FLAGS = ["--layers", "1", "--hidden", "64", "--heads", "2", "--max-seq", "64", "--prefill-chunk", "16"]
@@ -36,7 +36,7 @@ def test_weights_are_seeded_byte_identical_whatever_the_piece_order(tmp_path, mo
     import numpy as np
     from safetensors.numpy import load_file
 
-    from coldsnap.engines.reference import weights as weights_mod
+    from coldsnap_reference import weights as weights_mod
 
     monkeypatch.setattr(weights_mod, "PIECE", 1000)  # many pieces per tensor, finishing in any order
     a = ensure_weights(tmp_path / "a.safetensors", TINY, seed=7)
@@ -125,7 +125,7 @@ class Engine:
     def __init__(self, weights: Path, log: Path, *flags: str, timeout: float = 60.0, env: dict | None = None) -> None:
         self.port = free_port()
         self.log = log
-        argv = [sys.executable, "-m", "coldsnap.engines.reference.server", "--weights", str(weights),
+        argv = [sys.executable, "-m", "coldsnap_reference.server", "--weights", str(weights),
                 "--host", "127.0.0.1", "--port", str(self.port), "--threads", "1", "--kv-mib", "2",
                 "--warmup-tokens", "2", *TINY_FLAGS, *flags]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
@@ -339,7 +339,7 @@ def test_cuda_engine_captures_cuda_graphs_and_survives_release(weights, tmp_path
 def test_saved_tensors_load_back_bit_for_bit_and_stay_releasable(tmp_path):
     """save_tensors (native weights saved at release) writes what load_into reads back, in any dtype, without
     pinning the source tensors' storage (release shrinks it to nothing afterwards)."""
-    from coldsnap.engines.reference.weights import load_into, save_tensors
+    from coldsnap_reference.weights import load_into, save_tensors
 
     src = {"a.weight": torch.randn(33, 7, dtype=torch.bfloat16), "b.bias": torch.randn(5),
            "c.idx": torch.arange(9, dtype=torch.int64)}

@@ -170,7 +170,7 @@ def engine_processes() -> set[int]:
     for d in os.listdir("/proc"):
         try:
             with open(f"/proc/{d}/cmdline", "rb") as f:
-                if b"coldsnap.engines.reference.server" in f.read():
+                if b"coldsnap_reference.server" in f.read():
                     out.add(int(d))
         except (OSError, ValueError):
             continue

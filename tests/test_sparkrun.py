@@ -106,7 +106,7 @@ def test_captured_then_restored_by_sparkrun_run(lab, ref):
     assert [s["name"] for s in launch["receipt"]["spans"]] == ["admit", "stage", "criu-restore", "hydrate", "validate"]
     assert [complete(ref["port"], p) for p in PROMPTS] == ref["state"]["texts"]
     # No second server beside the restored one; sparkrun's log is the restored server's, still written to.
-    servers = server_processes(lab, "coldsnap.engines.reference.server")
+    servers = server_processes(lab, "coldsnap_reference.server")
     assert len(servers) == 1, servers
     logs = lab.sparkrun("logs", "ref", "--hosts", "localhost", "--tail", "20")
     assert logs.returncode == 0 and '"event": "resumed"' in logs.stdout, (logs.stdout + logs.stderr)[-1500:]

@@ -29,7 +29,7 @@ def best_read_gbs(path):  # a limit must be the best the host does: the best of 
     rate, way = max((parallel_read_gbs(path, n, c), (n, c)) for n, c in sorted(ways) for _ in range(2))
     out["page_cache_read_parallel_way"] = {"threads": way[0], "read_mib": way[1] >> 20}
     return rate
-threads = max(1, min(8, os.cpu_count() or 1))  # what the weight hydrate uses (engines/reference/weights.load_into)
+threads = max(1, min(8, os.cpu_count() or 1))  # what the weight hydrate uses (coldsnap_reference/weights.load_into)
 pool = ThreadPoolExecutor(threads)
 n = 1 << 30
 a = np.ones(n, dtype=np.uint8); b = np.empty_like(a)

@@ -117,7 +117,7 @@ class SparkrunLab:
                      *([str(PYTHON_HOME)] if not str(PYTHON_HOME).startswith("/usr") else [])]
             volumes = [self._volume(m["source"], m["destination"], "ro") for p in paths for m in host_bind(p, p)]
             volumes.append(f"{models}:/models")
-            command = (f"{VENV}/bin/python -m coldsnap.engines.reference.server --weights /models/reference.safetensors"
+            command = (f"{VENV}/bin/python -m coldsnap_reference.server --weights /models/reference.safetensors"
                        " --host 0.0.0.0 --port {port} --device cpu --no-compile"
                        " --layers 2 --hidden 64 --heads 2 --kv-mib 4 --max-seq 256 --threads 1"
                        " --weights-load copy --warmup-tokens 2")

@@ -49,7 +49,7 @@ CACHE = "/cache"  # the inductor cache, a volume: restored processes map its com
 OVERHEAD_REPS = 20
 NO_FALLBACK = json.dumps({"fallback_to_cold": False})  # a failed restore must fail the sample, not start cold
 # The container tests' engine options, with torch.compile left on (the server's default).
-ENGINE_ARGS = [str(VENV / "bin" / "python"), "-m", "coldsnap.engines.reference.server",
+ENGINE_ARGS = [str(VENV / "bin" / "python"), "-m", "coldsnap_reference.server",
                "--weights", "/models/reference.safetensors", "--host", "0.0.0.0", "--port", str(PORT),
                "--device", "cpu", "--compile-cache", f"{CACHE}/inductor", "--layers", "2", "--hidden", "64",
                "--heads", "2", "--kv-mib", "4", "--threads", "1", "--weights-load", "copy", "--warmup-tokens", "2"]

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from coldsnap.engines.base import EngineAdapter
 
 ADAPTERS = {  # engine name (contracts.ENGINE_NAMES) → module:class of its adapter
-    "reference": "coldsnap.engines.reference.adapter:ReferenceAdapter",
+    "reference": "coldsnap.engines.reference:ReferenceAdapter",
     "vllm": "coldsnap.engines.vllm:VllmAdapter",
     "sglang": "coldsnap.engines.sglang:SglangAdapter",
 }

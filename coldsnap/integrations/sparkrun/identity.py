@@ -46,7 +46,7 @@ def devices(labels: dict[str, str]) -> list:
 
 def engine_of(serve_command: str, labels: dict[str, str]) -> str:
     """The ColdSnap engine adapter for a serve command (the reference engine, vLLM or SGLang)."""
-    if "coldsnap.engines.reference.server" in serve_command:
+    if "coldsnap_reference.server" in serve_command:
         return "reference"
     if re.search(r"\bsglang\b", serve_command) or labels.get("sparkrun.runtime", "").startswith("sglang"):
         return "sglang"

@@ -26,11 +26,11 @@ if TYPE_CHECKING:
     import torch
 
 from coldsnap.base.files import atomic_file, atomic_write, pread_full
-from coldsnap.engines.reference.model import ModelConfig, local_shape, param_specs
 
 # Imported now, not at resume: a restored engine's resume is on the clock (they are light: ctypes and sockets).
 from coldsnap.gpu.prefetch import PrefetchError, Session, packed_layout, plan_digest
 from coldsnap.gpu.vmm import Driver, imported
+from coldsnap_reference.shapes import ModelConfig, local_shape, param_specs
 
 _DTYPES = {
     "F64": ("float64", 8),

@@ -1,4 +1,4 @@
-"""Adapter for the embedded reference engine (coldsnap.engines.reference.server)."""
+"""Adapter for the embedded reference engine (coldsnap_reference.server)."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ class ReferenceAdapter(EngineAdapter):
                                                     request.model.weights else default_weights_path(opts)))
         device = "cuda" if any(d.startswith("cuda") for d in request.launch.devices) else "cpu"
         argv = request.launch.command or [
-            sys.executable, "-m", "coldsnap.engines.reference.server",
+            sys.executable, "-m", "coldsnap_reference.server",
             "--weights", weights, "--host", "0.0.0.0", "--port", str(request.launch.port),
             "--device", device, "--model-id", MODEL_ID,
             # recovery: weights stay file-backed (mmap), so CRIU images exclude them; native: anonymous copies.
@@ -65,7 +65,7 @@ class ReferenceAdapter(EngineAdapter):
         argv += option_flags(opts)
         env = {"TORCHINDUCTOR_COMPILE_THREADS": "1", **request.launch.env}
         if int(opts.get("tensor_parallel", 1)) > 1:
-            from coldsnap.engines.reference.tp import CAPTURE_SAFE_ENV
+            from coldsnap_reference.tp import CAPTURE_SAFE_ENV
 
             env = {**CAPTURE_SAFE_ENV, **env}  # in the launch (and so in the profile), not only inside the engine
         if os.environ.get("PYTHONPATH"):  # where this interpreter finds ColdSnap's dependencies (a container

@@ -1,6 +1,6 @@
 """OpenAI-compatible HTTP server over the reference model: ColdSnap's embedded default workload.
 
-    python -m coldsnap.engines.reference.server --weights PATH [--host 0.0.0.0] [--port 8000]
+    python -m coldsnap_reference.server --weights PATH [--host 0.0.0.0] [--port 8000]
         [--device cpu|cuda] [--compile/--no-compile] [--compile-mode MODE] [--compile-cache DIR]
         [--compile-cache-policy kernels|all|fresh] [--cuda-graphs/--no-cuda-graphs]
         [--weights-load mmap|copy] [--seed N] [--layers N --hidden H --heads N --intermediate N
@@ -45,7 +45,7 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 from coldsnap.engines.lease import watch as lease_watch  # noqa: E402
-from coldsnap.engines.reference import DEFAULT_MODEL_ID, ENGINE_NAME, ENGINE_VERSION  # noqa: E402
+from coldsnap_reference import DEFAULT_MODEL_ID, ENGINE_NAME, ENGINE_VERSION  # noqa: E402
 
 MAX_BODY = 1 << 20
 _T0 = time.monotonic()
@@ -96,7 +96,7 @@ class Engine:
     # --- requests ---
 
     def parse_completion(self, body: dict[str, Any]) -> dict[str, Any]:
-        from coldsnap.engines.reference.model import encode
+        from coldsnap_reference.model import encode
 
         model = body.get("model", self.model_id)
         if model is not None and model != self.model_id:
@@ -151,7 +151,7 @@ class Engine:
 
     def tokens(self, ids: list[int], max_tokens: int):
         """Generated token texts, one per token; holds the lock until exhausted or closed."""
-        from coldsnap.engines.reference.model import decode
+        from coldsnap_reference.model import decode
 
         with self.lock:
             if not self.serving:
@@ -413,7 +413,7 @@ class Server(ThreadingHTTPServer):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m coldsnap.engines.reference.server",
+    p = argparse.ArgumentParser(prog="python -m coldsnap_reference.server",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--weights", required=True, help="safetensors file; generated (seeded) when missing")
     p.add_argument("--host", default="0.0.0.0")
@@ -473,8 +473,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def resolve_config(args: argparse.Namespace):
     """Defaults, overlaid by the config beside an existing weights file, overlaid by explicit flags."""
-    from coldsnap.engines.reference.model import ModelConfig
-    from coldsnap.engines.reference.weights import read_config
+    from coldsnap_reference.model import ModelConfig
+    from coldsnap_reference.weights import read_config
 
     d = ModelConfig().to_dict()
     d.update(read_config(args.weights) or {})
@@ -502,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
         emit("fatal", error=f"--tensor-parallel {world} with rank {rank} makes no sense")
         return 2
     if world > 1:
-        from coldsnap.engines.reference import tp as tpmod
+        from coldsnap_reference import tp as tpmod
 
         if args.tp_rank is None:  # the command as started: become the launcher of the ranks
             try:
@@ -522,9 +522,9 @@ def main(argv: list[str] | None = None) -> int:
     t = time.monotonic()
     import torch
 
-    from coldsnap.engines.reference import tp as tpmod
-    from coldsnap.engines.reference.model import Runner, build_model, check_tensor_parallel, shards, trim_host_memory
-    from coldsnap.engines.reference.weights import (
+    from coldsnap_reference import tp as tpmod
+    from coldsnap_reference.model import Runner, build_model, check_tensor_parallel, shards, trim_host_memory
+    from coldsnap_reference.weights import (
         check_shapes,
         ensure_weights,
         load_into,

@@ -104,7 +104,7 @@ def init_group(rank: int, world: int, device: str, port: int) -> None:
 def launch(argv: list[str], world: int) -> int:
     """The launcher: start ranks 0..world-1 with the command pipes between rank 0 and the others, wait; when one
     rank exits, stop the rest and exit with its status."""
-    base = [sys.executable, "-m", "coldsnap.engines.reference.server", *argv]
+    base = [sys.executable, "-m", "coldsnap_reference.server", *argv]
     procs: list[subprocess.Popen] = []
     to_rank0: list[str] = []
     close_here: list[int] = []
