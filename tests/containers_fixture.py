@@ -52,7 +52,7 @@ def ensure(*parts: str) -> None:
 
 
 def make_rootfs(root: Path) -> Path:
-    from coldsnap.bench.rootfs import host_usr_rootfs
+    from coldsnap_bench.rootfs import host_usr_rootfs
 
     return host_usr_rootfs(root)
 
@@ -373,6 +373,6 @@ def private_coldsnap(base: Path):
 
 
 def oci_archive(rootfs: Path, out: Path, name: str, cmd: list[str] | None = None) -> Path:
-    from coldsnap.bench.rootfs import oci_archive as make
+    from coldsnap_bench.rootfs import oci_archive as make
 
     return make(rootfs, out, name, cmd)

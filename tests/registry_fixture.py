@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from coldsnap.bench.registry import ENSURE, LocalRegistry
+from coldsnap_bench.registry import ENSURE, LocalRegistry
 
 
 def ensure_registry() -> None:

@@ -1,6 +1,6 @@
 """The physical limit beside each benchmark figure: bytes / bandwidths measured in the same run."""
 
-from coldsnap.bench.bandwidth import restore_limit
+from coldsnap_bench.bandwidth import restore_limit
 
 BW = {"host_memcpy_parallel_gbs": 40.0, "page_cache_read_parallel_gbs": 20.0, "pinned_h2d_gbs": 50.0}
 
@@ -35,7 +35,7 @@ def test_the_disk_rate_is_measured_with_the_page_cache_dropped(tmp_path):
 
     import pytest
 
-    from coldsnap.bench.bandwidth import measure
+    from coldsnap_bench.bandwidth import measure
 
     if os.geteuid() != 0:
         pytest.skip("dropping the page cache needs root")

@@ -132,7 +132,7 @@ def test_malformed_annotations_are_invalid_requests(ann, where):
 def test_the_host_usr_rootfs_has_the_links_and_mount_points_and_can_be_made_twice(tmp_path):
     import stat
 
-    from coldsnap.bench.rootfs import MOUNT_POINTS, host_usr_rootfs
+    from coldsnap_bench.rootfs import MOUNT_POINTS, host_usr_rootfs
 
     root = host_usr_rootfs(tmp_path / "rootfs", extra_dirs=("/cache",))
     assert host_usr_rootfs(root, extra_dirs=("/cache",)) == root  # again over itself: no error, same result

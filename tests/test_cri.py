@@ -1,7 +1,7 @@
 """Kubernetes' path, for real: a private containerd 1.6 with its CRI plugin, the runtime class "coldsnap"
 registered by `coldsnap runtime configure --runtime containerd` alone (BinaryName = coldsnap-runc, io.coldsnap.*
 pod annotations let through), CNI from Debian's plugins (a bridge, pod IPs), and the calls a kubelet makes through
-the upstream CRI v1 stubs (coldsnap.bench.cri). A pod of the reference engine is captured with `coldsnap capture
+the upstream CRI v1 stubs (coldsnap_bench.cri). A pod of the reference engine is captured with `coldsnap capture
 --container` against the CRI plugin's runc root; a new pod annotated with the capsule restores inside
 StartContainer, validated before the call returns; the pause container and unannotated pods pass through; a refused
 capsule starts cold, or fails the call when the pod's policy says no fallback; a restarted container is restored
@@ -36,7 +36,7 @@ from coldsnap.contracts import capsule as mt
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 grpc = pytest.importorskip("grpc", reason="the CRI client needs grpcio (the bench extra: pip install -e '.[bench]')")
-cri_bench = pytest.importorskip("coldsnap.bench.cri", reason="the CRI client needs container-runtime-interface-api "
+cri_bench = pytest.importorskip("coldsnap_bench.cri", reason="the CRI client needs container-runtime-interface-api "
                                 "(the bench extra)")
 IMAGE = "localhost/coldsnap-cri-test:1"
 COLDSNAP = Path(sys.prefix) / "bin" / "coldsnap"

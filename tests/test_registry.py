@@ -13,13 +13,13 @@ import pytest
 import requests
 from registry_fixture import ensure_registry, registry  # noqa: F401  (pytest fixture)
 
-from coldsnap.bench.registry import LocalRegistry, free_port
 from coldsnap.capsule import CapsuleStore, bloblocks
 from coldsnap.capsule import gc as capsule_gc
 from coldsnap.capsule import registry as reg_mod
 from coldsnap.capsule.registry import pull, push
 from coldsnap.contracts import CapsuleProfile, CapturedFile, ColdSnapError, ErrorCode, HostProfile, NetworkPlan
 from coldsnap.contracts import capsule as mt
+from coldsnap_bench.registry import LocalRegistry, free_port
 
 MIB = 1 << 20
 

@@ -1,5 +1,5 @@
 """The real sparkrun (PyPI 0.4.2, in its own Python 3.12 venv, not patched) with ColdSnap's plugin, on a private
-dockerd, on localhost (coldsnap.bench.sparkrun.SparkrunLab): `sparkrun run` of a recipe starts cold while no
+dockerd, on localhost (coldsnap_bench.sparkrun.SparkrunLab): `sparkrun run` of a recipe starts cold while no
 capsule exists; `sparkrun coldsnap capture` captures it; the next `sparkrun run` restores it, validated, and
 sparkrun's own readiness, logs, status, watchdog and stop behave; a corrupt capsule starts cold with a receipt.
 Reference engine and vLLM (CPU).
@@ -20,7 +20,7 @@ import pytest
 from containers_fixture import ensure, needs_root, private_coldsnap
 
 from coldsnap.base.paths import settings
-from coldsnap.bench.sparkrun import SparkrunLab, free_port
+from coldsnap_bench.sparkrun import SparkrunLab, free_port
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 

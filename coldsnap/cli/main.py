@@ -363,7 +363,7 @@ def cmd_inspect(args) -> int:
 
 
 def _bench_options(args, **fixed):
-    from coldsnap.bench.run import BenchOptions
+    from coldsnap_bench.run import BenchOptions
 
     opts = BenchOptions(
         engine=args.engine, samples=args.samples, vanilla_samples=args.vanilla_samples, device=args.device,
@@ -392,7 +392,7 @@ def cmd_run_args(args) -> int:
 
 def cmd_bench(args) -> int:
     if args.registry:
-        from coldsnap.bench.registry import run
+        from coldsnap_bench.registry import run
 
         progress = _progress(args)
         progress(f"registry benchmark: a {args.size_mib} MiB capsule through a local registry vs curl")
@@ -405,37 +405,37 @@ def cmd_bench(args) -> int:
         return 0
     opts = _bench_options(args)
     if args.passthrough:
-        from coldsnap.bench.passthrough import run_passthrough
+        from coldsnap_bench.passthrough import run_passthrough
 
         result = run_passthrough(opts, reps=args.samples if args.samples != 5 else 20, progress=_progress(args))
         _emit(args, result.data, result.summary)
         return 0
     if args.cold_node:
-        from coldsnap.bench.coldnode import run_cold_node
+        from coldsnap_bench.coldnode import run_cold_node
 
         result = run_cold_node(opts, progress=_progress(args))
         _emit(args, result.data, result.summary)
         return 0
     if args.replicas:
-        from coldsnap.bench.replicas import run_replicas
+        from coldsnap_bench.replicas import run_replicas
 
         result = run_replicas(opts, args.replicas, progress=_progress(args))
         _emit(args, result.data, result.summary)
         return 0
     if opts.via == "sparkrun":
-        from coldsnap.bench.sparkrun import run_sparkrun_bench
+        from coldsnap_bench.sparkrun import run_sparkrun_bench
 
         result = run_sparkrun_bench(opts, progress=_progress(args))
     elif opts.via == "cri":
-        from coldsnap.bench.pods import run_pods_bench
+        from coldsnap_bench.pods import run_pods_bench
 
         result = run_pods_bench(opts, progress=_progress(args))
     elif opts.via:
-        from coldsnap.bench.via import run_via_bench
+        from coldsnap_bench.via import run_via_bench
 
         result = run_via_bench(opts, progress=_progress(args))
     else:
-        from coldsnap.bench.run import run_bench
+        from coldsnap_bench.run import run_bench
 
         result = run_bench(opts, progress=_progress(args))
     _emit(args, result.data, result.summary)
@@ -443,7 +443,7 @@ def cmd_bench(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from coldsnap.bench.run import BenchOptions, run_bench
+    from coldsnap_bench.run import BenchOptions, run_bench
 
     opts = BenchOptions(engine="reference", device="cpu", weights_mode="auto", samples=args.samples,
                         out=args.out or str(settings().home / "demo"), command="coldsnap demo")

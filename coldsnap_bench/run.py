@@ -157,7 +157,7 @@ def run_bench(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
                             f"samples validated, {len(restored)}/{n} restores did not fall back")
 
     v, rr = _stats(vanilla), _stats(restored)
-    from coldsnap.bench import bandwidth
+    from coldsnap_bench import bandwidth
 
     staged = settings().staged / cap.capsule.split(":")[1] / "images"
     pages = max(staged.glob("pages-*.img"), key=lambda p: p.stat().st_size, default=None) if staged.exists() else None

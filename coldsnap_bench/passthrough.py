@@ -17,8 +17,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from coldsnap.bench.run import BenchOptions, BenchResult, host_record
 from coldsnap.contracts import ColdSnapError, ErrorCode
+from coldsnap_bench.run import BenchOptions, BenchResult, host_record
 
 
 def _best(argv: list[str], reps: int, env: dict) -> float:

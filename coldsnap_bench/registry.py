@@ -1,6 +1,6 @@
 """Push/pull throughput of a large capsule against a private local registry, compared with curl.
 
-Not a test: `python -m coldsnap.bench.registry OUT_DIR [SIZE_MIB]` (or `run(out_dir)`) writes
+Not a test: `python -m coldsnap_bench.registry OUT_DIR [SIZE_MIB]` (or `run(out_dir)`) writes
 OUT_DIR/registry_bench.json. Every push/pull runs in a fresh subprocess that reports its own peak RSS
 (ru_maxrss), so the numbers are those of one ColdSnap process doing one transfer.
 
@@ -163,7 +163,7 @@ def _settle() -> None:
 
 def _run_child(*args: str, env: dict | None = None) -> dict:
     _settle()
-    cmd = [sys.executable, "-m", "coldsnap.bench.registry", "--child", *args]
+    cmd = [sys.executable, "-m", "coldsnap_bench.registry", "--child", *args]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ, **(env or {})}).stdout
     res = json.loads(out.strip().splitlines()[-1])
     res["command"] = " ".join([*(f"{k}={v}" for k, v in (env or {}).items()), *cmd])

@@ -31,12 +31,12 @@ from typing import Iterator
 from coldsnap.base.paths import settings
 from coldsnap.base.procfs import alive
 from coldsnap.base.progress import Progress
-from coldsnap.bench.rootfs import host_usr_rootfs
-from coldsnap.bench.run import BenchOptions, BenchResult, _chart, _stats, host_record, side_by_side
 from coldsnap.contracts import ColdSnapError, ErrorCode, Validation
 from coldsnap.contracts import capsule as mt
 from coldsnap.workload.probe import ProbeResult, ValidationProbe
 from coldsnap.workload.target import Target
+from coldsnap_bench.rootfs import host_usr_rootfs
+from coldsnap_bench.run import BenchOptions, BenchResult, _chart, _stats, host_record, side_by_side
 
 REPO = Path(__file__).resolve().parents[2]
 VENV = Path(sys.prefix)

@@ -28,10 +28,10 @@ from pathlib import Path
 
 from coldsnap.base.paths import settings
 from coldsnap.base.progress import Progress
-from coldsnap.bench.rootfs import host_usr_rootfs
-from coldsnap.bench.run import BenchOptions, BenchResult, _chart, _stats, host_record, side_by_side
-from coldsnap.bench.via import PYTHON_HOME, REPO, VENV, Docker, container_bench_ready, private_base
 from coldsnap.contracts import CaptureRequest, ColdSnapError, ErrorCode
+from coldsnap_bench.rootfs import host_usr_rootfs
+from coldsnap_bench.run import BenchOptions, BenchResult, _chart, _stats, host_record, side_by_side
+from coldsnap_bench.via import PYTHON_HOME, REPO, VENV, Docker, container_bench_ready, private_base
 
 SPARKRUN_SETUP = REPO / "packaging" / "sparkrun" / "setup.sh"
 SPARKRUN_VENV = settings().sparkrun_venv

@@ -17,8 +17,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from coldsnap.base.paths import settings
-from coldsnap.bench import bandwidth
-from coldsnap.bench.run import BenchOptions, BenchResult, capture_request, host_record
 from coldsnap.contracts import ColdSnapError, ErrorCode, Policy, RestoreRequest
 from coldsnap.engines import get_adapter
 from coldsnap.flows.capture import capture
@@ -27,6 +25,8 @@ from coldsnap.flows.restore import restore
 from coldsnap.net import destroy_network
 from coldsnap.workload.process import kill_tree, stop_workload
 from coldsnap.workload.state import load_state
+from coldsnap_bench import bandwidth
+from coldsnap_bench.run import BenchOptions, BenchResult, capture_request, host_record
 
 
 def _burst(n: int, one) -> tuple[float, list[bool]]:

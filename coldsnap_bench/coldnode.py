@@ -32,9 +32,15 @@ from pathlib import Path
 
 from coldsnap.base.files import WriteBehind, private_dir
 from coldsnap.base.paths import settings
-from coldsnap.bench import bandwidth
-from coldsnap.bench.registry import LocalRegistry
-from coldsnap.bench.run import (
+from coldsnap.capsule import CapsuleStore, pieces
+from coldsnap.capsule.registry import push
+from coldsnap.capsule.signing import host_public_key_path
+from coldsnap.contracts import ColdSnapError, ErrorCode
+from coldsnap.engines import get_adapter
+from coldsnap.flows.capture import capture
+from coldsnap_bench import bandwidth
+from coldsnap_bench.registry import LocalRegistry
+from coldsnap_bench.run import (
     BenchOptions,
     BenchResult,
     _stats,
@@ -43,12 +49,6 @@ from coldsnap.bench.run import (
     clock_parts,
     host_record,
 )
-from coldsnap.capsule import CapsuleStore, pieces
-from coldsnap.capsule.registry import push
-from coldsnap.capsule.signing import host_public_key_path
-from coldsnap.contracts import ColdSnapError, ErrorCode
-from coldsnap.engines import get_adapter
-from coldsnap.flows.capture import capture
 
 # Where a first restore's time goes, in order: the pull, then the restore receipt's spans (staging's parts: verify
 # the capsule's blobs, put back and check the weights, unpack the images; hydrate's: the CUDA driver's restore, then

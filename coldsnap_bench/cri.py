@@ -18,8 +18,8 @@ import grpc
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
-from coldsnap.bench.rootfs import oci_archive, pause_rootfs
 from coldsnap.contracts import ColdSnapError, ErrorCode
+from coldsnap_bench.rootfs import oci_archive, pause_rootfs
 
 NAMESPACE = "k8s.io"  # the containerd namespace of the CRI plugin
 RUNC_ROOT = "/run/containerd/runc/k8s.io"  # the runc v2 shim's root for it

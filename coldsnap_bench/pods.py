@@ -25,12 +25,12 @@ from pathlib import Path
 from coldsnap.base.paths import settings
 from coldsnap.base.procfs import alive
 from coldsnap.base.progress import Progress
-from coldsnap.bench.rootfs import host_usr_rootfs
-from coldsnap.bench.run import BenchOptions, BenchResult, _chart, _stats, host_record, side_by_side
-from coldsnap.bench.via import CACHE, ENGINE_ARGS, PORT, _sh, container_bench_ready, private_base
 from coldsnap.contracts import CaptureRequest, ColdSnapError, ErrorCode, Validation
 from coldsnap.contracts import capsule as mt
 from coldsnap.workload.probe import ValidationProbe
+from coldsnap_bench.rootfs import host_usr_rootfs
+from coldsnap_bench.run import BenchOptions, BenchResult, _chart, _stats, host_record, side_by_side
+from coldsnap_bench.via import CACHE, ENGINE_ARGS, PORT, _sh, container_bench_ready, private_base
 
 IMAGE = "localhost/coldsnap-bench:1"
 NO_FALLBACK = json.dumps({"fallback_to_cold": False})  # a failed restore must fail the sample, not start cold
@@ -41,12 +41,12 @@ class PodSpec:
     wants a Memory emptyDir as /dev/shm (vLLM's queues)."""
 
     def __init__(self, engine: str, options: dict, base: Path):
-        from coldsnap.bench.cri import binds_to_mounts
         from coldsnap.oci.spec import host_bind
+        from coldsnap_bench.cri import binds_to_mounts
 
         self.engine, self.base = engine, base
         if engine == "reference":
-            from coldsnap.bench.via import PYTHON_HOME, REPO, VENV
+            from coldsnap_bench.via import PYTHON_HOME, REPO, VENV
 
             paths = ["/usr", str(REPO), *([str(VENV)] if not str(VENV).startswith(f"{REPO}/") else []),
                      *([str(PYTHON_HOME)] if not str(PYTHON_HOME).startswith("/usr") else [])]
@@ -89,7 +89,7 @@ class Sample:
 
 
 def _init_pid(cid: str) -> int:
-    from coldsnap.bench.cri import RUNC_ROOT
+    from coldsnap_bench.cri import RUNC_ROOT
 
     return int(json.loads((Path(RUNC_ROOT) / cid / "state.json").read_text())["init_process_pid"])
 
@@ -125,7 +125,7 @@ def floor_once(node) -> float:
 
 
 def run_pods_bench(opts: BenchOptions, progress: Progress = lambda m: None) -> BenchResult:
-    from coldsnap.bench.cri import Node
+    from coldsnap_bench.cri import Node
 
     if opts.device != "cpu":
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, "--via cri benchmarks on cpu only")
@@ -146,10 +146,10 @@ def run_pods_bench(opts: BenchOptions, progress: Progress = lambda m: None) -> B
 
 
 def _bench(opts: BenchOptions, node, spec: PodSpec, progress: Progress) -> BenchResult:
-    from coldsnap.bench.cri import RUNC_ROOT
     from coldsnap.flows.admission import load_capsule
     from coldsnap.flows.container_capture import capture_container
     from coldsnap.flows.staging import stage
+    from coldsnap_bench.cri import RUNC_ROOT
 
     n, engine = opts.samples, opts.engine
     # One unmeasured cold pod: it writes the seeded weights and fills the compile cache; it is the one captured.
