@@ -238,7 +238,7 @@ def test_vllm_without_sleep_mode_releases_nothing():
     server = SleepModeStandIn(sleep_mode=False)  # the CPU build: no dev endpoints
     adapter = get_adapter("vllm")
     assert not adapter.before_capture("127.0.0.1", server.port, True, "native")
-    assert adapter.after_restore("127.0.0.1", server.port, False, "native") == {}
+    assert adapter.after_restore("127.0.0.1", server.port, True, "native") == {}  # KV discarded
     assert server.paths() == []
     server.server.shutdown()
 

@@ -22,6 +22,7 @@ from coldsnap.contracts import ColdSnapError, ErrorCode, parse_request
 from coldsnap.contracts import capsule as mt
 from coldsnap.flows.container_restore import request_from_annotations
 from coldsnap.oci.argv import parse_runc_argv, valid_container_id
+from coldsnap.oci.records import Outcome, ShimRecord
 from coldsnap.oci.spec import runc_refuses
 from coldsnap.shim.main import PASS_THROUGH, decide
 
@@ -56,7 +57,7 @@ def _decide_any(argv: list[str]) -> None:
     parsed = parse_runc_argv(argv)
     assert parsed.argv == tuple(argv)  # the parse never changes what the caller wrote
     action, _ = decide(parsed, spec_of=lambda b: {"annotations": {mt.ANNOTATION_CAPSULE: "sha256:" + "a" * 64}},
-                       record_of=lambda c: {"outcome": "restored", "root": parsed.root})
+                       record_of=lambda c: ShimRecord(outcome=Outcome.RESTORED, id=c, root=parsed.root, bundle="/b"))
     if not valid_container_id(parsed.container_id):
         assert action == PASS_THROUGH  # no path is ever built from an id runc refuses
     if parsed.command_index >= 0:

@@ -186,7 +186,7 @@ class VllmAdapter(EngineAdapter):
 
     def after_restore(self, host: str, port: int, kv_discarded: bool, weights_mode: str,
                       prefetched: str | dict[str, str] | None = None) -> dict:
-        if not kv_discarded:
+        if not kv_discarded or not has_sleep_mode(host, port):  # a CPU build released nothing: nothing to wake
             return {}
         steps: dict[str, float] = {}
 
