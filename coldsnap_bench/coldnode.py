@@ -36,6 +36,8 @@ from coldsnap.capsule import CapsuleStore, pieces
 from coldsnap.capsule.registry import push
 from coldsnap.capsule.signing import host_public_key_path
 from coldsnap.contracts import ColdSnapError, ErrorCode
+from coldsnap.contracts.receipt import Receipt
+from coldsnap.contracts.results import CaptureFacts, RestoreFacts
 from coldsnap.engines import get_adapter
 from coldsnap.flows.capture import capture
 from coldsnap_bench import bandwidth
@@ -205,7 +207,7 @@ def run_cold_node(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
     pages = max(staged.glob("pages-*.img"), key=lambda p: p.stat().st_size, default=None)
     bw = {**bandwidth.measure(pages), "registry_read_gbs": round(rate, 2), "storage_write_gbs": round(write_rate, 2)}
     weights_bytes = sum(os.path.getsize(p) for p in weights if os.path.exists(p))
-    apart = cap.receipt.result.get("weights_apart", cap.profile.weights_mode == "recovery")
+    apart = cap.receipt.facts(CaptureFacts).weights_apart
     limit = bandwidth.restore_limit(bw, bandwidth.dir_bytes(staged), weights_bytes, weights_in_images=not apart)
     pulled = statistics.median(s["pulled_bytes"] for s in samples)
     if limit:
@@ -239,7 +241,7 @@ def run_cold_node(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
                          "span_medians_s": {k: round(statistics.median(s["spans"][k] for s in two_commands), 4)
                                             for k in SPANS},
                          "runs": two_commands},
-        "capsule": {"digest": cap.capsule, "bytes": cap.receipt.result["capsule_bytes"], "staging_s": None,
+        "capsule": {"digest": cap.capsule, "bytes": cap.receipt.facts(CaptureFacts).capsule_bytes, "staging_s": None,
                     "payload_bytes": payload.get("bytes"), "capture_spans": {s.name: s.duration_s
                                                                              for s in cap.receipt.spans}},
     }
@@ -317,7 +319,7 @@ def _first_restore(node: Path, ref: str, expected: str, one_command: bool = True
 def _restore_spans(receipt: dict) -> dict[str, float]:
     """The restore receipt's spans as the chart stacks them (SPANS between pull and process starts)."""
     took = {x["name"]: x["duration_s"] for x in receipt["spans"]}
-    parts = clock_parts(took, receipt["result"])
+    parts = clock_parts(took, Receipt.model_validate(receipt, strict=False).facts(RestoreFacts))
     staging = receipt["result"].get("stage_parts") or {}
     return {"admit": took.get("admit", 0.0), "verify": staging.get("verify", 0.0),
             "weights": staging.get("weights", 0.0), "unpack": staging.get("unpack", 0.0),

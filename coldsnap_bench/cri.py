@@ -25,7 +25,7 @@ NAMESPACE = "k8s.io"  # the containerd namespace of the CRI plugin
 RUNC_ROOT = "/run/containerd/runc/k8s.io"  # the runc v2 shim's root for it
 PAUSE_IMAGE = "localhost/coldsnap-pause:1"
 HANDLER = "coldsnap"
-SETUP = Path(__file__).resolve().parents[2] / "packaging" / "containers" / "setup.sh"
+SETUP = Path(__file__).resolve().parents[1] / "packaging" / "containers" / "setup.sh"
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):

@@ -27,6 +27,7 @@ from coldsnap.base.procfs import alive
 from coldsnap.base.progress import Progress
 from coldsnap.contracts import CaptureRequest, ColdSnapError, ErrorCode, Validation
 from coldsnap.contracts import capsule as mt
+from coldsnap.contracts.results import CaptureFacts
 from coldsnap.workload.probe import ValidationProbe
 from coldsnap_bench.rootfs import host_usr_rootfs
 from coldsnap_bench.run import BenchOptions, BenchResult, _chart, _stats, host_record, side_by_side
@@ -215,7 +216,7 @@ def _bench(opts: BenchOptions, node, spec: PodSpec, progress: Progress) -> Bench
                                        "restore": _stats([s.start_s for s in restored])},
         "validations": {"vanilla": f"{ok_cold}/{n}", "restore": f"{ok_restored}/{n}"},
         "expected_text": expected, "restore_receipts": receipts,
-        "capsule": {"digest": cap.capsule, "bytes": cap.receipt.result["capsule_bytes"],
+        "capsule": {"digest": cap.capsule, "bytes": cap.receipt.facts(CaptureFacts).capsule_bytes,
                     "staging_s": round(staging_s, 3),
                     "capture_spans": {s.name: s.duration_s for s in cap.receipt.spans}},
     }

@@ -21,7 +21,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-ENSURE = Path(__file__).resolve().parents[2] / "packaging" / "registry" / "ensure.sh"
+ENSURE = Path(__file__).resolve().parents[1] / "packaging" / "registry" / "ensure.sh"
 
 CONFIG = """version: 0.1
 log:

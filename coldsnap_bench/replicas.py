@@ -18,6 +18,7 @@ from pathlib import Path
 
 from coldsnap.base.paths import settings
 from coldsnap.contracts import ColdSnapError, ErrorCode, Policy, RestoreRequest
+from coldsnap.contracts.results import CaptureFacts
 from coldsnap.engines import get_adapter
 from coldsnap.flows.capture import capture
 from coldsnap.flows.coldstart import start_cold
@@ -67,8 +68,8 @@ def run_replicas(opts: BenchOptions, replicas: int, progress=lambda m: None) -> 
         r = restore(RestoreRequest(operation="restore", capsule=cap.capsule, lifecycle={"name": f"{name}-r{i}"},
                                    policy=Policy(fallback_to_cold=False)))
         done = time.monotonic()
-        ok = r.state == "succeeded" and r.result["validated_text"] == expected
-        return ok, done, lambda: stop_workload(load_state(r.result["workload"]))
+        ok = r.state == "succeeded" and r.result.validated_text == expected
+        return ok, done, lambda: stop_workload(load_state(r.result.workload))
 
     rows = []
     for n in range(1, replicas + 1):
@@ -84,7 +85,7 @@ def run_replicas(opts: BenchOptions, replicas: int, progress=lambda m: None) -> 
     weights = sum(os.path.getsize(w.path) for w in (cap.profile.model.weights if cap.profile.model else [])
                   if os.path.exists(w.path))
     images = bandwidth.dir_bytes(staged) if staged.exists() else 0
-    apart = cap.receipt.result.get("weights_apart", cap.profile.weights_mode == "recovery")
+    apart = cap.receipt.facts(CaptureFacts).weights_apart
     for row in rows:
         n = row["replicas"]
         limit = bandwidth.restore_limit(bw, n * images, n * weights, weights_in_images=not apart)
@@ -102,7 +103,7 @@ def run_replicas(opts: BenchOptions, replicas: int, progress=lambda m: None) -> 
         "growth": {"vanilla_per_replica_s": _slope(rows, "vanilla_s"), "restore_per_replica_s": _slope(rows,
                                                                                                         "restore_s")},
         "bandwidth": bw,
-        "capsule": {"digest": cap.capsule, "bytes": cap.receipt.result["capsule_bytes"]},
+        "capsule": {"digest": cap.capsule, "bytes": cap.receipt.facts(CaptureFacts).capsule_bytes},
     }
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from coldsnap.base.paths import settings
 from coldsnap.contracts import CaptureRequest, ColdSnapError, ErrorCode, Launch, Policy, RestoreRequest
+from coldsnap.contracts.results import CaptureFacts, RestoreFacts
 from coldsnap.engines import get_adapter
 from coldsnap.flows.capture import capture
 from coldsnap.flows.coldstart import start_cold
@@ -78,18 +79,16 @@ def _stats(xs: list[float]) -> dict:
 CLOCK_PARTS = ("network", "criu-restore", "cuda driver", "engine resume", "first token")
 
 
-def clock_parts(took: dict[str, float], result: dict) -> dict[str, float]:
+def clock_parts(took: dict[str, float], result: RestoreFacts) -> dict[str, float]:
     """Split a restore's time to first token (result's) into CLOCK_PARTS from its spans (took: name → seconds):
     hydrate into the CUDA driver's restore and the engine's resume (weights, KV cache, graphs), and the first token
     as what remains after them (the validation request up to its first token)."""
-    cuda = (result.get("hydrate") or {}).get("cuda_restore_s") or 0.0
-    if isinstance(cuda, dict):  # by step: restore, unlock
-        cuda = sum(v for v in cuda.values() if isinstance(v, (int, float)))
+    cuda = sum(((result.hydrate and result.hydrate.cuda_restore_s) or {}).values())  # by step: restore, unlock
     hydrate = took.get("hydrate", 0.0)
     cuda = min(cuda, hydrate)
     parts = {"network": took.get("network", 0.0), "criu-restore": took.get("criu-restore", 0.0),
              "cuda driver": cuda, "engine resume": hydrate - cuda}
-    parts["first token"] = max((result.get("time_to_first_token_s") or 0.0) - sum(parts.values()), 0.0)
+    parts["first token"] = max((result.time_to_first_token_s or 0.0) - sum(parts.values()), 0.0)
     return {k: round(v, 4) for k, v in parts.items()}
 
 
@@ -111,7 +110,7 @@ def run_bench(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
     progress(f"capturing {opts.engine} on {device}")
     cap = capture(req, progress=progress)
     expected = cap.profile.expected_text
-    capsule_bytes = cap.receipt.result["capsule_bytes"]
+    capsule_bytes = cap.receipt.facts(CaptureFacts).capsule_bytes
 
     nv = opts.vanilla_samples or n
     vanilla, validated_vanilla = [], 0
@@ -141,16 +140,16 @@ def run_bench(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
         if opts.drop_caches:
             drop_page_cache()
         r = restore(RestoreRequest(operation="restore", capsule=cap.capsule))
-        res = r.result
-        stop_workload(load_state(res["workload"]))
+        res = r.facts(RestoreFacts)
+        stop_workload(load_state(res.workload))
         if r.state == "fell-back":
-            fell_back.append(res["time_to_first_token_s"])
-            progress(f"restore {i + 1}/{n}: FELL BACK to a cold start ({res['fallback_reason']})")
+            fell_back.append(res.time_to_first_token_s)
+            progress(f"restore {i + 1}/{n}: FELL BACK to a cold start ({res.fallback_reason})")
             continue
-        restored.append(res["time_to_first_token_s"])
+        restored.append(res.time_to_first_token_s)
         parts.append(clock_parts({s.name: s.duration_s for s in r.spans}, res))
-        validated_restore += int(res["validated_text"] == expected)
-        progress(f"restore {i + 1}/{n}: first token {res['time_to_first_token_s']:.3f} s")
+        validated_restore += int(res.validated_text == expected)
+        progress(f"restore {i + 1}/{n}: first token {res.time_to_first_token_s:.3f} s")
     template = _template_samples(cap, n, opts.drop_caches, progress) if opts.template else None
     if not vanilla or not restored:
         raise ColdSnapError(ErrorCode.VALIDATION_FAILED, f"nothing to compare: {validated_vanilla}/{nv} vanilla "
@@ -167,7 +166,7 @@ def run_bench(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
     cold_file = (max([*weight_files, *([pages] if pages else [])], key=os.path.getsize, default=None)
                  if opts.drop_caches else None)
     bw = bandwidth.measure(pages, cold_file)
-    apart = cap.receipt.result.get("weights_apart", cap.profile.weights_mode == "recovery")
+    apart = cap.receipt.facts(CaptureFacts).weights_apart
     limit = bandwidth.restore_limit(bw, bandwidth.dir_bytes(staged) if staged.exists() else 0, weights_bytes,
                                     weights_in_images=not apart, from_disk=opts.drop_caches)
     ratio = round(v["median_s"] / rr["median_s"], 2)
@@ -205,24 +204,25 @@ SPANS = ("criu-restore", "hydrate", "validate")
 def _template_samples(cap, n: int, drop_caches: bool, progress) -> dict:
     """n restores of the template captured beside the full capsule (bench --template): their time to first token,
     and the median of each span (hydrate is the template's device work: load, build, compile, graphs, warm-up)."""
-    digest = cap.receipt.result["template"]["capsule"]
+    digest = cap.receipt.facts(CaptureFacts).template.capsule
     restore(RestoreRequest(operation="prepare", capsule=digest))
     times, spans, phases, validated = [], {k: [] for k in SPANS}, {}, 0
     for i in range(n):
         if drop_caches:
             drop_page_cache()
         r = restore(RestoreRequest(operation="restore", capsule=digest))
-        stop_workload(load_state(r.result["workload"]))
+        res = r.facts(RestoreFacts)
+        stop_workload(load_state(res.workload))
         if r.state != "succeeded":
-            progress(f"template restore {i + 1}/{n}: {r.state.upper()} ({r.result.get('fallback_reason')})")
+            progress(f"template restore {i + 1}/{n}: {r.state.upper()} ({res.fallback_reason})")
             continue
-        times.append(r.result["time_to_first_token_s"])
-        validated += int(r.result["validated_text"] == cap.profile.expected_text)
+        times.append(res.time_to_first_token_s)
+        validated += int(res.validated_text == cap.profile.expected_text)
         for s in r.spans:
             if s.name in spans:
                 spans[s.name].append(s.duration_s)
         # the engine's device work inside hydrate: CUDA init, weights, build, compile, graphs, warm-up
-        for k, v in (((r.result.get("hydrate") or {}).get("engine_resume") or {}).get("phases") or {}).items():
+        for k, v in (((res.hydrate.engine_resume if res.hydrate else None) or {}).get("phases") or {}).items():
             phases.setdefault(k, []).append(v)
         progress(f"template restore {i + 1}/{n}: first token {times[-1]:.3f} s")
     return {"capsule": digest, **_stats(times), "validated": f"{validated}/{n}",

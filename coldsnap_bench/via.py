@@ -33,12 +33,13 @@ from coldsnap.base.procfs import alive
 from coldsnap.base.progress import Progress
 from coldsnap.contracts import ColdSnapError, ErrorCode, Validation
 from coldsnap.contracts import capsule as mt
+from coldsnap.contracts.results import CaptureFacts
 from coldsnap.workload.probe import ProbeResult, ValidationProbe
 from coldsnap.workload.target import Target
 from coldsnap_bench.rootfs import host_usr_rootfs
 from coldsnap_bench.run import BenchOptions, BenchResult, _chart, _stats, host_record, side_by_side
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 VENV = Path(sys.prefix)
 PYTHON_HOME = Path(sys.base_prefix)
 RUNTIME = VENV / "bin" / "coldsnap-runtime"
@@ -509,7 +510,7 @@ def _bench(opts: BenchOptions, engine: Engine, progress: Progress) -> BenchResul
         "restore_settings": annotations,
         "restore_receipts": receipts,
         "passthrough_overhead": overhead,
-        "capsule": {"digest": cap.capsule, "bytes": cap.receipt.result["capsule_bytes"],
+        "capsule": {"digest": cap.capsule, "bytes": cap.receipt.facts(CaptureFacts).capsule_bytes,
                     "staging_s": round(staging_s, 3),
                     "capture_spans": {s.name: s.duration_s for s in cap.receipt.spans}},
     }

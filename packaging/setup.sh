@@ -20,8 +20,9 @@ fi
 
 packaging/criu/provision.sh "$CRIU_PREFIX"
 
-# Python venv, rebuilt only when pyproject.toml changed (its hash is the stamp).
-want=$(sha256sum pyproject.toml packaging/setup.sh | sha256sum | cut -c1-16)
+# Python venv, rebuilt only when pyproject.toml or the set of top-level packages changed (an editable install
+# maps each package by name: a package added later is not importable until it is reinstalled).
+want=$( (sha256sum pyproject.toml packaging/setup.sh; ls -d coldsnap*/) | sha256sum | cut -c1-16)
 stamp="$VENV/.coldsnap-stamp"
 if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     log "creating the venv in $VENV"
@@ -30,7 +31,7 @@ if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; 
     "$VENV/bin/pip" install -q --disable-pip-version-check torch==2.13.0 numpy 2>&1 | grep -v "^WARNING: Location" || true
     "$VENV/bin/pip" install -q --disable-pip-version-check -e '.[engine,bench,test]' 2>&1 | grep -v "^WARNING: Location" || true
     [ -x "$VENV/bin/ruff" ] && [ -x "$VENV/bin/lint-imports" ] && [ -x "$VENV/bin/mypy" ] && \
-    "$VENV/bin/python" -c "import coldsnap, torch, pydantic, pyroute2, zstandard, oras, matplotlib, pytest, hypothesis, grpc, cri_api, kubernetes_validate" \
+    "$VENV/bin/python" -c "import coldsnap, coldsnap_reference, coldsnap_bench, torch, pydantic, pyroute2, zstandard, oras, matplotlib, pytest, hypothesis, grpc, cri_api, kubernetes_validate" \
         || { log "venv is incomplete"; exit 1; }
     echo "$want" >"$stamp"
 fi

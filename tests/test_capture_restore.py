@@ -58,7 +58,7 @@ def test_capture_writes_a_private_verified_capsule_and_stops_the_workload(captur
     assert r.state == "succeeded" and r.operation == "capture"
     assert {"cold-start", "pin-weights", "criu-dump", "pack"} <= {s.name for s in r.spans}
     # What the engine released before the dump (here the KV cache: CPU weights are file-backed) is on record.
-    assert r.result["release"]["released"] is True and r.result["release"]["freed_bytes"] > 0
+    assert r.result.release["released"] is True and r.result.release["freed_bytes"] > 0
     assert stat.S_IMODE(os.stat(receipt_path(r.operation_id)).st_mode) == 0o600
     store = CapsuleStore(settings().store)
     cap = store.load(captured.capsule)
@@ -89,13 +89,13 @@ def test_restore_twice_from_one_capsule(captured):
                                    policy=Policy(fallback_to_cold=False)))
         assert r.state == "succeeded"
         res = r.result
-        assert res["validated_text"] == captured.profile.expected_text
-        assert 0 < res["time_to_first_token_s"] < 30
+        assert res.validated_text == captured.profile.expected_text
+        assert 0 < res.time_to_first_token_s < 30
         names = [s.name for s in r.spans]
         assert names[:5] == ["admit", "stage", "network", "criu-restore", "hydrate"]
-        ws = load_state(res["workload"])
+        ws = load_state(res.workload)
         assert ws.origin == "restored" and alive(ws.pid)
-        texts.append(res["validated_text"])
+        texts.append(res.validated_text)
         stop_workload(ws)
         assert not alive(ws.pid) and not netns_exists("pyt-ref")
     assert texts[0] == texts[1]
@@ -119,16 +119,16 @@ def test_lazy_pages_restore_is_ready_only_once_every_page_is_in(captured, monkey
     before = lazy_pages_daemons()
     monkeypatch.setenv("COLDSNAP_LAZY_PAGES", "1")
     r = restore(RestoreRequest(operation="restore", capsule=captured.capsule, policy=Policy(fallback_to_cold=False)))
-    assert r.state == "succeeded" and r.result["validated_text"] == captured.profile.expected_text
-    assert "--lazy-pages" in r.result["criu_options"]
-    assert r.result["lazy_pages"]["all_in_s"] >= r.result["time_to_first_token_s"] > 0
+    assert r.state == "succeeded" and r.result.validated_text == captured.profile.expected_text
+    assert "--lazy-pages" in r.result.criu_options
+    assert r.result.lazy_pages["all_in_s"] >= r.result.time_to_first_token_s > 0
     assert lazy_pages_daemons() == before
-    ws = load_state(r.result["workload"])
+    ws = load_state(r.result.workload)
     stop_workload(ws)
     monkeypatch.setenv("COLDSNAP_LAZY_PAGES", "0")  # the default: CRIU copies every page before the tree runs
     r = restore(RestoreRequest(operation="restore", capsule=captured.capsule, policy=Policy(fallback_to_cold=False)))
-    assert r.state == "succeeded" and "--lazy-pages" not in r.result["criu_options"] and not r.result["lazy_pages"]
-    stop_workload(load_state(r.result["workload"]))
+    assert r.state == "succeeded" and "--lazy-pages" not in r.result.criu_options and not r.result.lazy_pages
+    stop_workload(load_state(r.result.workload))
 
 
 def test_a_lazy_pages_daemon_that_fails_fails_the_restore(tmp_path):
@@ -165,9 +165,9 @@ def test_native_weights_travel_as_a_payload_beside_the_images(env):
     r = restore(RestoreRequest(operation="restore", capsule=res.capsule, policy=Policy(fallback_to_cold=False)))
     try:
         assert r.state == "succeeded"
-        assert r.result["validated_text"] == p.expected_text
+        assert r.result.validated_text == p.expected_text
         assert os.path.exists(saved.path)  # put back from the payload, digest verified
-        reload = r.result["hydrate"]["engine_resume"]["weights_reload"]
+        reload = r.result.hydrate.engine_resume["weights_reload"]
         assert reload["bytes"] > 0.9 * saved.size  # the weights came back from that file (header and padding aside)
     finally:
         stop("pyt-native")
@@ -183,7 +183,7 @@ def test_sleep_without_cuda_is_refused_and_the_engine_serves_on(captured):
 
     r = restore(RestoreRequest(operation="restore", capsule=captured.capsule, policy=Policy(fallback_to_cold=False)))
     try:
-        ws = load_state(r.result["workload"])
+        ws = load_state(r.result.workload)
         assert (ws.engine, ws.weights_mode) == ("reference", "recovery")
         with pytest.raises(ColdSnapError) as e:
             sleep(WorkloadRequest(operation="sleep", workload=ws.name, sleep_mode="engine"))
@@ -208,7 +208,7 @@ def test_restore_refuses_while_the_address_is_in_use(captured):
         with pytest.raises(ColdSnapError) as e:
             restore(RestoreRequest(operation="restore", capsule=captured.capsule))
         assert e.value.code == ErrorCode.RESOURCE_BUSY
-        assert alive(load_state(r.result["workload"]).pid)  # the running one is untouched
+        assert alive(load_state(r.result.workload).pid)  # the running one is untouched
     finally:
         stop("pyt-ref")
 
@@ -260,8 +260,8 @@ def test_incompatible_profile_is_refused_or_falls_back_cold(captured, env, monke
     r = restore(RestoreRequest(operation="restore", capsule=digest))
     try:
         assert r.state == "fell-back"
-        assert "kernel 5.4.0-other" in r.result["fallback_reason"]
-        assert r.result["validated_text"] == captured.profile.expected_text
+        assert "kernel 5.4.0-other" in r.result.fallback_reason
+        assert r.result.validated_text == captured.profile.expected_text
         assert load_state("pyt-ref").origin == "cold"
     finally:
         stop("pyt-ref")

@@ -15,6 +15,7 @@ import pytest
 from conftest import needs_root_criu
 
 from coldsnap.contracts import CaptureRequest, Distributed, GpuInfo, HostProfile, Launch, RestoreRequest
+from coldsnap.contracts.results import Ranks
 from coldsnap.flows.admission import admit
 
 torch = pytest.importorskip("torch")
@@ -153,14 +154,14 @@ def _capture_and_restore_twice(tmp_path_factory, monkeypatch, devices: list[str]
             r = restore(RestoreRequest(operation="restore", capsule=cap.capsule, policy={"fallback_to_cold": False}))
             assert r.state == "succeeded", r
             res = r.result
-            assert res["validated_text"] == profile.expected_text
-            assert res["ranks"] == {"restored": 2, "expected": 2}
-            prefetch = res["hydrate"]["prefetch"]
+            assert res.validated_text == profile.expected_text
+            assert res.ranks == Ranks(restored=2, expected=2)
+            prefetch = res.hydrate.prefetch
             if devices and "skipped" not in prefetch:  # each GPU got its rank's part only
                 assert all(p.get("pieces") for p in prefetch["per_gpu"].values()), prefetch
-            info = engine_info(*res["url"].removeprefix("http://").split(":"))
+            info = engine_info(*res.url.removeprefix("http://").split(":"))
             assert len(info["tensor_parallel"]["ranks"]) == 2
-            tree = [res["pid"], *descendants(res["pid"])]  # one tree: the peer restored as rank 0's child
+            tree = [res.pid, *descendants(res.pid)]  # one tree: the peer restored as rank 0's child
             assert {inner_pid(p) for p in tree} >= {r["pid"] for r in info["tensor_parallel"]["ranks"]}
             stop_workload([w for w in list_states() if w.name == "pyt-tp"][0])
             assert not any(alive(p) for p in tree)

@@ -47,4 +47,4 @@ def test_sglang_cold_capture_restore_identical(engine_home):
     assert {"--tcp-established", "--link-remap"} <= set(cap.profile.criu_options)
     assert any(p.startswith("/dev/shm/sglang_loads_") for p in out["carried"]), out["carried"]
     for res in out["restores"]:
-        assert res["time_to_first_token_s"] < cap.receipt.result["cold_time_to_first_token_s"]
+        assert res.time_to_first_token_s < cap.receipt.result.cold_time_to_first_token_s

@@ -338,11 +338,11 @@ def cold_capture_restore(engine: str, options: dict, workdir: Path, name: str, r
     for i in range(restores):
         r = restore(RestoreRequest(operation="restore", capsule=cap.capsule, policy=Policy(fallback_to_cold=False)))
         res = r.result
-        ws = load_state(res["workload"])
+        ws = load_state(res.workload)
         try:
             assert r.state == "succeeded", r
-            assert res["validated_text"] == profile.expected_text
-            url = urlsplit(res["url"])
+            assert res.validated_text == profile.expected_text
+            url = urlsplit(res.url)
             after = completions(url.hostname, url.port, served)
             assert after == before, f"restore {i + 1}: completions differ"
             results.append(res)
@@ -435,7 +435,7 @@ def test_vllm_cold_capture_restore_identical(engine_home):
     # vLLM's shm message queues and its semaphore's link_remap are what the capsule must carry besides the images
     assert any(p.startswith("/dev/shm/psm_") for p in out["carried"]), out["carried"]
     for res in out["restores"]:
-        assert res["time_to_first_token_s"] < cap.receipt.result["cold_time_to_first_token_s"]
+        assert res.time_to_first_token_s < cap.receipt.result.cold_time_to_first_token_s
     # Two restores of the capsule at once, side by side, each its own workload: both serve the same completions
     # (each with its own copies of the /dev/shm queues and semaphore the capsule carries).
     import concurrent.futures
@@ -452,13 +452,13 @@ def test_vllm_cold_capture_restore_identical(engine_home):
         pair = list(pool.map(one, ["pyt-vllm-a", "pyt-vllm-b"]))
     try:
         assert [r.state for r in pair] == ["succeeded", "succeeded"]
-        urls = [urlsplit(r.result["url"]) for r in pair]
+        urls = [urlsplit(r.result.url) for r in pair]
         assert urls[0] != urls[1]
         for url in urls:
             assert completions(url.hostname, url.port, cap.profile.model.id) == out["before"]
     finally:
         for r in pair:
-            stop_workload(load_state(r.result["workload"]))
+            stop_workload(load_state(r.result.workload))
 
 
 @pytest.mark.slow

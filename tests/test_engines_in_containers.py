@@ -220,7 +220,7 @@ def vllm_restored(lab, vllm_cold):
     restored = ctr.restore(res.capsule, "vllm-restored")
     after = ctr.completions()
     m = MEASURED["vllm"]
-    m.update(capture_s=round(took, 1), capsule_mib=round(res.receipt.result["capsule_bytes"] / 2**20),
+    m.update(capture_s=round(took, 1), capsule_mib=round(res.receipt.result.capsule_bytes / 2**20),
              criu_dump_s=_span(res.receipt.model_dump(), "criu-dump"),
              restore_create_start_s=round(restored["wall_s"], 2),
              restore_ttft_s=restored["receipt"]["result"]["time_to_first_token_s"],
@@ -286,7 +286,7 @@ def test_vllm_capture_with_16_streams_in_flight(lab, vllm_cold, vllm_restored):
         t_captured = time.monotonic()
         check_capture(res, "vllm", ctr.launch, "none")
         # Every stream's connection (the capture's own validation connection may still be closing: ≥)
-        assert res.receipt.result["connections_in_flight"] >= STREAMS
+        assert res.receipt.result.connections_in_flight >= STREAMS
         assert state(lab.runc_root, serving) is None
         # Until the restore, CRIU's lock holds the namespace: the clients' packets meet silence, not a reset.
         assert criu_lock_tables(netns), "no network lock between the dump and the restore"
@@ -298,7 +298,7 @@ def test_vllm_capture_with_16_streams_in_flight(lab, vllm_cold, vllm_restored):
         clients.kill()
     m = MEASURED["vllm"]
     m.update(in_flight_capture_s=round(took, 1), in_flight_criu_dump_s=_span(res.receipt.model_dump(), "criu-dump"),
-             in_flight_capsule_mib=round(res.receipt.result["capsule_bytes"] / 2**20),
+             in_flight_capsule_mib=round(res.receipt.result.capsule_bytes / 2**20),
              in_flight_restore_create_start_s=round(restored["wall_s"], 2),
              in_flight_restore_ttft_s=restored["receipt"]["result"]["time_to_first_token_s"],
              streams_longest_pause_s=round(max(longest_gap(r["times"]) for r in results), 1))
@@ -333,7 +333,7 @@ def test_sglang_cold_capture_restore_through_the_shim(lab):
     check_restored(restored, res.profile.expected_text)
     assert ctr.completions() == before
     MEASURED["sglang"].update(
-        capture_s=round(took, 1), capsule_mib=round(res.receipt.result["capsule_bytes"] / 2**20),
+        capture_s=round(took, 1), capsule_mib=round(res.receipt.result.capsule_bytes / 2**20),
         criu_dump_s=_span(res.receipt.model_dump(), "criu-dump"), restore_create_start_s=round(restored["wall_s"], 2),
         restore_ttft_s=restored["receipt"]["result"]["time_to_first_token_s"],
         restore_criu_s=_span(restored["receipt"], "criu-restore"), stage_s=_span(restored["receipt"], "stage"))

@@ -63,8 +63,8 @@ def _restores_on_a_fresh_host(registry, cap, ref, tmp_path, monkeypatch):  # noq
         assert str(got) == cap.capsule and got.payload_bytes > 0 and got.signatures >= 1
         assert fresh.has_blob(payload)
         r = restore(RestoreRequest(operation="restore", capsule=cap.capsule, policy=Policy(fallback_to_cold=False)))
-        assert r.state == "succeeded" and r.result["validated_text"] == cap.profile.expected_text
-        stop_workload(load_state(r.result["workload"]))
+        assert r.state == "succeeded" and r.result.validated_text == cap.profile.expected_text
+        stop_workload(load_state(r.result.workload))
     finally:
         if os.path.exists(weights.path + ".gone"):
             os.replace(weights.path + ".gone", weights.path)

@@ -54,14 +54,14 @@ def test_pull_into_an_empty_store_restores_and_shares_weights(registry, tmp_path
     assert str(got) == first.capsule and got.payload_bytes > 0
     r = restore(RestoreRequest(operation="restore", capsule=first.capsule, policy=Policy(fallback_to_cold=False)))
     assert r.state == "succeeded"
-    assert r.result["validated_text"] == first.profile.expected_text
+    assert r.result.validated_text == first.profile.expected_text
     assert os.path.exists(weights.path)  # materialized from the payload, digest verified
     # linked, not copied: the pulled blob takes the pinned file's mode, and the restore did not hash it again
     assert os.path.samefile(weights.path, fresh.blob_path("sha256:" + weights.sha256))
-    staging = r.result["stage_parts"]  # where staging went: the capsule's blobs, the weights, the images
+    staging = r.result.stage_parts  # where staging went: the capsule's blobs, the weights, the images
     assert set(staging) == {"verify", "weights", "unpack"}
     assert sum(staging.values()) <= next(s.duration_s for s in r.spans if s.name == "stage")
-    stop_workload(load_state(r.result["workload"]))
+    stop_workload(load_state(r.result.workload))
 
     got2 = pull(fresh, f"{registry}/coldsnap/ref@{second.capsule}", insecure=True)
     assert got2.payload_bytes == 0  # the second capsule of the same model moves no weight bytes
@@ -87,19 +87,19 @@ def test_a_restore_of_a_registry_reference_pulls_unpacks_while_weights_arrive_an
     said = []
     r = restore(RestoreRequest(operation="restore", capsule=ref, insecure_registry=True,
                                policy=Policy(fallback_to_cold=False)), progress=said.append)
-    assert r.state == "succeeded" and r.result["validated_text"] == cap.profile.expected_text
+    assert r.state == "succeeded" and r.result.validated_text == cap.profile.expected_text
     assert [s.name for s in r.spans][:3] == ["pull", "admit", "stage"]
-    pulled = r.result["pull"]
+    pulled = r.result.pull
     assert pulled["pulled"] and pulled["digest"] == cap.capsule and pulled["bytes"] > os.path.getsize(weights.path)
     assert "unpacked_s" in pulled and "unpack_error" not in pulled  # the images, unpacked during the pull
     assert any("unpacking its images while the weights arrive" in m for m in said)
     assert os.path.exists(weights.path)  # the payload brought the weights
-    stop_workload(load_state(r.result["workload"]))
+    stop_workload(load_state(r.result.workload))
 
     again = restore(RestoreRequest(operation="restore", capsule=ref, insecure_registry=True,
                                    policy=Policy(fallback_to_cold=False)))
-    assert again.state == "succeeded" and again.result["pull"] == {"from": ref, "pulled": False}  # here already
-    stop_workload(load_state(again.result["workload"]))
+    assert again.state == "succeeded" and again.result.pull == {"from": ref, "pulled": False}  # here already
+    stop_workload(load_state(again.result.workload))
 
     with pytest.raises(ColdSnapError) as e:  # a tag is not a pin
         restore(RestoreRequest(operation="restore", capsule=f"{registry}/coldsnap/byref:one", insecure_registry=True,

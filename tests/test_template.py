@@ -64,34 +64,34 @@ def _stop(name: str) -> None:
 
 def test_both_writes_a_template_and_a_full_capsule_that_names_it(both):
     result = both.receipt.result
-    template = result["template"]
+    template = result.template
     store = CapsuleStore(settings().store)
     full = store.load(both.capsule)
     assert full.profile.snapshot_driver == "criu-process"
-    assert full.manifest["annotations"][mt.ANNOTATION_TEMPLATE] == template["capsule"]
-    tpl = store.load(template["capsule"])
+    assert full.manifest["annotations"][mt.ANNOTATION_TEMPLATE] == template.capsule
+    tpl = store.load(template.capsule)
     assert tpl.profile.snapshot_driver == "criu-template" and tpl.profile.weights_mode == "recovery"
     assert tpl.profile.cuda_pids == 0 and "--template" in tpl.profile.launch.command
-    assert template["validated_text"] == result["validated_text"]  # the resumed template served the same text
-    assert {s["name"] for s in template["spans"]} >= {"cold-start", "criu-dump", "validate", "pack"}
+    assert template.validated_text == result.validated_text  # the resumed template served the same text
+    assert {s["name"] for s in template.spans} >= {"cold-start", "criu-dump", "validate", "pack"}
     tags = {r["tag"]: r["digest"] for r in list_capsules(store)}
-    assert tags["tpl-template"] == template["capsule"] and tags["tpl"] == both.capsule  # tagged side by side
+    assert tags["tpl-template"] == template.capsule and tags["tpl"] == both.capsule  # tagged side by side
 
 
 def test_a_template_restores_then_does_its_device_work_and_serves_the_same_text(both):
-    template = both.receipt.result["template"]["capsule"]
+    template = both.receipt.result.template.capsule
     r = restore(RestoreRequest(operation="restore", capsule=template, policy=Policy(fallback_to_cold=False)))
     try:
-        assert r.state == "succeeded" and r.result["snapshot_driver"] == "criu-template"
-        assert r.result["validated_text"] == both.profile.expected_text
+        assert r.state == "succeeded" and r.result.snapshot_driver == "criu-template"
+        assert r.result.validated_text == both.profile.expected_text
         spans = [s.name for s in r.spans]
         assert spans[-3:] == ["criu-restore", "hydrate", "validate"]
         # the device work inside hydrate, phase by phase, as the template resumed
-        phases = r.result["hydrate"]["engine_resume"]["phases"]
+        phases = r.result.hydrate.engine_resume["phases"]
         assert list(phases)[:3] == ["cuda_init", "load", "build"] and "warmup" in phases
-        assert sum(phases.values()) <= r.result["hydrate"]["engine_resume"]["seconds"]
+        assert sum(phases.values()) <= r.result.hydrate.engine_resume["seconds"]
     finally:
-        _stop(r.result["workload"])
+        _stop(r.result.workload)
 
 
 def test_a_full_capsule_refused_for_its_gpu_falls_to_its_template_not_to_a_cold_start(both):
@@ -102,12 +102,12 @@ def test_a_full_capsule_refused_for_its_gpu_falls_to_its_template_not_to_a_cold_
     r = restore(RestoreRequest(operation="restore", capsule=foreign, policy=Policy(fallback_to_cold=False)))
     try:
         assert r.state == "succeeded", r.error
-        assert r.result["snapshot_driver"] == "criu-template"
-        assert r.result["capsule"] == both.receipt.result["template"]["capsule"]
-        assert r.result["instead_of"]["capsule"] == foreign and "GPU" in r.result["instead_of"]["refused"]
-        assert r.result["validated_text"] == both.profile.expected_text
+        assert r.result.snapshot_driver == "criu-template"
+        assert r.result.capsule == both.receipt.result.template.capsule
+        assert r.result.instead_of.capsule == foreign and "GPU" in r.result.instead_of.refused
+        assert r.result.validated_text == both.profile.expected_text
     finally:
-        _stop(r.result["workload"])
+        _stop(r.result.workload)
     with pytest.raises(ColdSnapError) as e:  # without its template, the same refusal is a refusal
         no_template = _claiming_another_gpu(store, both.capsule, drop=mt.ANNOTATION_TEMPLATE)
         restore(RestoreRequest(operation="restore", capsule=no_template, policy=Policy(fallback_to_cold=False)))
@@ -128,7 +128,7 @@ def _claiming_another_gpu(store: CapsuleStore, digest: str, drop: str = "") -> s
 
 def test_a_pushed_full_capsule_takes_its_template_and_a_pull_brings_both(both, registry, tmp_path,  # noqa: F811
                                                                          monkeypatch):
-    template = both.receipt.result["template"]["capsule"]
+    template = both.receipt.result.template.capsule
     pushed = push(CapsuleStore(settings().store), both.capsule, f"{registry}/coldsnap/tpl:one", insecure=True)
     assert pushed["template"]["digest"] == template and pushed["template"]["blobs_uploaded"]
 
@@ -140,10 +140,10 @@ def test_a_pushed_full_capsule_takes_its_template_and_a_pull_brings_both(both, r
     r = restore(RestoreRequest(operation="restore", capsule=_claiming_another_gpu(fresh, both.capsule),
                                policy=Policy(fallback_to_cold=False)))
     try:  # the pulled template is what a refused restore falls to there
-        assert r.state == "succeeded" and r.result["capsule"] == template, r.error
-        assert r.result["instead_of"]["refused"]
+        assert r.state == "succeeded" and r.result.capsule == template, r.error
+        assert r.result.instead_of.refused
     finally:
-        _stop(r.result["workload"])
+        _stop(r.result.workload)
 
     # A registry without the template (a copy that left it behind): the capsule pulls, and the pull says so.
     gone = requests.delete(f"http://{registry}/v2/coldsnap/tpl/manifests/{template}", timeout=10)

@@ -78,7 +78,7 @@ def prepare(capsule: str):
 
 
 def test_a_capture_is_signed_and_cosign_verifies_it_in_the_registry(origin, registry, cosign):  # noqa: F811
-    assert origin["receipt"].result["signed_by"] == signing.key_id(signing.load_public_key(origin["key"]))
+    assert origin["receipt"].result.signed_by == signing.key_id(signing.load_public_key(origin["key"]))
     assert origin["pushed"]["signatures"] == 1
     r = run_cosign(cosign, "verify", "--key", str(origin["key"]), "--allow-http-registry",
                    "--insecure-ignore-tlog=true", f"{registry}/coldsnap/trust@{origin['capsule']}", cwd=origin["base"])

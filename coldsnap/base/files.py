@@ -127,3 +127,34 @@ def pread_full(fd: int, view: memoryview, offset: int) -> None:
         if n <= 0:
             raise ValueError(f"the file ended {len(view) - done} bytes early")
         done += n
+
+
+def copy_sparse(src: str | os.PathLike, dst: str | os.PathLike, size: int, block: int = 1 << 20) -> None:
+    """Copy the first `size` bytes of src to dst, leaving holes where src has holes or zero blocks: the shm queues
+    are hundreds of MB of which a few KB are written, and a hole in tmpfs costs no memory."""
+    zero = bytes(block)
+    with open(src, "rb") as fi, open(dst, "wb") as fo:
+        fdi = fi.fileno()
+        pos = 0
+        while pos < size:
+            try:
+                data_at = os.lseek(fdi, pos, os.SEEK_DATA)
+            except OSError:  # ENXIO: only a hole is left
+                break
+            if data_at >= size:
+                break
+            try:
+                hole_at = min(os.lseek(fdi, data_at, os.SEEK_HOLE), size)
+            except OSError:
+                hole_at = size
+            os.lseek(fdi, data_at, os.SEEK_SET)
+            pos = data_at
+            while pos < hole_at:
+                chunk = os.read(fdi, min(block, hole_at - pos))
+                if not chunk:
+                    hole_at = pos
+                    break
+                if chunk != zero[:len(chunk)]:
+                    os.pwrite(fo.fileno(), chunk, pos)
+                pos += len(chunk)
+        fo.truncate(size)

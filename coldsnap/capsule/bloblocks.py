@@ -51,7 +51,9 @@ def blob_locks(store: CapsuleStore, digests: list[str]) -> Iterator[None]:
     try:
         for d in sorted(set(digests)):  # one global order: no deadlock between pulls sharing blobs
             p = lock_path(store, d)
-            held.append((p, acquire_blob_lock(p)))
+            fd = acquire_blob_lock(p)
+            assert fd is not None  # a blocking acquire waits, it never gives up
+            held.append((p, fd))
         yield
     finally:
         for p, fd in reversed(held):

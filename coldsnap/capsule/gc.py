@@ -15,6 +15,7 @@ import json
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 from coldsnap.base import journal
 from coldsnap.base.paths import settings
@@ -82,7 +83,7 @@ def list_capsules(store: CapsuleStore) -> list[dict]:
         if manifest is not None and manifest.get("artifactType") != mt.ARTIFACT_TYPE:
             continue  # another tool's artifact in the layout (a signature, an image): not a capsule
         row = {"digest": digest, "tag": tag_of(entry), "created": None, "engine": None, "size": None,
-               "complete": False, "staged_bytes": unpacked.get(digest, 0)}
+               "complete": False, "staged_bytes": unpacked.get(digest, 0) if digest else 0}
         if manifest:
             ann = manifest_annotations(manifest)
             row["created"] = ann.get(mt.ANNOTATION_CREATED)
@@ -196,8 +197,9 @@ def gc(store: CapsuleStore, grace_s: float = DEFAULT_GRACE_S, tmp_max_age_s: flo
     """Delete unreachable blobs, stale tmp files and (with code_dir) unused CUDA code files. Returns counts and
     freed bytes."""
     now = time.time()
-    out = {"freed_bytes": 0, "removed_blobs": [], "kept_blobs": 0, "kept_young": 0, "kept_in_flight": 0,
-           "tmp_removed": 0, "tmp_freed_bytes": 0, "code_removed": 0, "staged_removed": [], "staged_freed_bytes": 0}
+    out: dict[str, Any] = {"freed_bytes": 0, "removed_blobs": [], "kept_blobs": 0, "kept_young": 0,
+                           "kept_in_flight": 0, "tmp_removed": 0, "tmp_freed_bytes": 0, "code_removed": 0,
+                           "staged_removed": [], "staged_freed_bytes": 0}
     with store._locked():
         live = reachable(store) | in_flight_blobs()
         indexed = {m["digest"] for m in store.index()}
@@ -240,11 +242,11 @@ def gc(store: CapsuleStore, grace_s: float = DEFAULT_GRACE_S, tmp_max_age_s: flo
                 if fd is None:
                     continue  # a pull holds it
                 try:
-                    st = path.stat() if path.exists() else None
-                    if suffix == "partial" and st and now - st.st_mtime > tmp_max_age_s:
+                    partial = path.stat() if path.exists() else None
+                    if suffix == "partial" and partial and now - partial.st_mtime > tmp_max_age_s:
                         path.unlink()
                         out["tmp_removed"] += 1
-                        out["tmp_freed_bytes"] += st.st_size
+                        out["tmp_freed_bytes"] += partial.st_size
                 finally:
                     release_blob_lock(lock, fd)  # an unheld lock file is garbage
                 continue

@@ -67,6 +67,7 @@ def unpack_layer(layer: Path, dest: Path) -> int:
                                         f"{member.size} bytes: refused")
                 target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
                 src = tar.extractfile(member)
+                assert src is not None  # a regular file (checked above) always has one
                 fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
                 with os.fdopen(fd, "wb") as out:
                     left = member.size

@@ -77,6 +77,8 @@ def fetch_by_pieces(new_client: Callable[[], object], url: str, part: Path, size
     from an earlier partial). Raises NoRanges (the caller fetches it as one stream) or CAPSULE_CORRUPT (a piece does
     not match its pin: the partial is removed)."""
     cb = wf.chunk_bytes
+    if cb is None:  # callers check covers() first
+        raise ValueError(f"{what}: the weights are not pinned by pieces")
     pieces = [(i, i * cb, min(cb, size - i * cb)) for i in range(len(wf.chunks))]
     fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:

@@ -83,8 +83,8 @@ class RemoteRef:
 def parse_remote(ref: str) -> RemoteRef:
     """HOST[:PORT]/REPO:TAG, HOST[:PORT]/REPO@sha256:…, or HOST[:PORT]/REPO:TAG@sha256:…"""
     bad = f"registry reference {ref!r} must look like HOST[:PORT]/REPO:TAG or HOST[:PORT]/REPO@sha256:<64 hex>"
-    rest, _, digest = ref.partition("@")
-    digest = digest if "@" in ref else None
+    rest, _, pinned = ref.partition("@")
+    digest = pinned if "@" in ref else None
     if digest is not None and not DIGEST_RE.match(digest):
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, bad)
     if "/" not in rest:
@@ -384,6 +384,8 @@ class PullResult(str):
     seconds: float
     tag: str | None
     manifest_written: str | None  # the manifest blob, when this pull wrote it (not there before)
+    payload_bytes: int  # moved by the pull of the capsule's weights payload (part of bytes_transferred)
+    signatures: int  # signature bundles pulled along with the capsule
     template: dict | None = None  # a full capsule's template: {digest, pulled} (False: not in the registry)
 
     def as_dict(self) -> dict:
@@ -416,13 +418,13 @@ class _Sink:
             behind.wrote(len(chunk))
 
         self.error: BaseException | None = None
-        self.queues = [queue.Queue(8), queue.Queue(8)]
+        self.queues: list[queue.Queue[bytes | None]] = [queue.Queue(8), queue.Queue(8)]  # None: the end
         self.threads = [threading.Thread(target=self._run, args=(q, fn), daemon=True)
                         for q, fn in zip(self.queues, (h.update, write))]
         for t in self.threads:
             t.start()
 
-    def _run(self, q: queue.Queue, fn) -> None:
+    def _run(self, q: queue.Queue[bytes | None], fn) -> None:
         while (chunk := q.get()) is not None:
             if self.error is None:
                 try:
@@ -687,7 +689,8 @@ def _present_for(store: CapsuleStore, d: Descriptor, wf: WeightFile | None) -> b
     if not store.has_blob(d.digest):
         return False
     path = store.blob_path(d.digest)
-    if wf is None:  # trusted by its digest: one only ever checked by pieces is hashed whole first
+    # trusted by its digest (pins without pieces: the same): one only ever checked by pieces is hashed whole first
+    if wf is None or wf.chunk_bytes is None:
         return not known_by_pieces_only(path) or checked_sha256(path)[0] == d.digest
     if checked_chunks(path, wf.chunks, wf.chunk_bytes):
         return True
@@ -709,8 +712,8 @@ def _fetch_missing(store: CapsuleStore, client: "_Client", descs: list[Descripto
             wf = (pins or {}).get(d.digest)
             if _present_for(store, d, wf):
                 continue
-            by_piece = wf is not None and pieces.wanted() and pieces.covers(wf, d.size)
-            if by_piece and (got_pieces := _fetch_pieces(client, store, d, wf, progress)):
+            if wf is not None and pieces.wanted() and pieces.covers(wf, d.size) and \
+                    (got_pieces := _fetch_pieces(client, store, d, wf, progress)):
                 received, resumed = got_pieces
                 by_pieces[d.digest] = wf
             else:
@@ -727,6 +730,7 @@ def _fetch_missing(store: CapsuleStore, client: "_Client", descs: list[Descripto
     for p, d in staged:
         os.replace(p, store.blob_path(d.digest))
         if wf := by_pieces.get(d.digest):  # its pieces checked as they came in; its whole digest never computed
+            assert wf.chunk_bytes is not None  # pieces.covers held for it
             remember_pieces(store.blob_path(d.digest), wf.chunks, wf.chunk_bytes)
         else:
             remember_hashed(store.blob_path(d.digest), d.digest)  # hashed while it streamed in: not read again

@@ -93,13 +93,13 @@ def signing_key(create: bool = True) -> SigningKey | None:
         atomic_write(host_public_key_path(), public_pem(private.public_key()), 0o644)
         return SigningKey(private, path)
     try:
-        private = serialization.load_pem_private_key(path.read_bytes(), password=None)
+        loaded = serialization.load_pem_private_key(path.read_bytes(), password=None)
     except (OSError, ValueError, TypeError) as e:
         raise ColdSnapError(ErrorCode.ENVIRONMENT, f"signing key {path}: cannot be read as an unencrypted PEM "
                             f"private key ({e})") from None
-    if not isinstance(private, ec.EllipticCurvePrivateKey) or not isinstance(private.curve, ec.SECP256R1):
+    if not isinstance(loaded, ec.EllipticCurvePrivateKey) or not isinstance(loaded.curve, ec.SECP256R1):
         raise ColdSnapError(ErrorCode.ENVIRONMENT, f"signing key {path}: not an ECDSA P-256 key")
-    return SigningKey(private, path)
+    return SigningKey(loaded, path)
 
 
 def host_public_key() -> ec.EllipticCurvePublicKey | None:

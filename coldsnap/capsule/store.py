@@ -109,6 +109,7 @@ def parse_reference(ref: str) -> tuple[str | None, str | None]:
     one."""
     if not isinstance(ref, str) or not ref or len(ref) > 512:
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"capsule reference {short(ref)}: not a reference")
+    name: str | None  # None: a bare digest
     name, sep, digest = ref.rpartition("@") if "@" in ref else (ref, "", "")
     if not sep and _looks_like_digest(ref):
         name, digest = None, ref

@@ -94,6 +94,7 @@ def names(store: CapsuleStore, digest: str, prov: Provenance) -> list[str]:
 def adopt_capture(store: CapsuleStore, digest: str) -> str:
     """A capsule this host just captured: signed with its key and recorded as a capture. Returns the key id."""
     key = signing.signing_key()
+    assert key is not None  # create=True: made when there is none
     signing.save_signature(store.root, digest, {"bundle": signing.sign(digest, key)})
     record(store, digest, "capture")
     return key.id

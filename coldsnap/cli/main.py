@@ -15,6 +15,7 @@ from coldsnap import __version__
 from coldsnap.base.paths import settings
 from coldsnap.contracts import ENGINE_NAMES, EXIT_CODES, SCHEMAS, ColdSnapError, ErrorCode, parse_request
 from coldsnap.contracts.parse import MAX_BYTES, short
+from coldsnap.contracts.results import CaptureFacts, RestoreFacts, SleepFacts, WakeFacts
 
 
 def _epilog() -> str:
@@ -173,8 +174,8 @@ def cmd_capture(args) -> int:
                                 "to a container capture only (--container ID)")
         res = capture(req, progress=_progress(args))
     r = res.receipt
-    _emit(args, r, f"captured {r.result['capsule']} ({r.result['capsule_bytes'] / 2**20:.1f} MiB); "
-                   f"{_receipt_line(r)}")
+    facts = r.facts(CaptureFacts)
+    _emit(args, r, f"captured {facts.capsule} ({facts.capsule_bytes / 2**20:.1f} MiB); {_receipt_line(r)}")
     return 0
 
 
@@ -197,13 +198,13 @@ def cmd_restore(args) -> int:
                              policy=Policy(fallback_to_cold=not args.no_fallback, allow_unpinned=args.allow_unpinned,
                                            compatibility="relaxed" if args.relaxed else "strict"))
     r = restore(req, progress=_progress(args))
-    res = r.result
+    res = r.facts(RestoreFacts)
     if r.state == "fell-back":
-        human = f"fell back to a cold start ({res['fallback_reason']}); serving at {res['url']}"
+        human = f"fell back to a cold start ({res.fallback_reason}); serving at {res.url}"
     elif r.operation == "prepare":
-        human = f"prepared {res['capsule']} (admitted, verified, staged)"
+        human = f"prepared {res.capsule} (admitted, verified, staged)"
     else:
-        human = f"restored {res['workload']} at {res['url']}: first token {res['time_to_first_token_s']:.3f} s"
+        human = f"restored {res.workload} at {res.url}: first token {res.time_to_first_token_s:.3f} s"
     _emit(args, r, f"{human}; {_receipt_line(r)}")
     return 0
 
@@ -246,7 +247,8 @@ def cmd_sleep(args) -> int:
     from coldsnap.flows.lifecycle import sleep
 
     r = sleep(WorkloadRequest(operation="sleep", workload=args.name, sleep_mode=args.mode), progress=_progress(args))
-    _emit(args, r, f"{args.name} is sleeping ({r.result['mode']}: GPU memory released); {_receipt_line(r)}")
+    _emit(args, r, f"{args.name} is sleeping ({r.facts(SleepFacts).mode}: GPU memory released); "
+                   f"{_receipt_line(r)}")
     return 0
 
 
@@ -255,7 +257,7 @@ def cmd_wake(args) -> int:
     from coldsnap.flows.lifecycle import wake
 
     r = wake(WorkloadRequest(operation="wake", workload=args.name), progress=_progress(args))
-    _emit(args, r, f"{args.name} is awake: first token {r.result['time_to_first_token_s']:.3f} s; "
+    _emit(args, r, f"{args.name} is awake: first token {r.facts(WakeFacts).time_to_first_token_s:.3f} s; "
                    f"{_receipt_line(r)}")
     return 0
 
@@ -354,7 +356,8 @@ def cmd_inspect(args) -> int:
         print(f"coldsnap: warning: environment variables that look like credentials travelled in this capsule "
               f"(their values are in its processes' memory): {', '.join(out['secret_like_env'])}", file=sys.stderr)
     verdict = trust.check(cap, store)
-    out["trust"] = {"provenance": verdict.provenance.origin, "remote": verdict.provenance.remote,
+    prov = verdict.provenance
+    out["trust"] = {"provenance": prov.origin if prov else None, "remote": prov.remote if prov else None,
                     "signed_by": verdict.signed_by, "refusal": verdict.refusal}
     if cap.profile.container is not None:  # how to restore it, as `coldsnap run-args` prints it
         out["run_args"] = {e: run_args(cap.profile, cap.digest, e, default_runtime_path()).line() for e in ENGINES}

@@ -1,5 +1,7 @@
 """Contracts: pydantic models and constants only. No I/O; imports nothing else of ColdSnap."""
 
+from pydantic import BaseModel
+
 from coldsnap.contracts.base import FORMAT_VERSION, Strict, canonical_json, sha256_hex
 from coldsnap.contracts.engine import EngineRelease
 from coldsnap.contracts.errors import EXIT_CODES, ColdSnapError, ErrorCode
@@ -34,7 +36,7 @@ from coldsnap.contracts.request import (
 )
 from coldsnap.contracts.trust import ContainerRule, RestorePolicy, TrustRule
 
-SCHEMAS = {
+SCHEMAS: dict[str, type[BaseModel]] = {
     "capture-request": CaptureRequest,
     "restore-request": RestoreRequest,
     "workload-request": WorkloadRequest,

@@ -9,6 +9,7 @@ from pydantic import Field
 from coldsnap.contracts.base import FORMAT_VERSION, Strict
 from coldsnap.contracts.request import Engine, Launch, Model, Validation
 
+SnapshotDriver = Literal["criu-process", "criu-runc", "criu-template"]
 
 class GpuInfo(Strict):
     index: int
@@ -94,7 +95,7 @@ class CapsuleProfile(Strict):
     format: Literal[1] = FORMAT_VERSION
     kind: Literal["coldsnap.capsule.profile"] = "coldsnap.capsule.profile"
     created: str
-    snapshot_driver: Literal["criu-process", "criu-runc", "criu-template"] = Field(description=(
+    snapshot_driver: SnapshotDriver = Field(description=(
         "criu-process: a process-mode workload with its device state (the CUDA checkpoint API on a GPU); criu-runc: "
         "a container, through runc; criu-template: a process-mode engine captured before it touched its device, "
         "which rebuilds its device state at restore (no CUDA checkpoint needed, portable across GPU models)"))

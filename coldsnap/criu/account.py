@@ -12,6 +12,7 @@ import json
 import sys
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 PAGE = 4096
 PE_PRESENT = 4  # pagemap entry flag: the pages are in pages-N.img (not zero, not lazy, not in a parent)
@@ -63,7 +64,7 @@ def _anon_name(vma: dict) -> str:
 
 def account(images: Path, zeros: bool = False) -> dict:
     names = _file_names(images)
-    out = {"processes": [], "total_bytes": 0}
+    out: dict[str, Any] = {"processes": [], "total_bytes": 0}
     for item in _load(images / "pstree.img")["entries"]:
         pid = int(item["pid"])
         mm_path, pm_path = images / f"mm-{pid}.img", images / f"pagemap-{pid}.img"

@@ -85,7 +85,7 @@ def restore_argv(runc: str, parsed: RuncArgv, images: Path, work: Path, pid_file
         argv += ["--console-socket", os.path.abspath(parsed.console_socket)]
     if parsed.flag("no-pivot"):
         argv.append("--no-pivot")
-    return argv + flags + [parsed.container_id]
+    return argv + flags + [parsed.id]
 
 
 def _runc_error(log: Path) -> str:

@@ -74,6 +74,15 @@ class EngineAdapter:
                                 "use weights_mode native")
         return requested
 
+    def describe_model(self, weights_path: str) -> Model | None:
+        """The model (its weight files, pinned) that the engine serves from weights_path; None: it cannot say."""
+        return None
+
+    def saved_model(self, released: EngineRelease) -> Model | None:
+        """The model as the engine saved its in-memory weights at release (native mode, engines that can): that
+        file, not the one it loaded, is what a restore reloads."""
+        return self.describe_model(released.saved_weights) if released.saved_weights else None
+
     def distributed(self, info: dict) -> Distributed | None:
         """The ranks of a multi-process (tensor-parallel) workload, from what the running engine reports."""
         return None
@@ -112,6 +121,20 @@ def option_flags(opts: dict) -> list[str]:
         else:
             argv += [flag, str(value)]
     return argv
+
+
+def engine_info(host: str, port: int) -> dict:
+    """What a running engine says of itself (GET /coldsnap/info: version, weights, tensor parallel ranks); {} when
+    it has no such endpoint or does not answer."""
+    try:
+        conn = http.client.HTTPConnection(host, port, timeout=10)
+        conn.request("GET", "/coldsnap/info", headers={"Connection": "close"})
+        resp = conn.getresponse()
+        data = resp.read()
+        conn.close()
+        return json.loads(data) if resp.status == 200 else {}
+    except (OSError, ValueError):
+        return {}
 
 
 def post_json(host: str, port: int, path: str, body: dict | None = None, timeout: float = 120.0) -> dict:

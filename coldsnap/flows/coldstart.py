@@ -26,6 +26,8 @@ class ColdStart:
 
     @property
     def time_to_first_token(self) -> float:
+        if self.first is None:
+            raise ValueError("a template start answers no request: it has no time to first token")
         return self.first.first_token_s - self.started
 
 
@@ -60,6 +62,7 @@ def start_cold(name: str, plan: NetworkPlan | int, argv: list[str], env: dict[st
         if own:
             journal.close()
         raise
+    assert network is not None  # record() ran before the network was created
     workload = journal.add(Workload(name=name, netns=plan.netns))
     try:
         started = time.monotonic()

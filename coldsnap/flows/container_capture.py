@@ -15,11 +15,13 @@ import os
 import shutil
 import uuid
 from pathlib import Path
+from typing import Literal
 
 from coldsnap.base.files import private_dir
 from coldsnap.base.journal import CudaTree, Dir, Journal, Released
 from coldsnap.base.paths import settings
 from coldsnap.base.progress import Progress, quiet
+from coldsnap.capsule.assemble import capsule_profile
 from coldsnap.contracts import (
     CapsuleProfile,
     CaptureRequest,
@@ -37,14 +39,18 @@ from coldsnap.contracts import (
 )
 from coldsnap.contracts import capsule as mt
 from coldsnap.contracts.capsule import ANNOTATION_IMAGE_DIGEST
+from coldsnap.contracts.request import EngineName
+from coldsnap.contracts.results import CaptureFacts
 from coldsnap.criu import CriuDriver
 from coldsnap.criu.runc import QUIESCE_MODES, checkpoint_container, container_options
 from coldsnap.engines import get_adapter
-from coldsnap.flows.capture import CaptureResult, capsule_profile, engine_info, saved_weights_model, thin_and_pack
+from coldsnap.engines.base import engine_info
+from coldsnap.flows.packing import CaptureResult, thin_and_pack
 from coldsnap.flows.quiesce import open_connections, wait_no_connections
 from coldsnap.flows.receipts import finish_receipt, receipt_on_failure
 from coldsnap.flows.spans import Timeline
 from coldsnap.gpu import steps as gpu_steps
+from coldsnap.host.profile import host_profile
 from coldsnap.oci.runtime import Runc
 from coldsnap.oci.spec import coldsnap_annotations, load_spec, netns_path, root_path
 from coldsnap.workload import hostfiles
@@ -76,7 +82,7 @@ def container_launch(spec: dict, image: str | None, image_digest: str | None) ->
     namespaces = (spec.get("linux") or {}).get("namespaces") or []
     types = sorted({str(ns.get("type")) for ns in namespaces if isinstance(ns, dict) and ns.get("type")})
     path = netns_path(spec)
-    network = "host" if "network" not in types else ("path" if path else "own")
+    network: Literal["own", "path", "host"] = "host" if "network" not in types else ("path" if path else "own")
     shm = None
     for m in reversed(mounts):
         if m.destination == "/dev/shm":
@@ -103,10 +109,12 @@ def _bytes(size: str) -> int | None:
 
 
 def capture_container(container_id: str, runc_root: str | Path = "/run/runc", bundle: str | Path | None = None, *,
-                      engine: str = "reference", port: int | None = None, validation: Validation | None = None,
-                      image_digest: str | None = None, image: str | None = None, weights_mode: str = "native",
+                      engine: EngineName = "reference", port: int | None = None, validation: Validation | None = None,
+                      image_digest: str | None = None, image: str | None = None,
+                      weights_mode: Literal["native", "recovery"] = "native",
                       kv_discard: bool = True, leave_running: bool = False, model: Model | None = None,
-                      tag: str | None = None, runc: str = "runc", quiesce: str = "drain",
+                      tag: str | None = None, runc: str = "runc",
+                      quiesce: Literal["drain", "none"] = "drain",
                       progress: Progress = quiet) -> CaptureResult:
     """Capture the running container into a capsule (snapshot_driver criu-runc). weights_mode says how the
     engine in the container holds its weights (native: in the images; recovery: file-backed, reloaded).
@@ -141,12 +149,12 @@ def capture_container(container_id: str, runc_root: str | Path = "/run/runc", bu
                                    rootfs=root_path(spec, bundle or state["bundle"]),
                                    mount_points=[str(m.get("destination", "")) for m in spec.get("mounts") or []])
     receipt = finish_receipt(request, op_id, "capture", tl, "succeeded", result=result)
-    return CaptureResult(capsule=result["capsule"], profile=profile, receipt=receipt)
+    return CaptureResult(capsule=result.capsule, profile=profile, receipt=receipt)
 
 
 def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str | None, runc: str, tl: Timeline,
              progress: Progress, shm_source: str | None = None, launch: ContainerLaunch | None = None,
-             rootfs: str | None = None, mount_points: list[str] | None = None) -> tuple[dict, CapsuleProfile]:
+             rootfs: str | None = None, mount_points: list[str] | None = None) -> tuple[CaptureFacts, CapsuleProfile]:
     criu = CriuDriver()
     adapter = get_adapter(request.engine.name)
     target = Target(pid=pid, port=request.launch.port, host=host)
@@ -215,18 +223,18 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
                 journal.drop(cuda)
                 validate(target, request.validation, first.text)
         profile = capsule_profile(
-            "criu-runc", request, criu, info, first.text, options=options, engine_version=info.get("version"),
-            model=saved_weights_model(adapter, released) or request.model, weights_mode=weights_mode,
+            "criu-runc", request, host_profile(criu.version()), first.text, criu_options=options.cli_flags(),
+            engine_version=info.get("version"), model=adapter.saved_model(released) or request.model,
+            weights_mode=weights_mode,
             kv_discarded=kv_discard, launch=request.launch, network=None, cuda_pids=len(gpu.pids),
             gpus_used=gpu.gpu_uuids, gpu_memory=gpu_memory, files=files,
             image_digest=request.launch.image_digest, container=launch)
-        packed = thin_and_pack(images, files, profile, request.tag, released, tl, progress, sources,
-                               journal=journal)
-        return {**packed, "tag": request.tag, "container": cid,
-                "left_running": request.lifecycle.leave_running, "quiesce": request.policy.quiesce,
-                "connections_in_flight": connections, "validated_text": first.text,
-                "weights_mode": weights_mode, "cuda_processes": len(gpu.pids), "criu_options": options.cli_flags(),
-                "runc_checkpoint": argv}, profile
+        facts = thin_and_pack(
+            images, files, profile, request.tag, released, tl, progress, sources=sources, journal=journal,
+            container=cid, left_running=request.lifecycle.leave_running, quiesce=request.policy.quiesce,
+            connections_in_flight=connections, validated_text=first.text, weights_mode=weights_mode,
+            cuda_processes=len(gpu.pids), criu_options=options.cli_flags(), runc_checkpoint=argv)
+        return facts, profile
     finally:
         for held in (held_shm, held_layer):
             if held is not None:

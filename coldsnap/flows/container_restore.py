@@ -35,6 +35,7 @@ from coldsnap.capsule import LoadedCapsule
 from coldsnap.contracts import ColdSnapError, ErrorCode, Policy, Receipt, RestoreRequest, Validation
 from coldsnap.contracts import capsule as mt
 from coldsnap.contracts.parse import first_error, short, strict_json
+from coldsnap.contracts.results import RestoreFacts
 from coldsnap.criu.creds import exceeds_spec, image_creds
 from coldsnap.criu.runc import restore_container
 from coldsnap.engines import get_adapter
@@ -126,7 +127,7 @@ def work_dir(container_id: str) -> Path:
 
 
 def restore_at_create(runc: str, parsed: RuncArgv, spec: dict) -> CreateOutcome:
-    cid = parsed.container_id
+    cid = parsed.id
     if os.path.exists(os.path.join(parsed.root, cid)):  # runc's own refusal; and never touch that container
         return CreateOutcome("fail", f"container with id exists: {cid}")
     try:
@@ -183,7 +184,7 @@ def _restore(runc: str, parsed: RuncArgv, staged: StagedForRestore, spec: dict, 
              tl: Timeline) -> dict:
     """criu-restore and hydrate spans; returns what the record needs. spec: the new container's."""
     profile = staged.capsule.profile
-    cid = parsed.container_id
+    cid = parsed.id
     # Recorded before runc restores anything: whoever looks next (the next runc call for this id, coldsnap gc)
     # deletes a container whose restore this shim did not live to validate.
     records.save(cid, ShimRecord(outcome=Outcome.RESTORING, id=cid, root=parsed.root, bundle=parsed.bundle,
@@ -216,7 +217,7 @@ def _restore(runc: str, parsed: RuncArgv, staged: StagedForRestore, spec: dict, 
 
 
 def _remove_container(runc: str, parsed: RuncArgv) -> None:
-    Runc.for_call(runc, parsed).delete_force(parsed.container_id)
+    Runc.for_call(runc, parsed).delete_force(parsed.id)
 
 
 def _unlock_network(netns: str | None) -> dict:
@@ -235,7 +236,7 @@ def _unlock_network(netns: str | None) -> dict:
 
 def _fall_back(runc: str, parsed: RuncArgv, creq: ContainerRequest, tl: Timeline, capsule: LoadedCapsule | None,
                cause: ColdSnapError, attempted: bool, netns: str | None) -> CreateOutcome:
-    cid = parsed.container_id
+    cid = parsed.id
     if attempted:  # never leave a half-restored container (only ours: a restore was tried under this id)
         _remove_container(runc, parsed)
     records.forget(cid)
@@ -245,8 +246,8 @@ def _fall_back(runc: str, parsed: RuncArgv, creq: ContainerRequest, tl: Timeline
         finish_receipt(creq.request, cid, "restore", tl, failed_state(cause), error=cause)
         return CreateOutcome("fail", f"coldsnap-runtime: {reason}")
     unlocked = _unlock_network(netns)
-    result = {"container": cid, "capsule": capsule.digest if capsule else creq.request.capsule,
-              "fallback_reason": reason, "started": "cold", **unlocked}
+    result = RestoreFacts(container=cid, capsule=capsule.digest if capsule else creq.request.capsule,
+                          fallback_reason=reason, started="cold", **unlocked)
     message = f"coldsnap: {reason}; starting the container cold"
     if parsed.command == "run" and not parsed.detach:  # runc stays in the foreground: hand over to it
         try:
@@ -271,9 +272,10 @@ def _fall_back(runc: str, parsed: RuncArgv, creq: ContainerRequest, tl: Timeline
     return CreateOutcome("cold", message, exit_code=rc)
 
 
-def _record_cold_start(creq: ContainerRequest, parsed: RuncArgv, tl: Timeline, result: dict, reason: str) -> None:
+def _record_cold_start(creq: ContainerRequest, parsed: RuncArgv, tl: Timeline, result: RestoreFacts,
+                       reason: str) -> None:
     """The receipt and the record of a container started cold (its poststart hook says so; its delete forgets)."""
-    cid = parsed.container_id
+    cid = parsed.id
     finish_receipt(creq.request, cid, "restore", tl, "fell-back", result=result)
     records.save(cid, ShimRecord(outcome=Outcome.FELL_BACK, id=cid, root=parsed.root, bundle=parsed.bundle,
                                  reason=reason, receipt=str(receipt_path(cid))))
@@ -308,15 +310,14 @@ def validate_restored(state: dict) -> Validated | None:
             tl.add("validate", start, time.monotonic())
     except ColdSnapError as e:
         receipt = finish_receipt(request, cid, "restore", tl, "failed",
-                                 result={"container": cid, "capsule": record.capsule}, error=e)
+                                 result=RestoreFacts(container=cid, capsule=record.capsule), error=e)
         return Validated(False, f"{cid} restored from {record.capsule[:19]}… but failed validation against "
                          f"{target.describe()}: {e} (receipt {receipt_path(cid)})", receipt)
     ttft = res.first_token_s - (record.t0 or 0.0)
-    receipt = finish_receipt(request, cid, "restore", tl, "succeeded", result={
-        "container": cid, "capsule": record.capsule, "pid": pid, "address": target.describe(),
-        "time_to_first_token_s": round(ttft, 4), "validated_text": res.text,
-        "cuda_processes": record.cuda_processes, "criu_options": record.criu_options,
-        "runc_restore": record.runc_restore, "weights_mode": record.weights_mode})
+    receipt = finish_receipt(request, cid, "restore", tl, "succeeded", result=RestoreFacts(
+        container=cid, capsule=record.capsule, pid=pid, address=target.describe(),
+        time_to_first_token_s=round(ttft, 4), validated_text=res.text, cuda_processes=record.cuda_processes,
+        criu_options=record.criu_options, runc_restore=record.runc_restore, weights_mode=record.weights_mode))
     record.validated, record.receipt = True, str(receipt_path(cid))
     records.save(cid, record)
     return Validated(True, f"{cid} restored from {record.capsule[:19]}… and validated: first token {ttft:.3f} s "

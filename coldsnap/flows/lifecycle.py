@@ -15,6 +15,7 @@ import uuid
 
 from coldsnap.base.procfs import alive
 from coldsnap.contracts import ColdSnapError, EngineRelease, ErrorCode, Receipt, Validation, WorkloadRequest
+from coldsnap.contracts.results import SleepFacts, WakeFacts
 from coldsnap.engines import get_adapter
 from coldsnap.flows.receipts import finish_receipt, receipt_on_failure
 from coldsnap.flows.spans import Timeline
@@ -23,7 +24,9 @@ from coldsnap.workload.probe import ValidationProbe
 from coldsnap.workload.state import load_state, save_state
 
 
-def _checked(name: str):
+def _checked(name: str | None):
+    if name is None:  # WorkloadRequest's own check makes this unreachable for a validated request
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, "sleep and wake need a workload")
     ws = load_state(name)
     if not alive(ws.pid):
         raise ColdSnapError(ErrorCode.WORKLOAD_FAILED, f"workload {name!r} (pid {ws.pid}) is not running")
@@ -73,8 +76,8 @@ def sleep(request: WorkloadRequest, progress=lambda m: None) -> Receipt:
         save_state(ws)
         progress(f"{ckpt.summary} ({mode} sleep)")
         return finish_receipt(request, op_id, "sleep", tl, "succeeded",
-                              result={"workload": ws.name, "mode": mode, "cuda_processes": len(ckpt.pids),
-                                      "seconds": ckpt.seconds, "engine_release": released.facts()})
+                              result=SleepFacts(workload=ws.name, mode=mode, cuda_processes=len(ckpt.pids),
+                                                seconds=ckpt.seconds, engine_release=released.facts()))
 
 
 def wake(request: WorkloadRequest, progress=lambda m: None, validation: Validation | None = None) -> Receipt:
@@ -98,6 +101,6 @@ def wake(request: WorkloadRequest, progress=lambda m: None, validation: Validati
             res = ValidationProbe(host, int(port), validation or Validation()).complete()
         progress(f"awake and validated: first token {res.first_token_s - t0:.3f} s after wake began")
         return finish_receipt(request, op_id, "wake", tl, "succeeded",
-                              result={"workload": ws.name, "time_to_first_token_s": round(res.first_token_s - t0, 4),
-                                      "validated_text": res.text, "mode": ws.sleep_mode or "cuda",
-                                      "engine_resume": resumed})
+                              result=WakeFacts(workload=ws.name, time_to_first_token_s=round(res.first_token_s - t0, 4),
+                                               validated_text=res.text, mode=ws.sleep_mode or "cuda",
+                                               engine_resume=resumed))

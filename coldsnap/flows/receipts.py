@@ -12,6 +12,7 @@ from coldsnap.base.files import atomic_write, private_dir
 from coldsnap.base.paths import settings
 from coldsnap.contracts import ColdSnapError, ErrorCode, ErrorInfo, Receipt, sha256_hex
 from coldsnap.contracts.receipt import State
+from coldsnap.contracts.results import Operation, Result
 from coldsnap.flows.resources import out_of_room
 from coldsnap.flows.spans import Timeline
 
@@ -25,7 +26,7 @@ def failed_state(error: ColdSnapError) -> State:
     return "refused" if error.code == ErrorCode.INCOMPATIBLE else "failed"
 
 
-def build_receipt(request, op_id: str, operation: str, tl: Timeline, state: State, result: dict | None = None,
+def build_receipt(request, op_id: str, operation: Operation, tl: Timeline, state: State, result: Result | None = None,
                   error: ColdSnapError | None = None) -> Receipt:
     return Receipt(
         operation=operation,
@@ -34,7 +35,7 @@ def build_receipt(request, op_id: str, operation: str, tl: Timeline, state: Stat
         state=state,
         origin=tl.origin,
         spans=tl.spans,
-        result=dict(result or {}),
+        result=result,
         error=ErrorInfo(code=error.code, message=error.message, exit_code=error.exit_code) if error else None,
         coldsnap_version=__version__,
     )
@@ -47,7 +48,8 @@ def write_receipt(receipt: Receipt) -> Path:
     return path
 
 
-def finish_receipt(request, op_id: str, operation: str, tl: Timeline, state: State, result: dict | None = None,
+def finish_receipt(request, op_id: str, operation: Operation, tl: Timeline, state: State,
+                   result: Result | None = None,
                    error: ColdSnapError | None = None) -> Receipt:
     """Build and write the receipt; an error that ends the operation carries it to the entry point."""
     receipt = build_receipt(request, op_id, operation, tl, state, result, error)
@@ -58,7 +60,7 @@ def finish_receipt(request, op_id: str, operation: str, tl: Timeline, state: Sta
 
 
 @contextmanager
-def receipt_on_failure(request, op_id: str, operation: str, tl: Timeline) -> Iterator[None]:
+def receipt_on_failure(request, op_id: str, operation: Operation, tl: Timeline) -> Iterator[None]:
     """A ColdSnapError leaving the block gets a receipt (refused or failed) unless it already has one; so does a
     full disk, a quota or the open-files limit, which leave as environment errors (exit 12)."""
     try:

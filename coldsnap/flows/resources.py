@@ -32,7 +32,7 @@ def _free(path: Path) -> int | None:
 def out_of_room(e: OSError, where: Path, source: Path | None = None) -> Exception:
     """The ColdSnapError(ENVIRONMENT) for a resource error while writing under `where` (`source`: what was being
     written, for the room it needs); any other OSError is returned as it is, for the caller to raise."""
-    what = RESOURCE_ERRNOS.get(e.errno)
+    what = RESOURCE_ERRNOS.get(e.errno) if e.errno is not None else None  # OSError("...") has no errno
     if what is None:
         return e
     if e.errno in (errno.EMFILE, errno.ENFILE):

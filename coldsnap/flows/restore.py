@@ -18,8 +18,10 @@ from coldsnap.base.progress import Progress, quiet
 from coldsnap.capsule import LoadedCapsule
 from coldsnap.capsule import staged as staged_area
 from coldsnap.contracts import ColdSnapError, ErrorCode, NetworkPlan, Receipt, RestoreRequest, Validation
+from coldsnap.contracts.results import Hydrate, InsteadOf, Operation, Ranks, RestoreFacts
 from coldsnap.criu import CriuDriver, CriuOptions, criu_stats, lazy_pages_wanted
 from coldsnap.engines import get_adapter
+from coldsnap.engines.base import engine_info
 from coldsnap.engines.lease import hold as hold_lease
 from coldsnap.flows.admission import admit_capsule, load_capsule
 from coldsnap.flows.coldstart import start_cold
@@ -39,23 +41,23 @@ from coldsnap.workload.state import WorkloadState, run_dir, save_state
 # --- the whole restore -------------------------------------------------------------------------------------------
 def restore(request: RestoreRequest, progress: Progress = quiet) -> Receipt:
     tl = Timeline()
-    op = "prepare" if request.operation == "prepare" else "restore"
+    op: Operation = "prepare" if request.operation == "prepare" else "restore"
     op_id = request.id or f"{op}-{uuid.uuid4().hex[:12]}"
     with receipt_on_failure(request, op_id, op, tl), ExitStack() as held:
-        pulled = {}
+        pulled: dict = {}
         if is_registry_reference(request.capsule):
             with tl.span("pull"):
                 request, pulled = fetch(request, progress)
         with tl.span("admit"):
             capsule = load_capsule(request.capsule, request.policy.allow_unpinned)
             verdict = admit_capsule(capsule, request.policy, _driver_for(capsule, op))
-            instead_of = None
+            instead_of: InsteadOf | None = None
             if not verdict.admitted and not verdict.untrusted and (template := _template_of(capsule)):
                 # the full capsule's device state cannot restore here; its template rebuilds it
                 template_verdict = admit_capsule(template, request.policy, "criu-template")
                 if template_verdict.admitted:
                     progress(f"{verdict.refusal().message}; restoring its template {template.digest[:19]}… instead")
-                    instead_of = {"capsule": capsule.digest, "refused": verdict.sentence()}
+                    instead_of = InsteadOf(capsule=capsule.digest, refused=verdict.sentence())
                     capsule, verdict = template, template_verdict
         for w in verdict.warnings:
             progress(f"note: {w} (relaxed compatibility)")
@@ -67,17 +69,18 @@ def restore(request: RestoreRequest, progress: Progress = quiet) -> Receipt:
             staged = stage(capsule)
         progress(f"staged {capsule.digest[:19]}… (all digests verified)")
         # what every receipt of this restore or prepare carries: where staging went, and a template's reason
-        staged_facts = {"stage_parts": staged.parts, **({"instead_of": instead_of} if instead_of else {}),
-                        **({"pull": pulled} if pulled else {})}
+        def with_staging(result: RestoreFacts) -> RestoreFacts:
+            result.stage_parts, result.instead_of, result.pull = staged.parts, instead_of, pulled or None
+            return result
+
         if op == "prepare":
-            return finish_receipt(request, op_id, op, tl, "succeeded",
-                                  result={"capsule": capsule.digest, "staged": str(staged.images.parent),
-                                          "admission": "admitted", **staged_facts})
+            return finish_receipt(request, op_id, op, tl, "succeeded", result=with_staging(RestoreFacts(
+                capsule=capsule.digest, staged=str(staged.images.parent), admission="admitted")))
         try:
             result = _restore_staged(request, staged, tl, progress)
         except ColdSnapError as e:
             return _fall_back(request, capsule, tl, op_id, e, progress)
-        return finish_receipt(request, op_id, op, tl, "succeeded", result={**result, **staged_facts})
+        return finish_receipt(request, op_id, op, tl, "succeeded", result=with_staging(result))
 
 
 def _driver_for(capsule: LoadedCapsule, op: str) -> str:
@@ -106,7 +109,8 @@ def workload_name(request: RestoreRequest, profile) -> str:
             or profile.network.netns.removeprefix("coldsnap-"))
 
 
-def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timeline, progress: Progress) -> dict:
+def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timeline,
+                    progress: Progress) -> RestoreFacts:
     profile = staged.capsule.profile
     name = workload_name(request, profile)
     gpu_steps.refuse_without_room(profile, request.gpu_map)
@@ -130,6 +134,7 @@ def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timel
             # A network of its own, whatever the capture's was: the engine listens on 0.0.0.0, its own connections
             # go over loopback, and N restores of one capsule each get a namespace and addresses of their own.
             # Journaled between its choice and its making (new_network's `before`).
+            assert profile.network is not None, "admission lets only process capsules restore here"
             plan = new_network(name, profile.network.port,
                                before=lambda chosen: journal.add(Network(chosen.model_dump())))
             workload = journal.add(Workload(name=name, netns=plan.netns))
@@ -164,7 +169,7 @@ def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timel
         prefetched = gpu_steps.finish_prefetch(prefetch_started())
         ranks = _ranks_restored(profile, plan, pid)
         progress(f"restored and validated: first token {ttft:.3f} s after restore began"
-                 + (f"; {ranks['restored']}/{ranks['expected']} ranks" if ranks else ""))
+                 + (f"; {ranks.restored}/{ranks.expected} ranks" if ranks else ""))
         wdir = run_dir(name)
         save_state(WorkloadState(name=name, pid=pid, network=plan.model_dump(), origin="restored",
                                  capsule=staged.capsule.digest, run_dir=str(wdir),
@@ -174,17 +179,15 @@ def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timel
         ok = True
         for owned in (workload, *journal.of(Network)):  # its state file owns them now
             journal.drop(owned)
-        return {"capsule": staged.capsule.digest, "snapshot_driver": profile.snapshot_driver, "workload": name,
-                "pid": pid,
-                "url": f"http://{plan.workload_address}:{plan.port}",
-                "time_to_first_token_s": round(ttft, 4), "validated_text": res.text,
-                "first_token_monotonic_s": round(res.first_token_s, 6),  # CLOCK_MONOTONIC: host-wide, for benches
-                "cuda_processes": len(gpu.pids), "criu_options": options.cli_flags(),
-                "hydrate": {"cuda_restore_s": gpu.seconds, **({"cuda_restore_per_pid_s": gpu.per_pid}
-                                                              if len(gpu.pids) > 1 else {}),
-                            "engine_resume": engine, "prefetch": prefetched},
-                "criu_stats": criu_account, "lazy_pages": {"all_in_s": pages_in_s} if lazy else None,
-                "weights_mode": profile.weights_mode, **({"ranks": ranks} if ranks else {})}
+        return RestoreFacts(
+            capsule=staged.capsule.digest, snapshot_driver=profile.snapshot_driver, workload=name, pid=pid,
+            url=f"http://{plan.workload_address}:{plan.port}", time_to_first_token_s=round(ttft, 4),
+            validated_text=res.text, first_token_monotonic_s=round(res.first_token_s, 6),
+            cuda_processes=len(gpu.pids), criu_options=options.cli_flags(),
+            hydrate=Hydrate(cuda_restore_s=gpu.seconds, cuda_restore_per_pid_s=gpu.per_pid if len(gpu.pids) > 1
+                            else None, engine_resume=engine, prefetch=prefetched),
+            criu_stats=criu_account, lazy_pages={"all_in_s": pages_in_s} if lazy else None,
+            weights_mode=profile.weights_mode, ranks=ranks)
     finally:
         if lease is not None:
             lease.release()
@@ -202,12 +205,11 @@ def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timel
         journal.close()
 
 
-def _ranks_restored(profile, plan, root_pid: int) -> dict | None:
+def _ranks_restored(profile, plan, root_pid: int) -> Ranks | None:
     """A distributed workload: every rank must be back, in the restored tree. (The validated completion already
     needed every rank's collectives; this names a missing one instead of a hang.)"""
     if profile.distributed is None:
         return None
-    from coldsnap.flows.capture import engine_info
     from coldsnap.workload.process import inner_pid
 
     # The ranks report their PIDs as they see them (inside the workload's PID namespace on CPU).
@@ -217,7 +219,7 @@ def _ranks_restored(profile, plan, root_pid: int) -> dict | None:
     expected = profile.distributed.world_size
     if restored != expected:
         raise ColdSnapError(ErrorCode.VALIDATION_FAILED, f"{restored}/{expected} ranks restored")
-    return {"restored": restored, "expected": expected}
+    return Ranks(restored=restored, expected=expected)
 
 
 def _validation(request: RestoreRequest, profile) -> Validation:
@@ -250,11 +252,11 @@ def _fall_back(request: RestoreRequest, capsule: LoadedCapsule, tl: Timeline, op
     progress(f"{cause.message}; falling back to a cold start")
     with tl.span("cold-start"):
         result = cold_start(capsule.profile, request, progress)
-    result.update({"fallback_reason": f"{cause.code.value}: {cause.message}", "capsule": capsule.digest})
+    result.fallback_reason, result.capsule = f"{cause.code.value}: {cause.message}", capsule.digest
     return finish_receipt(request, op_id, "restore", tl, "fell-back", result=result)
 
 
-def cold_start(profile, request: RestoreRequest, progress: Progress) -> dict:
+def cold_start(profile, request: RestoreRequest, progress: Progress) -> RestoreFacts:
     """Start the captured workload's launch cold, on a network of its own, and validate it."""
     name = workload_name(request, profile)
     if profile.snapshot_driver == "criu-template":  # its launch starts a template: started, then resumed
@@ -265,6 +267,6 @@ def cold_start(profile, request: RestoreRequest, progress: Progress) -> dict:
     cold.state.engine, cold.state.weights_mode = profile.engine.name, profile.weights_mode
     save_state(cold.state)
     progress(f"cold start validated: first token {cold.time_to_first_token:.2f} s after start")
-    return {"workload": name, "pid": cold.state.pid, "url": cold.state.url,
-            "time_to_first_token_s": round(cold.time_to_first_token, 4), "validated_text": cold.first.text,
-            "started": "cold"}
+    return RestoreFacts(workload=name, pid=cold.state.pid, url=cold.state.url,
+                        time_to_first_token_s=round(cold.time_to_first_token, 4), validated_text=cold.first.text,
+                        started="cold")

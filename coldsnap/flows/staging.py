@@ -21,6 +21,7 @@ from coldsnap.capsule import CapsuleStore, LoadedCapsule, unpack_layer
 from coldsnap.capsule import staged as staged_area
 from coldsnap.capsule.payload import materialize
 from coldsnap.capsule.pinned import verify_weights
+from coldsnap.contracts import ColdSnapError, ErrorCode
 from coldsnap.contracts import capsule as mt
 from coldsnap.flows.resources import out_of_room
 from coldsnap.gpu import codestash
@@ -46,6 +47,7 @@ def stage(capsule: LoadedCapsule) -> StagedForRestore:
     profile = capsule.profile
     payload = capsule.payload
     if reloads_weights(capsule):
+        assert profile.model is not None  # reloads_weights: there is a model
         with _timed(parts, "weights"):
             if payload:
                 materialize(store, payload, profile.model.weights)
@@ -81,15 +83,18 @@ def unpack_ahead(store: CapsuleStore, digest: str, manifest: dict) -> None:
     (no escaping paths, no links, bounded expansion), the blobs are verified against the pinned manifest, and
     nothing staged runs before stage() has admitted and verified the capsule."""
     layers = {d.get("mediaType"): d.get("digest") for d in manifest.get("layers") or [] if isinstance(d, dict)}
-    if not layers.get(mt.LAYER_CRIU):
+    criu = layers.get(mt.LAYER_CRIU)
+    if not criu:
         return
     private_dir(staged_area.root())
-    _unpack_layers(store, digest, layers[mt.LAYER_CRIU], layers.get(mt.LAYER_FILES), staged_area.path_of(digest))
+    _unpack_layers(store, digest, criu, layers.get(mt.LAYER_FILES), staged_area.path_of(digest))
 
 
 def _unpack(store: CapsuleStore, capsule: LoadedCapsule, root: Path) -> None:
-    files = capsule.layer(mt.LAYER_FILES)
-    _unpack_layers(store, capsule.digest, capsule.layer(mt.LAYER_CRIU).digest, files.digest if files else None, root)
+    criu, files = capsule.layer(mt.LAYER_CRIU), capsule.layer(mt.LAYER_FILES)
+    if criu is None:
+        raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"capsule {capsule.digest} has no CRIU images layer")
+    _unpack_layers(store, capsule.digest, criu.digest, files.digest if files else None, root)
 
 
 def _unpack_layers(store: CapsuleStore, digest: str, criu: str, files: str | None, root: Path) -> None:

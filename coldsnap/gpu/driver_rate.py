@@ -44,7 +44,9 @@ def measure(gib: float, repeat: int, device: int = 0) -> dict:
     child = subprocess.Popen([sys.executable, "-c", _CHILD, str(gib)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=err, text=True, env=env)
     try:
-        if child.stdout.readline().strip() != "ready":
+        stdin, stdout = child.stdin, child.stdout
+        assert stdin is not None and stdout is not None  # both PIPE
+        if stdout.readline().strip() != "ready":
             child.wait()
             err.seek(0)
             last = (err.read().strip().splitlines() or ["no output"])[-1]
@@ -56,9 +58,9 @@ def measure(gib: float, repeat: int, device: int = 0) -> dict:
                 t = time.perf_counter()
                 getattr(api, step)(child.pid)
                 took[step] = round(time.perf_counter() - t, 4)
-            child.stdin.write("check\n")
-            child.stdin.flush()
-            took["memory_intact"] = child.stdout.readline().strip() == "ok"
+            stdin.write("check\n")
+            stdin.flush()
+            took["memory_intact"] = stdout.readline().strip() == "ok"
             rounds.append(took)
     finally:
         child.kill()

@@ -50,8 +50,7 @@ def library_candidates() -> list[str]:
         "/usr/lib/wsl/lib",
     ):
         names.extend(sorted(glob.glob(f"{d}/libcuda.so*"), key=lambda p: (not p.endswith(".so.1"), p)))
-    seen: set[str] = set()
-    return [n for n in names if not (n in seen or seen.add(n))]
+    return list(dict.fromkeys(names))  # drop repeats, keep first-seen order
 
 
 def error_name(code: int, lib: Any = None) -> str:

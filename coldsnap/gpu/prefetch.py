@@ -67,6 +67,12 @@ def gpu_key(uuid: str) -> str:
     return str(uuid).removeprefix("GPU-").replace("-", "").lower()
 
 
+def _piece(raw) -> Piece:
+    """A plan entry as a Piece; ValueError unless it is four integers."""
+    offset, width, rows, pitch = (int(x) for x in raw)
+    return offset, width, rows, pitch
+
+
 def whole_section(length: int) -> list[Piece]:
     return [(0, length, 1, length)]
 
@@ -193,6 +199,7 @@ def fill_buffered(driver, device: int, ptr: int, fd: int, base: int, pieces: lis
 
     def run(jobs: list, stream) -> None:
         events, bufs, descs = [ctypes.c_void_p() for _ in range(2)], [], [CUDA_MEMCPY2D(), CUDA_MEMCPY2D()]
+        addrs: list[int] = []  # of bufs
         try:
             for e in events:
                 driver.call("cuEventCreate", ctypes.byref(e), EVENT_DISABLE_TIMING)
@@ -200,13 +207,15 @@ def fill_buffered(driver, device: int, ptr: int, fd: int, base: int, pieces: lis
                 p = ctypes.c_void_p()
                 driver.call("cuMemHostAlloc", ctypes.byref(p), CHUNK, 0)
                 bufs.append(p)
-            views = [memoryview((ctypes.c_char * CHUNK).from_address(b.value)).cast("B") for b in bufs]
+                assert p.value is not None  # driver.call raised unless the allocation succeeded
+                addrs.append(p.value)
+            views = [memoryview((ctypes.c_char * CHUNK).from_address(a)).cast("B") for a in addrs]
             for i, job in enumerate(jobs):
                 k = i % 2
                 if i >= 2:
                     driver.call("cuEventSynchronize", events[k])  # this buffer's previous copy is done
                 pread_full(fd, views[k][:read_bytes(job)], base + job[0])
-                _copy_async(driver, descs[k], bufs[k].value, job, ptr, stream)
+                _copy_async(driver, descs[k], addrs[k], job, ptr, stream)
                 driver.call("cuEventRecord", events[k], stream)
             driver.call("cuStreamSynchronize", stream)
         finally:
@@ -494,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     watchdog.daemon = True
     watchdog.start()
     try:
-        pieces = [tuple(int(x) for x in p) for p in json.loads(open(a.plan).read())] if a.plan else None
+        pieces = [_piece(p) for p in json.loads(open(a.plan).read())] if a.plan else None
     except (OSError, ValueError, TypeError) as e:
         print(json.dumps({"served": False, "error": f"--plan {a.plan}: {e}"}), flush=True)
         return 1

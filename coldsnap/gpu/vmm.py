@@ -137,7 +137,7 @@ class Driver:
                 return dev.value
         raise CudaError(f"no visible GPU has UUID {uuid.hex()}")
 
-    def use_primary_context(self, device: int) -> vp:
+    def use_primary_context(self, device: int) -> ctypes.c_void_p:
         """Make the device's primary context (the one the CUDA runtime and torch use) current on this thread."""
         ctx = vp()
         self.call("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), device)

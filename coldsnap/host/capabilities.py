@@ -93,6 +93,7 @@ def qualifications(directory: Path | None = None) -> list[Qualification]:
             continue
         if not isinstance(data, dict):
             continue
+        claim: str | None
         if data.get("kind") == "coldsnap.bench":
             claim = _bench_claim(data)
         elif data.get("kind") == "coldsnap.bench.replicas" and isinstance(data.get("rows"), list):

@@ -118,7 +118,9 @@ def set_toml_key(text: str, table: str, key: str, value: str) -> str:
         if m:
             lines[i] = f"{m.group(1) or '  '}{key} = {value}"
             return "\n".join(lines) + "\n"
-    indent = re.match(r"^(\s*)", lines[start]).group(1) + "  "
+    m = re.match(r"^(\s*)", lines[start])
+    assert m is not None  # \s* matches even an empty line
+    indent = m.group(1) + "  "
     lines.insert(start + 1, f"{indent}{key} = {value}")
     return "\n".join(lines) + "\n"
 

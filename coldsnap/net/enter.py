@@ -59,6 +59,7 @@ def call_in_netns(pid: int, fn: Callable[..., Any], *args: Any, timeout: float =
     if child == 0:  # pragma: no cover - runs in the child
         gc.disable()
         os.close(r)
+        payload: tuple[Any, ...]  # ("ok", result) or ("err", code, message)
         try:
             _setns(path)
             payload = ("ok", fn(*args))

@@ -136,7 +136,7 @@ def allocate_plan(name: str, port: int) -> NetworkPlan:
         return _free_plan(name, port)
 
 
-def new_network(name: str, port: int, before: Callable[[NetworkPlan], None] = lambda plan: None) -> NetworkPlan:
+def new_network(name: str, port: int, before: Callable[[NetworkPlan], object] = lambda plan: None) -> NetworkPlan:
     """Choose a free plan and create it, under the host lock; before(plan) runs between the two (a journal records
     the plan there, before it exists)."""
     with _host_lock():

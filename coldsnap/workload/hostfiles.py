@@ -22,6 +22,7 @@ import stat
 from pathlib import Path
 
 from coldsnap.base.digests import sha256_file
+from coldsnap.base.files import copy_sparse
 from coldsnap.base.procfs import descendants
 from coldsnap.contracts import CapturedFile, ColdSnapError, ErrorCode
 from coldsnap.gpu import codestash
@@ -49,37 +50,6 @@ def extra_files(images: Path) -> list[CapturedFile]:
         if stat.S_ISREG(st.st_mode):
             out[path] = CapturedFile(path=path, size=st.st_size, mode=stat.S_IMODE(st.st_mode))
     return sorted(out.values(), key=lambda f: f.path)
-
-
-def copy_sparse(src: str | os.PathLike, dst: str | os.PathLike, size: int, block: int = 1 << 20) -> None:
-    """Copy the first `size` bytes of src to dst, leaving holes where src has holes or zero blocks: the shm queues
-    are hundreds of MB of which a few KB are written, and a hole in tmpfs costs no memory."""
-    zero = bytes(block)
-    with open(src, "rb") as fi, open(dst, "wb") as fo:
-        fdi = fi.fileno()
-        pos = 0
-        while pos < size:
-            try:
-                data_at = os.lseek(fdi, pos, os.SEEK_DATA)
-            except OSError:  # ENXIO: only a hole is left
-                break
-            if data_at >= size:
-                break
-            try:
-                hole_at = min(os.lseek(fdi, data_at, os.SEEK_HOLE), size)
-            except OSError:
-                hole_at = size
-            os.lseek(fdi, data_at, os.SEEK_SET)
-            pos = data_at
-            while pos < hole_at:
-                chunk = os.read(fdi, min(block, hole_at - pos))
-                if not chunk:
-                    hole_at = pos
-                    break
-                if chunk != zero[:len(chunk)]:
-                    os.pwrite(fo.fileno(), chunk, pos)
-                pos += len(chunk)
-        fo.truncate(size)
 
 
 def put_back_file(src: str | os.PathLike | None, f: CapturedFile) -> None:
@@ -110,7 +80,9 @@ def _put_back_code_file(src: str | os.PathLike | None, f: CapturedFile) -> None:
     tmp = f"{f.path}.coldsnap-tmp{os.getpid()}"
     try:
         copy_sparse(src, tmp, f.size)
-        want = codestash.NAME.match(os.path.basename(f.path)).group(1)
+        named = codestash.NAME.match(os.path.basename(f.path))
+        assert named is not None  # only code files (codestash.is_code_file) come here
+        want = named.group(1)
         if sha256_file(Path(tmp))[0] != f"sha256:{want}":
             raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"CUDA code file {f.path}: its bytes do not match "
                                 "the digest in its name")

@@ -19,9 +19,9 @@ import os
 import stat
 from pathlib import Path
 
+from coldsnap.base.files import copy_sparse
 from coldsnap.base.paths import settings
 from coldsnap.contracts import CapturedFile, ColdSnapError, ErrorCode
-from coldsnap.workload.hostfiles import copy_sparse
 
 MAX_FILES = 10_000
 SKIP = ("/proc/", "/sys/", "/dev/")  # never on the root filesystem of a container that mounts them

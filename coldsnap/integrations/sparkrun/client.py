@@ -91,7 +91,7 @@ def home() -> Path:
     return path
 
 
-def docker(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+def docker(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout,
                           stdin=subprocess.DEVNULL)
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import NoReturn
 
 import click
 
@@ -22,7 +23,7 @@ def _sparkrun() -> str:
     return str(beside) if beside.exists() else "sparkrun"
 
 
-def _fail(message: str, code: int = 1) -> None:
+def _fail(message: str, code: int = 1) -> NoReturn:
     click.echo(f"sparkrun coldsnap: error: {message}", err=True)
     raise SystemExit(code)
 
@@ -43,9 +44,9 @@ def capture(ctx: click.Context, recipe: str, leave_running: bool, as_json: bool)
     with tempfile.TemporaryDirectory(prefix="coldsnap-sparkrun-") as tmp:
         record_path = Path(tmp) / "launch.json"
         env = {**os.environ, client.MODE_ENV: "capture", client.RECORD_ENV: str(record_path)}
-        r = subprocess.run([_sparkrun(), "run", recipe, *ctx.args], env=env)
-        if r.returncode != 0:
-            _fail(f"`sparkrun run {recipe}` exited {r.returncode}: nothing captured", r.returncode)
+        launched = subprocess.run([_sparkrun(), "run", recipe, *ctx.args], env=env)
+        if launched.returncode != 0:
+            _fail(f"`sparkrun run {recipe}` exited {launched.returncode}: nothing captured", launched.returncode)
         if not record_path.exists():
             _fail("sparkrun did not launch through the coldsnap executor: add `features: {executor.docker: false}` "
                   "to sparkrun's config.yaml (see docs/sparkrun.md)")

@@ -15,6 +15,7 @@ import json
 import shlex
 import sys
 import time
+from typing import Any
 
 from sparkrun.orchestration.executors.docker import DockerExecutor
 
@@ -33,7 +34,7 @@ class ColdSnapExecutor(DockerExecutor):
     executor_name = "coldsnap"
     required_feature_flag = None  # on whenever the plugin is
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._launches: dict[str, dict] = {}
 
