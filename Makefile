@@ -16,7 +16,7 @@ demo: setup
 # The floors (import-linter contracts in pyproject.toml), ruff and the type checker (mypy, pyproject.toml's
 # [tool.mypy] files), before the suite: all fail fast.
 lint: setup
-	$(VENV)/bin/ruff check coldsnap coldsnap_reference coldsnap_bench tests packaging
+	$(VENV)/bin/ruff check coldsnap coldsnap_reference coldsnap_bench coldsnap_sparkrun tests packaging
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
 

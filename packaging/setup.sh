@@ -22,7 +22,7 @@ packaging/criu/provision.sh "$CRIU_PREFIX"
 
 # Python venv, rebuilt only when pyproject.toml or the set of top-level packages changed (an editable install
 # maps each package by name: a package added later is not importable until it is reinstalled).
-want=$( (sha256sum pyproject.toml packaging/setup.sh; ls -d coldsnap*/) | sha256sum | cut -c1-16)
+want=$( (sha256sum pyproject.toml packaging/setup.sh; ls -d coldsnap*/__init__.py) | sha256sum | cut -c1-16)
 stamp="$VENV/.coldsnap-stamp"
 if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     log "creating the venv in $VENV"

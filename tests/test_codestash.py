@@ -15,9 +15,9 @@ from conftest import CRIU_PREFIX, kill_and_reap, needs_root_criu
 
 from coldsnap.contracts import CapturedFile, ColdSnapError
 from coldsnap.criu import CriuDriver, CriuOptions
-from coldsnap.criu.account import account
 from coldsnap.gpu import codestash
 from coldsnap.workload.hostfiles import extra_files, put_back_file
+from coldsnap_bench.criu_account import account
 
 MIB = 1 << 20
 

@@ -9,8 +9,8 @@ import time
 from conftest import CRIU_PREFIX, kill_and_reap, needs_root_criu
 
 from coldsnap.criu import CriuDriver, CriuOptions
-from coldsnap.criu.account import account
 from coldsnap.criu.sparse import drop_zero_pages
+from coldsnap_bench.criu_account import account
 
 MIB = 1 << 20
 

@@ -1,4 +1,4 @@
-"""The CUDA driver's own checkpoint/restore, timed apart from ColdSnap (coldsnap.gpu.driver_rate): the arithmetic
+"""The CUDA driver's own checkpoint/restore, timed apart from ColdSnap (coldsnap_bench.driver_rate): the arithmetic
 everywhere, a clear failure where there is no GPU, and a real round on the GPU machine."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from coldsnap.gpu.driver_rate import measure, rate
+from coldsnap_bench.driver_rate import measure, rate
 
 
 def test_fixed_cost_and_rate_come_from_the_smallest_and_largest_sizes():
@@ -28,11 +28,11 @@ def _has_gpu() -> bool:
 def test_without_a_gpu_it_says_why_in_one_line():
     if _has_gpu():
         pytest.skip("this host has a GPU: the failure path is for hosts without one")
-    p = subprocess.run([sys.executable, "-m", "coldsnap.gpu.driver_rate", "--gib", "0", "--repeat", "1"],
+    p = subprocess.run([sys.executable, "-m", "coldsnap_bench.driver_rate", "--gib", "0", "--repeat", "1"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("coldsnap.gpu.driver_rate: "), p.stderr
+    assert len(lines) == 1 and lines[0].startswith("coldsnap_bench.driver_rate: "), p.stderr
     assert "Traceback" not in p.stderr
 
 

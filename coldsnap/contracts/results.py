@@ -1,5 +1,5 @@
 """What a receipt says an operation did: one result model per operation (capture, restore and prepare, sleep,
-wake). Flows fill them; the CLI, the integrations and the benches read their fields, never string keys.
+wake). Flows fill them; the CLI and the benches read their fields, never string keys.
 
 A field is None when the operation did not get that far or it does not apply (a fallback has no CRIU stats, a
 prepare no first token); receipts leave None fields out."""

@@ -19,7 +19,7 @@ if [ -n "${TESTS:-}" ]; then  # e.g. TESTS=tests/test_gpu_prefetch.py
   timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" $TESTS -rs -s 2>&1 | grep -v "^$" | tail -12
 fi
 if [ "${DRIVER:-0}" = 1 ]; then  # the driver's own checkpoint/restore, apart from ours
-  python3 -m coldsnap.gpu.driver_rate --gib 0 --gib 4 --repeat 3 --json | tee "$OUT/driver-rate.json"
+  python3 -m coldsnap_bench.driver_rate --gib 0 --gib 4 --repeat 3 --json | tee "$OUT/driver-rate.json"
 fi
 if [ "$MODE" = sleepwake ]; then
   # Sleep/wake of a running 15 GiB workload, engine mode (weights released, reloaded at wake) then cuda mode.
@@ -58,6 +58,6 @@ if [ "${SLEEP:-0}" = 1 ]; then
 fi
 python3 packaging/device/summary.py
 if [ "${ACCOUNT:-0}" = 1 ]; then  # where the capsule's CRIU pages are
-  python3 -m coldsnap.criu.account $COLDSNAP_HOME/staged/${D#sha256:}/images --top 10 --zeros
+  python3 -m coldsnap_bench.criu_account $COLDSNAP_HOME/staged/${D#sha256:}/images --top 10 --zeros
 fi
 cp -r /tmp/coldsnap/receipts "$OUT/" 2>/dev/null; tar czf "$OUT/receipts.tgz" -C /tmp/coldsnap receipts 2>/dev/null; rm -rf "$OUT/receipts"

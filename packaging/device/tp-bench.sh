@@ -60,11 +60,11 @@ for step in $STEPS; do
       $CS stop bench-reference >/dev/null
     done ;;
   account)
-    # Where each capsule's CRIU pages are, per process (python -m coldsnap.criu.account).
+    # Where each capsule's CRIU pages are, per process (python -m coldsnap_bench.criu_account).
     for j in "$OUT"/*.json; do
       D=$(python3 -c "import json;print(json.load(open('$j')).get('capsule',{}).get('digest','').split(':')[-1])" 2>/dev/null)
       [ -n "$D" ] && [ -d $COLDSNAP_HOME/staged/$D/images ] || continue
-      echo "== $(basename $j)"; python3 -m coldsnap.criu.account $COLDSNAP_HOME/staged/$D/images --top 8 --zeros
+      echo "== $(basename $j)"; python3 -m coldsnap_bench.criu_account $COLDSNAP_HOME/staged/$D/images --top 8 --zeros
     done ;;
   esac
 done

@@ -23,4 +23,4 @@ for k,v in c.most_common(25): print(v,'x',k)"
 echo "== NCCL transports and channels"; cat /tmp/nccl.*.log | grep -E "via |nChannels|Channel 00|Init COMPLETE|NCCL version|cudaDriverVersion|[Mm]em" | cut -c1-200 | sort | uniq -c | sort -rn | head -30
 python3 -m coldsnap.cli.main restore --capsule sha256:$D --no-fallback --json > /dev/null; echo "restore rc=$?"
 python3 -m coldsnap.cli.main stop tpmaps > /dev/null
-python3 -m coldsnap.criu.account $COLDSNAP_HOME/staged/$D/images --top 6 --zeros
+python3 -m coldsnap_bench.criu_account $COLDSNAP_HOME/staged/$D/images --top 6 --zeros

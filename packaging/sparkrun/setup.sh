@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # sparkrun (PyPI, Python >= 3.12) in a venv of its own with ColdSnap's plugin installed into it:
-# `pip install -e '<repo>[sparkrun]'` (the plugin is this repository's coldsnap.integrations.sparkrun), plus the
+# `pip install -e '<repo>[sparkrun]'` (the plugin is this repository's coldsnap_sparkrun), plus the
 # provisioned CRIU's pycriu on its path so that the venv's own `coldsnap` command captures and restores.
 #
 # Usage: setup.sh [VENV]   (default /var/lib/coldsnap/venvs/sparkrun). Idempotent: rebuilt only when this script,
@@ -50,7 +50,7 @@ rm -rf "$VENV"
     | grep -v "^WARNING: Location" >&2 || true
 site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 echo "$CRIU_PREFIX/pycriu" >"$site/coldsnap-pycriu.pth"
-"$VENV/bin/python" -c "import sparkrun, coldsnap.integrations.sparkrun.identity, click" \
+"$VENV/bin/python" -c "import sparkrun, coldsnap_sparkrun.identity, click" \
     || die "the venv is incomplete"
 "$VENV/bin/sparkrun" --version >/dev/null || die "sparkrun does not run"
 echo "$want" >"$stamp"

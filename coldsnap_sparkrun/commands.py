@@ -12,8 +12,8 @@ from typing import NoReturn
 
 import click
 
-from coldsnap.integrations.sparkrun import client
-from coldsnap.integrations.sparkrun.identity import TAG_PREFIX
+from coldsnap_sparkrun import client
+from coldsnap_sparkrun.identity import TAG_PREFIX
 
 PASS_THROUGH = {"ignore_unknown_options": True, "allow_extra_args": True}
 

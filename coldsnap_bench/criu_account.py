@@ -1,6 +1,6 @@
 """Where a dump's bytes are: the pages CRIU stored, per process and per mapping (file name or anonymous).
 
-    python -m coldsnap.criu.account IMAGES_DIR [--top N] [--zeros] [--json]
+    python -m coldsnap_bench.criu_account IMAGES_DIR [--top N] [--zeros] [--json]
 
 Used to decide what to shrink (a capsule's size and its restore time follow the pages stored)."""
 
@@ -106,7 +106,7 @@ def account(images: Path, zeros: bool = False) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m coldsnap.criu.account", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m coldsnap_bench.criu_account", description=__doc__.split("\n\n")[0])
     p.add_argument("images", type=Path)
     p.add_argument("--top", type=int, default=8)
     p.add_argument("--zeros", action="store_true", help="also count all-zero pages (reads every stored page)")

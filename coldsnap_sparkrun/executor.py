@@ -2,9 +2,9 @@
 
 The executor of every launch once sparkrun's own docker executor is off (`features: {executor.docker: false}` in
 sparkrun's config.yaml): it is a docker executor, and sparkrun's default is then the only one enabled. It changes
-two things in sparkrun's launch, and only these (coldsnap.integrations.sparkrun.serve says why): PID 1 starts the
+two things in sparkrun's launch, and only these (coldsnap_sparkrun.serve says why): PID 1 starts the
 server, and the serve step, given the serve command, looks for a capsule of this launch's identity
-(coldsnap.integrations.sparkrun.identity). With none, or one ColdSnap's admission refuses, the server starts cold
+(coldsnap_sparkrun.identity). With none, or one ColdSnap's admission refuses, the server starts cold
 as sparkrun would start it. With one, the idle container sparkrun just made is replaced by one of the same name,
 labels and options run through the coldsnap runtime with the capsule named: coldsnap-runtime restores it and
 validates it before `docker run` returns; sparkrun's readiness, logs and stop then see a running server."""
@@ -20,8 +20,8 @@ from typing import Any
 from sparkrun.orchestration.executors.docker import DockerExecutor
 
 from coldsnap.base.paths import settings
-from coldsnap.integrations.sparkrun import client, serve
-from coldsnap.integrations.sparkrun.identity import identity, tag_of
+from coldsnap_sparkrun import client, serve
+from coldsnap_sparkrun.identity import identity, tag_of
 
 SLEEP = "sleep infinity"
 

@@ -5,7 +5,7 @@ filled with a known value; this process locks, checkpoints, restores and unlocks
 has the child check its memory afterwards. Restoring with nothing allocated gives the driver's fixed cost (the
 context); the difference with N GiB gives its per-byte rate. A restore's "driver restore" span is bounded by these.
 
-    python -m coldsnap.gpu.driver_rate --gib 0 --gib 2 --repeat 3 --json
+    python -m coldsnap_bench.driver_rate --gib 0 --gib 2 --repeat 3 --json
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def rate(results: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m coldsnap.gpu.driver_rate", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m coldsnap_bench.driver_rate", description=__doc__.split("\n\n")[0])
     p.add_argument("--gib", type=float, action="append", help="device memory the child holds (repeatable; "
                    "default 0 and 2)")
     p.add_argument("--repeat", type=int, default=3, help="checkpoint/restore rounds per size (default 3)")
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         results = [measure(g, max(1, a.repeat), a.device) for g in (a.gib or [0.0, 2.0])]
     except Exception as e:  # noqa: BLE001 - one line, not a traceback
-        print(f"coldsnap.gpu.driver_rate: {e}", file=sys.stderr)
+        print(f"coldsnap_bench.driver_rate: {e}", file=sys.stderr)
         return 2
     report = {"sizes": results, **rate(results)}
     if a.json:
