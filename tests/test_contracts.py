@@ -155,6 +155,26 @@ def test_receipt_rejects_unknown_state_and_bad_hash():
         Receipt(**dict(base, surprise=1))
 
 
+def test_a_receipt_result_is_the_model_of_its_operation():
+    from coldsnap.contracts.results import RestoreFacts, WakeFacts
+
+    base = dict(operation="wake", operation_id="x", request_sha256=DIGEST, state="succeeded",
+                origin={"wall_time": "t", "monotonic_s": 0.0}, coldsnap_version="0")
+    woke = {"workload": "w", "time_to_first_token_s": 0.25, "validated_text": "hi", "mode": "cuda",
+            "engine_resume": {}}
+    back = Receipt.model_validate_json(Receipt(**base, result=WakeFacts(**woke)).model_dump_json())
+    assert isinstance(back.result, WakeFacts) and back.facts(WakeFacts).time_to_first_token_s == 0.25
+    with pytest.raises(TypeError, match="no RestoreFacts"):
+        back.facts(RestoreFacts)
+    with pytest.raises(ValueError, match="time_to_first_tokn_s"):  # a misspelt key is an error, not a silent key
+        Receipt.model_validate({**base, "result": {**woke, "time_to_first_tokn_s": 1.0}})
+    # what an operation did not get to is left out of the JSON, not written as null
+    restored = Receipt(**dict(base, operation="restore"), result=RestoreFacts(workload="w", started="cold"))
+    assert json.loads(restored.model_dump_json())["result"] == {"workload": "w", "started": "cold"}
+    with pytest.raises(ValueError):  # a capture's result needs its capsule
+        Receipt.model_validate({**base, "operation": "capture", "result": {"tag": "t"}})
+
+
 def test_profile_rejects_unknown_fields():
     data = json.loads(profile().model_dump_json())
     data["host"]["gpu_magic"] = True
