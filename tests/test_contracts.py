@@ -200,6 +200,13 @@ def test_cli_validate_request_rejects_with_one_line_and_exit_2():
     assert len(lines) == 1 and "bogus" in lines[0] and "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("argv", [["capture", "--name", "BAD_NAME"], ["restore", "--capsule", "x", "--name", "B/x"]])
+def test_a_bad_flag_value_is_a_bad_request_not_a_bug(argv, coldsnap_home):
+    r = run_cli(*argv)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "name" in lines[0] and "internal" not in r.stderr, r.stderr
+
+
 def test_cli_validate_request_accepts(tmp_path):
     f = tmp_path / "req.json"
     f.write_text(json.dumps(CAPTURE))

@@ -1,20 +1,17 @@
 """Capsules as OCI artifacts in real registries: push and pull through the OCI distribution API.
 
-Authentication goes through oras-py's Registry (its token/anonymous-token flow; credentials from
-~/.docker/config.json or COLDSNAP_REGISTRY_USER / COLDSNAP_REGISTRY_PASSWORD; registries that answer with a
-Basic challenge get the credentials as a Basic header). Blob bodies never pass whole through memory:
-
-- push: HEAD each blob (skip what the registry has), then the chunked upload of the distribution spec
-  (POST uploads/, PATCH 16 MiB chunks with Content-Range, PUT ?digest=), then the stored manifest bytes
-  unchanged, so the manifest digest in the registry is the local one.
-- pull: the manifest (pinned by digest unless allow_unpinned), verified; then only the blobs the local store
-  lacks, streamed into store/tmp/<hex>.partial while hashing. Digest and size are checked before anything
-  enters blobs/. An interrupted pull keeps the partial file and the next pull continues it with an HTTP Range
-  request. Each blob is guarded by an fcntl lock (store/tmp/<hex>.lock), so concurrent pulls are safe.
+Authentication goes through oras-py's Registry (token flow; credentials from ~/.docker/config.json or
+COLDSNAP_REGISTRY_USER / COLDSNAP_REGISTRY_PASSWORD, sent as Basic where the registry challenges so). Blob bodies
+never pass whole through memory. push uploads missing blobs in chunks, then the stored manifest bytes unchanged,
+so the registry's manifest digest is the local one. pull verifies the manifest (pinned by digest unless
+allow_unpinned), then streams only missing blobs into store/tmp/<hex>.partial, hashing, and checks digest and size
+before anything enters blobs/; an interrupted pull is resumed with a Range request. Per-blob fcntl locks
+(store/tmp/<hex>.lock) make concurrent pulls safe.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -62,6 +59,16 @@ _REPO_RE = re.compile(r"^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?
 _TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 # oras' do_request without its retry decorator (5 attempts, sleeps up to 83 s on "connection refused").
 _do_request = oras.provider.Registry.do_request.__wrapped__
+_LOGIN = "log in (~/.docker/config.json) or set COLDSNAP_REGISTRY_USER and COLDSNAP_REGISTRY_PASSWORD"
+_ACCEPT = {"Accept": f"{mt.MANIFEST_MEDIA_TYPE}, {mt.INDEX_MEDIA_TYPE}"}
+
+
+def _corrupt(msg: str) -> ColdSnapError:
+    return ColdSnapError(ErrorCode.CAPSULE_CORRUPT, msg)
+
+
+def _registry_error(msg: str) -> ColdSnapError:
+    return ColdSnapError(ErrorCode.REGISTRY, msg)
 
 
 # --- references -----------------------------------------------------------------------------------------------
@@ -76,18 +83,20 @@ class RemoteRef:
     def name(self) -> str:
         return f"{self.host}/{self.repository}"
 
+    @property
+    def tagged(self) -> str:
+        return self.name + (f":{self.tag}" if self.tag else "")
+
     def __str__(self) -> str:
-        return self.name + (f":{self.tag}" if self.tag else "") + (f"@{self.digest}" if self.digest else "")
+        return self.tagged + (f"@{self.digest}" if self.digest else "")
 
 
 def parse_remote(ref: str) -> RemoteRef:
     """HOST[:PORT]/REPO:TAG, HOST[:PORT]/REPO@sha256:…, or HOST[:PORT]/REPO:TAG@sha256:…"""
     bad = f"registry reference {ref!r} must look like HOST[:PORT]/REPO:TAG or HOST[:PORT]/REPO@sha256:<64 hex>"
-    rest, _, pinned = ref.partition("@")
-    digest = pinned if "@" in ref else None
-    if digest is not None and not DIGEST_RE.match(digest):
-        raise ColdSnapError(ErrorCode.INVALID_REQUEST, bad)
-    if "/" not in rest:
+    rest, at, pinned = ref.partition("@")
+    digest = pinned if at else None
+    if (digest is not None and not DIGEST_RE.match(digest)) or "/" not in rest:
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, bad)
     host, path = rest.split("/", 1)
     tag = None
@@ -119,11 +128,9 @@ class _Client:
         user, password = settings().registry_user, settings().registry_password
         if user and password:
             self.reg.auth.set_basic_auth(user, password)
-        else:  # ~/.docker/config.json (auths, credsStore, credHelpers)
-            try:
+        else:  # ~/.docker/config.json (auths, credsStore, credHelpers); unreadable means "no credentials"
+            with contextlib.suppress(Exception):
                 self.reg.auth.load_configs(oras.container.Container(f"{ref.name}:x", registry=ref.host))
-            except Exception:  # noqa: BLE001 - an unreadable docker config means "no credentials"
-                pass
         self.base = f"{self.scheme}://{ref.host}/v2/{ref.repository}"
         self._ping()
 
@@ -144,15 +151,13 @@ class _Client:
                     raise self._denied(r)
             return  # Bearer: oras' TokenAuth answers the challenge per request
         if r.status_code != 200:
-            raise ColdSnapError(ErrorCode.REGISTRY, f"{self.ref.host} does not speak the OCI distribution API "
-                                f"(GET /v2/ answered {r.status_code})")
+            raise _registry_error(f"{self.ref.host} does not speak the OCI distribution API (GET /v2/ answered "
+                                  f"{r.status_code})")
 
     def _denied(self, r: requests.Response) -> ColdSnapError:
-        how = ("the credentials were refused" if self._creds() else
-               "it needs credentials: log in (~/.docker/config.json) or set COLDSNAP_REGISTRY_USER and "
-               "COLDSNAP_REGISTRY_PASSWORD")
-        return ColdSnapError(ErrorCode.REGISTRY, f"registry {self.ref.host} denied access to {self.ref.repository} "
-                             f"({r.status_code}): {how}")
+        how = "the credentials were refused" if self._creds() else f"it needs credentials: {_LOGIN}"
+        return _registry_error(f"registry {self.ref.host} denied access to {self.ref.repository} ({r.status_code}): "
+                               f"{how}")
 
     def _send(self, method: str, url: str, *, headers: dict | None = None, data=None, stream: bool = False,
               auth: bool = True) -> requests.Response:
@@ -166,22 +171,20 @@ class _Client:
                 # oras reuses a token whose scope may be too narrow (pull → push): drop it and answer the new
                 # challenge once
                 self.reg.auth.token = None
-                r = _do_request(self.reg, url, method, data=data, headers={**self.static, **(headers or {})},
-                                stream=stream)
+                r = _do_request(self.reg, url, method, data=data, headers=h, stream=stream)
             return r
         except requests.exceptions.SSLError as e:
-            raise ColdSnapError(ErrorCode.REGISTRY, f"TLS with registry {self.ref.host} failed ({_short(e)}); "
-                                "for a plain-HTTP local registry use insecure") from None
+            raise _registry_error(f"TLS with registry {self.ref.host} failed ({_short(e)}); for a plain-HTTP local "
+                                  "registry use insecure") from None
         except requests.exceptions.ConnectionError as e:
-            raise ColdSnapError(ErrorCode.REGISTRY, f"cannot connect to registry {self.ref.host} over "
-                                f"{self.scheme}: {_short(e)}") from None
+            raise _registry_error(f"cannot connect to registry {self.ref.host} over {self.scheme}: "
+                                  f"{_short(e)}") from None
         except requests.exceptions.Timeout:
-            raise ColdSnapError(ErrorCode.REGISTRY, f"registry {self.ref.host} did not answer in time") from None
+            raise _registry_error(f"registry {self.ref.host} did not answer in time") from None
         except ValueError as e:  # oras: "Cannot respond to request for authentication."
             if "authentication" in str(e):
-                raise ColdSnapError(ErrorCode.REGISTRY, f"registry {self.ref.host} asked for authentication "
-                                    "that could not be answered: log in (~/.docker/config.json) or set "
-                                    "COLDSNAP_REGISTRY_USER and COLDSNAP_REGISTRY_PASSWORD") from None
+                raise _registry_error(f"registry {self.ref.host} asked for authentication that could not be "
+                                      f"answered: {_LOGIN}") from None
             raise
 
     def request(self, method: str, url: str, *, ok: tuple[int, ...], what: str, headers: dict | None = None,
@@ -196,13 +199,22 @@ class _Client:
         if r.status_code == 404 and not_found:
             raise ColdSnapError(not_found, f"{what}: not found in registry {self.ref.host}"
                                 + (f" (it said {said})" if said else ""))
-        raise ColdSnapError(ErrorCode.REGISTRY, f"{what}: registry {self.ref.host} answered {r.status_code} "
-                            f"{said}".rstrip())
+        raise self.refused(r, what, said)
+
+    def refused(self, r: requests.Response, what: str, said: str) -> ColdSnapError:
+        return _registry_error(f"{what}: registry {self.ref.host} answered {r.status_code} {said}".rstrip())
+
+    def manifest(self, ref: str, what: str) -> tuple[bytes, requests.Response]:
+        """A manifest (or index) by tag or digest, read up to one byte past MANIFEST_LIMIT."""
+        r = self.request("GET", f"{self.base}/manifests/{ref}", ok=(200,), what=what, headers=_ACCEPT,
+                         not_found=ErrorCode.CAPSULE_NOT_FOUND, stream=True)
+        with r:
+            return r.raw.read(MANIFEST_LIMIT + 1, decode_content=True), r
 
     def location(self, r: requests.Response) -> str:
         loc = r.headers.get("Location")
         if not loc:
-            raise ColdSnapError(ErrorCode.REGISTRY, f"registry {self.ref.host} gave no upload location")
+            raise _registry_error(f"registry {self.ref.host} gave no upload location")
         return loc if loc.startswith("http") else f"{self.scheme}://{self.ref.host}{loc}"
 
 
@@ -231,11 +243,10 @@ def _read_local_manifest(store: CapsuleStore, digest: str) -> tuple[bytes, dict]
         raise ColdSnapError(ErrorCode.CAPSULE_NOT_FOUND, f"capsule {digest} is not in the store {store.root}")
     raw = path.read_bytes()
     if "sha256:" + hashlib.sha256(raw).hexdigest() != digest:
-        raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"manifest {digest} in {store.root} fails verification")
+        raise _corrupt(f"manifest {digest} in {store.root} fails verification")
     manifest = json.loads(raw)
     if manifest.get("artifactType") not in (mt.ARTIFACT_TYPE, mt.PAYLOAD_ARTIFACT_TYPE):
-        raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"{digest} is not a ColdSnap capsule "
-                            f"(artifactType {manifest.get('artifactType')!r})")
+        raise _corrupt(f"{digest} is not a ColdSnap capsule (artifactType {manifest.get('artifactType')!r})")
     return raw, manifest
 
 
@@ -243,12 +254,11 @@ def _descriptors(manifest: dict, where: str) -> list[Descriptor]:
     try:
         descs = [Descriptor.from_json(manifest["config"])] + [Descriptor.from_json(d) for d in manifest["layers"]]
     except (KeyError, TypeError, ValueError):
-        raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"manifest {where} lacks a valid config/layers list") from None
-    for d in descs:
-        if not DIGEST_RE.match(d.digest) or d.size < 0:
-            raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"manifest {where} lists an invalid blob {d.digest!r}")
+        raise _corrupt(f"manifest {where} lacks a valid config/layers list") from None
     unique: dict[str, Descriptor] = {}
     for d in descs:
+        if not DIGEST_RE.match(d.digest) or d.size < 0:
+            raise _corrupt(f"manifest {where} lists an invalid blob {d.digest!r}")
         unique.setdefault(d.digest, d)
     return list(unique.values())
 
@@ -271,23 +281,18 @@ def _upload_blob(client: _Client, path: Path, desc: Descriptor, progress: Transf
                 if progress:
                     progress(desc.digest, done, desc.size)
         if done != desc.size:
-            raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"blob {desc.digest} in the store is {done} bytes, "
-                                f"its manifest says {desc.size}")
+            raise _corrupt(f"blob {desc.digest} in the store is {done} bytes, its manifest says {desc.size}")
         sep = "&" if "?" in url else "?"
         r = client._send("PUT", f"{url}{sep}digest={desc.digest}", headers={"Content-Length": "0"})
         if r.status_code == 400 and "DIGEST_INVALID" in r.text:
-            raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"blob {desc.digest} in the store does not hash to its "
-                                "digest (the registry refused it)")
+            raise _corrupt(f"blob {desc.digest} in the store does not hash to its digest (the registry refused it)")
         if r.status_code != 201:
-            raise ColdSnapError(ErrorCode.REGISTRY, f"finishing upload of {desc.digest}: registry "
-                                f"{client.ref.host} answered {r.status_code} {_errors(r)}".rstrip())
+            raise client.refused(r, f"finishing upload of {desc.digest}", _errors(r))
         url = ""
     finally:
         if url:  # abandoned: let the registry drop the session (best effort)
-            try:
+            with contextlib.suppress(ColdSnapError):
                 client._send("DELETE", url)
-            except ColdSnapError:
-                pass
     return done
 
 
@@ -305,16 +310,9 @@ def _push_index(client: _Client, store: CapsuleStore, tag: str, digest: str, siz
     return "sha256:" + hashlib.sha256(body).hexdigest()
 
 
-def payload_of_capsule(manifest: dict) -> bool:
-    """A weights payload (pushed by digest beside its capsule) rather than a capsule."""
-    return manifest.get("artifactType") == mt.PAYLOAD_ARTIFACT_TYPE
-
-
 def push(store: CapsuleStore, digest: str, ref: str, insecure: bool = False,
          progress: TransferProgress | None = None) -> dict:
-    """Push the local capsule `digest` (config, layers, then its manifest bytes unchanged) to `ref`.
-
-    Returns {digest, ref, bytes_transferred, blobs_uploaded, blobs_present, seconds}."""
+    """Push the local capsule `digest` (config, layers, then its manifest bytes unchanged) to `ref`."""
     t0 = time.monotonic()
     remote = parse_remote(ref)
     if not remote.tag and not remote.digest:
@@ -323,15 +321,14 @@ def push(store: CapsuleStore, digest: str, ref: str, insecure: bool = False,
     if remote.digest and remote.digest != digest:
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"{ref} names {remote.digest}, but the capsule is {digest}")
     raw, manifest = _read_local_manifest(store, digest)
-    payload = manifest_annotations(manifest).get(mt.ANNOTATION_PAYLOAD)
-    payload_result = None
-    if payload:  # the weights payload goes first, by digest: a capsule in a registry never points at nothing
-        payload_result = push(store, payload, f"{remote.host}/{remote.repository}@{payload}", insecure, progress)
-    # The template a refused restore falls to travels with its full capsule, by digest, before it.
-    template = manifest_annotations(manifest).get(mt.ANNOTATION_TEMPLATE)
+    annotations = manifest_annotations(manifest)
+    payload, template = annotations.get(mt.ANNOTATION_PAYLOAD), annotations.get(mt.ANNOTATION_TEMPLATE)
+    # The weights payload goes first, by digest: a capsule in a registry never points at nothing. The template a
+    # refused restore falls to travels with its full capsule, by digest, before it.
+    payload_result = push(store, payload, f"{remote.name}@{payload}", insecure, progress) if payload else None
     template_result = None
     if template and store.has_blob(template):
-        template_result = push(store, template, f"{remote.host}/{remote.repository}@{template}", insecure, progress)
+        template_result = push(store, template, f"{remote.name}@{template}", insecure, progress)
     elif template:
         template_result = {"digest": template, "skipped": "not in this store: a restore refused the full capsule "
                            "where this one is pulled will start cold"}
@@ -339,10 +336,9 @@ def push(store: CapsuleStore, digest: str, ref: str, insecure: bool = False,
     for d in descs:
         path = store.blob_path(d.digest)
         if not path.exists():
-            raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"blob {d.digest} of capsule {digest} is missing")
-        if path.stat().st_size != d.size:
-            raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"blob {d.digest} of capsule {digest} is "
-                                f"{path.stat().st_size} bytes, its manifest says {d.size}")
+            raise _corrupt(f"blob {d.digest} of capsule {digest} is missing")
+        if (size := path.stat().st_size) != d.size:
+            raise _corrupt(f"blob {d.digest} of capsule {digest} is {size} bytes, its manifest says {d.size}")
     client = _Client(remote, insecure)
     sent, uploaded, present = 0, [], []
     for d in descs:
@@ -359,16 +355,15 @@ def push(store: CapsuleStore, digest: str, ref: str, insecure: bool = False,
                        headers={"Content-Type": manifest.get("mediaType", mt.MANIFEST_MEDIA_TYPE)})
     echoed = r.headers.get("Docker-Content-Digest")
     if echoed and echoed != digest:
-        raise ColdSnapError(ErrorCode.REGISTRY, f"registry {remote.host} stored the manifest as {echoed}, "
-                            f"not {digest}: it rewrote the manifest")
-    index_digest = None
-    if payload and remote.tag:
-        index_digest = _push_index(client, store, remote.tag, digest, len(raw), payload)
-    signatures = referrers.push(client, store, digest, len(raw)) if not payload_of_capsule(manifest) else 0
-    return {"digest": digest, "signatures": signatures, "index": index_digest,
-            "ref": f"{remote.name}{':' + remote.tag if remote.tag else ''}@{digest}",
-            "bytes_transferred": sent + (payload_result or {}).get("bytes_transferred", 0)
-            + (template_result or {}).get("bytes_transferred", 0),
+        raise _registry_error(f"registry {remote.host} stored the manifest as {echoed}, not {digest}: it rewrote "
+                              "the manifest")
+    index_digest = _push_index(client, store, remote.tag, digest, len(raw), payload) if payload and remote.tag else None
+    # a weights payload (pushed by digest beside its capsule) carries no signatures of its own
+    is_payload = manifest.get("artifactType") == mt.PAYLOAD_ARTIFACT_TYPE
+    signatures = referrers.push(client, store, digest, len(raw)) if not is_payload else 0
+    return {"digest": digest, "signatures": signatures, "index": index_digest, "ref": f"{remote.tagged}@{digest}",
+            "bytes_transferred": sent + sum((r or {}).get("bytes_transferred", 0)
+                                            for r in (payload_result, template_result)),
             "manifest_bytes": len(raw), "blobs_uploaded": uploaded, "blobs_present": present,
             "payload": payload_result, "template": template_result, "seconds": round(time.monotonic() - t0, 3)}
 
@@ -388,6 +383,11 @@ class PullResult(str):
     signatures: int  # signature bundles pulled along with the capsule
     template: dict | None = None  # a full capsule's template: {digest, pulled} (False: not in the registry)
 
+    def __new__(cls, digest: str, **attrs) -> PullResult:
+        self = super().__new__(cls, digest)
+        vars(self).update(attrs)
+        return self
+
     def as_dict(self) -> dict:
         return {"digest": str(self), "tag": self.tag, "bytes_transferred": self.bytes_transferred,
                 "blobs_fetched": self.blobs_fetched, "blobs_present": self.blobs_present,
@@ -405,9 +405,8 @@ def _hash_prefix(path: Path, length: int):
 
 
 class _Sink:
-    """Hash and write received chunks in two threads (hashlib and file writes release the GIL), so receiving,
-    hashing and writing overlap. Bounded queues: at most 2 x 8 chunks in flight. The file, appended to at `offset`,
-    is written back to disk as it grows (WriteBehind), so the fsync that keeps it waits for the last windows only."""
+    """Hash and write received chunks in two threads (both release the GIL) so receiving, hashing and writing
+    overlap; at most 2 x 8 chunks in flight. WriteBehind keeps the final fsync down to the last windows."""
 
     def __init__(self, h, f, offset: int):
         behind = WriteBehind(f.fileno(), offset)
@@ -449,9 +448,7 @@ class _Sink:
 
 def _download(client: _Client, desc: Descriptor, part: Path,
               progress: TransferProgress | None) -> tuple[int, int, bool]:
-    """Bring part up to desc.size bytes, resuming what is there, hashing as it goes.
-
-    Returns (bytes received, bytes resumed, whether the result matches desc's size and digest)."""
+    """Bring part up to desc.size bytes, resuming what is there: (received, resumed, matches size and digest)."""
     url = f"{client.base}/blobs/{desc.digest}"
     received = attempts = 0
     fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -499,7 +496,7 @@ def _download(client: _Client, desc: Descriptor, part: Path,
                     h = _hash_prefix(part, offset)  # what reached the file, exactly
                     attempts += 1
                     if attempts >= DOWNLOAD_ATTEMPTS:
-                        raise ColdSnapError(ErrorCode.REGISTRY, f"connection to {client.ref.host} broke while "
+                        raise _registry_error(f"connection to {client.ref.host} broke while "
                                             f"fetching {desc.digest} at byte {offset} ({_short(e)}); the partial "
                                             "download is kept and the next pull resumes it") from None
         ok = offset == desc.size and "sha256:" + h.hexdigest() == desc.digest
@@ -512,20 +509,17 @@ def _download(client: _Client, desc: Descriptor, part: Path,
 def _fetch_blob(client: _Client, store: CapsuleStore, desc: Descriptor,
                 progress: TransferProgress | None) -> tuple[int, int]:
     part = partial_path(store, desc.digest)
-    received_total = resumed_total = 0
-    for attempt in range(2):
-        received, resumed, ok = _download(client, desc, part, progress)
-        received_total += received
-        resumed_total += resumed
-        if ok:
-            os.chmod(part, 0o600)
-            return received_total, resumed_total
+    received, resumed, ok = _download(client, desc, part, progress)
+    if not ok and resumed:  # a resumed partial may have been bad locally: one clean retry
         part.unlink(missing_ok=True)
-        if not (resumed and attempt == 0):  # a resumed partial may have been bad locally: one clean retry
-            raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"blob {desc.digest} ({desc.media_type}) from "
-                                f"{client.ref.host}/{client.ref.repository} does not match its digest/size "
-                                f"({desc.size} bytes): refused, nothing kept")
-    raise AssertionError("unreachable")
+        more, more_resumed, ok = _download(client, desc, part, progress)
+        received, resumed = received + more, resumed + more_resumed
+    if not ok:
+        part.unlink(missing_ok=True)
+        raise _corrupt(f"blob {desc.digest} ({desc.media_type}) from {client.ref.host}/{client.ref.repository} "
+                       f"does not match its digest/size ({desc.size} bytes): refused, nothing kept")
+    os.chmod(part, 0o600)
+    return received, resumed
 
 
 def _fetch_pieces(client: _Client, store: CapsuleStore, desc: Descriptor, wf: WeightFile,
@@ -549,13 +543,9 @@ def _the_capsule_listed(client: "_Client", listed: list) -> str | None:
         return None
     found = []
     for d in digests:
-        r = client.request("GET", f"{client.base}/manifests/{d}", ok=(200,), what=f"manifest {d}",
-                           headers={"Accept": f"{mt.MANIFEST_MEDIA_TYPE}, {mt.INDEX_MEDIA_TYPE}"},
-                           not_found=ErrorCode.CAPSULE_NOT_FOUND, stream=True)
-        with r:
-            raw = r.raw.read(MANIFEST_LIMIT + 1, decode_content=True)
+        raw, _ = client.manifest(d, f"manifest {d}")
         if len(raw) > MANIFEST_LIMIT or "sha256:" + hashlib.sha256(raw).hexdigest() != d:
-            raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"manifest {d} does not hash to its digest")
+            raise _corrupt(f"manifest {d} does not hash to its digest")
         doc = strict_json(raw, f"manifest {d}", code=ErrorCode.CAPSULE_CORRUPT)
         if isinstance(doc, dict) and doc.get("artifactType") == mt.ARTIFACT_TYPE:
             found.append(d)
@@ -580,44 +570,37 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
     store.init()
     client = _Client(remote, insecure)
     # An index is accepted too, so that a tag naming one is answered for what it is, not as "not found".
-    r = client.request("GET", f"{client.base}/manifests/{remote.digest or remote.tag}", ok=(200,),
-                       what=f"capsule {remote}", headers={"Accept": f"{mt.MANIFEST_MEDIA_TYPE}, {mt.INDEX_MEDIA_TYPE}"},
-                       not_found=ErrorCode.CAPSULE_NOT_FOUND, stream=True)
-    with r:
-        raw = r.raw.read(MANIFEST_LIMIT + 1, decode_content=True)
+    raw, r = client.manifest(str(remote.digest or remote.tag), f"capsule {remote}")
     if len(raw) > MANIFEST_LIMIT:
-        raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"manifest of {remote} is larger than {MANIFEST_LIMIT} bytes")
+        raise _corrupt(f"manifest of {remote} is larger than {MANIFEST_LIMIT} bytes")
     digest = "sha256:" + hashlib.sha256(raw).hexdigest()
     expected = remote.digest or r.headers.get("Docker-Content-Digest") or digest
     if digest != expected:
-        raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"manifest of {remote} hashes to {digest}, expected {expected}")
+        raise _corrupt(f"manifest of {remote} hashes to {digest}, expected {expected}")
     manifest = strict_json(raw, f"manifest {digest} of {remote}", code=ErrorCode.CAPSULE_CORRUPT)
     if not isinstance(manifest, dict):
-        raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"manifest {digest} of {remote} is not a JSON object")
+        raise _corrupt(f"manifest {digest} of {remote} is not a JSON object")
     if manifest.get("artifactType") == mt.INDEX_ARTIFACT_TYPE and artifact_type == mt.ARTIFACT_TYPE:
         # a tag of a capsule with a payload (or a pin of that index): the capsule it lists, by digest
         capsule = next((m.get("digest") for m in manifest.get("manifests") or [] if isinstance(m, dict)
                         and m.get("artifactType") == mt.ARTIFACT_TYPE and DIGEST_RE.match(str(m.get("digest")))),
                        None)
         if capsule is None:
-            raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"{remote} is a ColdSnap index that lists no capsule")
-        tagged = remote.name + (f":{remote.tag}" if remote.tag else "")
-        return pull(store, f"{tagged}@{capsule}", insecure, True, progress, artifact_type, on_blobs, pins)
+            raise _corrupt(f"{remote} is a ColdSnap index that lists no capsule")
+        return pull(store, f"{remote.tagged}@{capsule}", insecure, True, progress, artifact_type, on_blobs, pins)
     if manifest.get("mediaType") == mt.INDEX_MEDIA_TYPE or "manifests" in manifest:
         listed = [m.get("digest") for m in manifest.get("manifests") or [] if isinstance(m, dict)]
         # A copy tool that rewrites the index (skopeo copy --all) drops its artifactType markers, keeping the
         # manifests as they are: the one capsule among them is still the capsule this tag names.
         capsule = _the_capsule_listed(client, listed) if artifact_type == mt.ARTIFACT_TYPE else None
         if capsule is not None:
-            tagged = remote.name + (f":{remote.tag}" if remote.tag else "")
-            return pull(store, f"{tagged}@{capsule}", insecure, True, progress, artifact_type, on_blobs, pins)
-        raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"{remote} names an OCI image index of {len(listed)} "
-                            f"manifest(s) ({', '.join(str(d) for d in listed[:3])}{'…' if len(listed) > 3 else ''}), "
-                            "not a capsule: pull a capsule by its own digest")
+            return pull(store, f"{remote.tagged}@{capsule}", insecure, True, progress, artifact_type, on_blobs, pins)
+        raise _corrupt(f"{remote} names an OCI image index of {len(listed)} manifest(s) "
+                       f"({', '.join(str(d) for d in listed[:3])}{'…' if len(listed) > 3 else ''}), not a capsule: "
+                       "pull a capsule by its own digest")
     if manifest.get("artifactType") != artifact_type:
-        raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"{remote} is not a ColdSnap "
-                            f"{'capsule' if artifact_type == mt.ARTIFACT_TYPE else 'payload'} "
-                            f"(artifactType {manifest.get('artifactType')!r})")
+        kind = "capsule" if artifact_type == mt.ARTIFACT_TYPE else "payload"
+        raise _corrupt(f"{remote} is not a ColdSnap {kind} (artifactType {manifest.get('artifactType')!r})")
     annotations = manifest_annotations(manifest) if artifact_type == mt.ARTIFACT_TYPE else {}
     payload, template = annotations.get(mt.ANNOTATION_PAYLOAD), annotations.get(mt.ANNOTATION_TEMPLATE)
     pulled: list[PullResult] = []  # what this pull brought before the capsule itself
@@ -632,10 +615,10 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
             if on_blobs is not None:
                 on_blobs(digest, manifest)
             # then the shared weights: only their missing blobs move
-            pulled.append(pull(store, f"{remote.host}/{remote.repository}@{payload}", insecure, True, progress,
+            pulled.append(pull(store, f"{remote.name}@{payload}", insecure, True, progress,
                                artifact_type=mt.PAYLOAD_ARTIFACT_TYPE, pins=_weight_pins(store, manifest)))
         if template:  # pinned by this manifest; verified and trusted as a capsule of its own
-            got = _pull_template(store, f"{remote.host}/{remote.repository}@{template}", insecure, progress)
+            got = _pull_template(store, f"{remote.name}@{template}", insecure, progress)
             pulled += [got] if got is not None else []
             template_found = got is not None
         result = _pull_capsule(store, client, remote, raw, digest, manifest, artifact_type, progress,
@@ -670,8 +653,7 @@ class _Fetched:
 
 
 def _weight_pins(store: CapsuleStore, manifest: dict) -> dict[str, WeightFile]:
-    """The capsule's weight files pinned piece by piece, by blob digest, from its profile (fetched and verified:
-    the capsule's own blobs come first)."""
+    """The capsule's weight files pinned piece by piece, by blob digest, from its (already verified) profile."""
     try:
         profile = CapsuleProfile.model_validate_json(store.read_verified(Descriptor.from_json(manifest["config"])))
     except (ColdSnapError, KeyError, TypeError, ValueError):
@@ -681,11 +663,9 @@ def _weight_pins(store: CapsuleStore, manifest: dict) -> dict[str, WeightFile]:
 
 
 def _present_for(store: CapsuleStore, d: Descriptor, wf: WeightFile | None) -> bool:
-    """Whether the store's blob d serves this capsule. A blob fetched by pieces was checked against the pins of
-    the capsule that fetched it, not against its digest: another capsule naming the same digest checks it against
-    its own pins (remembered, so usually free), or by its whole digest if it pins none. When pins differ the whole
-    digest decides: a blob that is its digest makes this capsule's pins wrong (refused); one that is not was never
-    what its name says and is fetched again."""
+    """Whether the store's blob d serves this capsule. A blob fetched by pieces was checked only against the pins
+    of the capsule that fetched it: others check their own pins, or the whole digest if they pin none. When pins
+    differ the digest decides: a blob that is its digest makes these pins wrong (refused); else it is refetched."""
     if not store.has_blob(d.digest):
         return False
     path = store.blob_path(d.digest)
@@ -695,8 +675,8 @@ def _present_for(store: CapsuleStore, d: Descriptor, wf: WeightFile | None) -> b
     if checked_chunks(path, wf.chunks, wf.chunk_bytes):
         return True
     if checked_sha256(path)[0] == d.digest:
-        raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"the capsule pins the pieces of weights blob {d.digest}, "
-                            "but they are not that blob's pieces: refused")
+        raise _corrupt(f"the capsule pins the pieces of weights blob {d.digest}, but they are not that blob's "
+                       "pieces: refused")
     return False
 
 
@@ -756,19 +736,13 @@ def _pull_capsule(store: CapsuleStore, client: "_Client", remote: RemoteRef, raw
         if artifact_type == mt.ARTIFACT_TYPE and (tag or not indexed):
             store.add_to_index(mdesc, tag)
     fetched = early.digests + got.digests
-    received, resumed = early.received + got.received, early.resumed + got.resumed
     signatures = 0
     if artifact_type == mt.ARTIFACT_TYPE:  # where it came from and who vouches for it: the restore policy's input
-        trust.record(store, digest, "pull", f"{remote.name}:{remote.tag}" if remote.tag else remote.name)
+        trust.record(store, digest, "pull", remote.tagged)
         signatures = referrers.pull(client, store, digest)
-    result = PullResult(digest)
-    result.payload_bytes = payload_result.bytes_transferred if payload_result else 0
-    result.bytes_transferred = received + result.payload_bytes
-    result.blobs_fetched = fetched
-    result.blobs_present = [d.digest for d in descs if d.digest not in fetched]
-    result.resumed_bytes = resumed
-    result.seconds = round(time.monotonic() - t0, 3)
-    result.tag = tag
-    result.manifest_written = None if had_manifest else digest
-    result.signatures = signatures
-    return result
+    payload_bytes = payload_result.bytes_transferred if payload_result else 0
+    return PullResult(digest, payload_bytes=payload_bytes, bytes_transferred=early.received + got.received
+                      + payload_bytes, blobs_fetched=fetched,
+                      blobs_present=[d.digest for d in descs if d.digest not in fetched],
+                      resumed_bytes=early.resumed + got.resumed, seconds=round(time.monotonic() - t0, 3), tag=tag,
+                      manifest_written=None if had_manifest else digest, signatures=signatures)

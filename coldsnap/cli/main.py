@@ -9,6 +9,8 @@ import os
 import re
 import shlex
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from coldsnap import __version__
@@ -29,7 +31,7 @@ def _epilog() -> str:
 
 
 def _progress(args) -> Any:
-    if getattr(args, "json", False) or getattr(args, "quiet", False):
+    if getattr(args, "json", False):
         return lambda msg: None
     return lambda msg: print(f"coldsnap: {msg}", file=sys.stderr, flush=True)
 
@@ -56,7 +58,8 @@ def _receipt_line(receipt) -> str:
     return f"receipt {receipt_path(receipt.operation_id)}"
 
 
-def _read_request(path: str) -> Any:
+def _read_request(path: str, *operations: str) -> Any:
+    """The request document at path (- for stdin); with operations, one of those."""
     try:
         if path == "-":
             raw = sys.stdin.buffer.read(MAX_BYTES + 1)
@@ -65,24 +68,25 @@ def _read_request(path: str) -> Any:
                 raw = f.read(MAX_BYTES + 1)  # a bigger document is refused without reading all of it
     except OSError as e:
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"cannot read request {short(path)}: {e.strerror}") from None
-    return parse_request(raw)
+    req = parse_request(raw)
+    if operations and req.operation not in operations:
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"operation: expected {operations[0]}, got {req.operation}")
+    return req
 
 
 # --- commands ----------------------------------------------------------------------------------------------------
-def cmd_schema(args) -> int:
+def cmd_schema(args) -> None:
     if args.name:
         if args.name not in SCHEMAS:
             raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"no schema {args.name!r}; one of: {', '.join(SCHEMAS)}")
         print(json.dumps(SCHEMAS[args.name].model_json_schema(), indent=1))
     else:
         print(json.dumps({name: m.model_json_schema() for name, m in SCHEMAS.items()}, indent=1))
-    return 0
 
 
-def cmd_validate_request(args) -> int:
+def cmd_validate_request(args) -> None:
     req = _read_request(args.file)
     _emit(args, {"valid": True, "operation": req.operation}, f"valid {req.operation} request")
-    return 0
 
 
 def cmd_doctor(args) -> int:
@@ -94,48 +98,43 @@ def cmd_doctor(args) -> int:
     return 0 if data["ok"] else EXIT_CODES[ErrorCode.ENVIRONMENT]
 
 
-def cmd_capabilities(args) -> int:
+def cmd_capabilities(args) -> None:
     from coldsnap.host.capabilities import capabilities
 
     print(capabilities().model_dump_json(indent=1))
-    return 0
 
 
 def _capture_request(args):
     from coldsnap.contracts import CaptureRequest
 
-    if args.request:
-        req = _read_request(args.request)
-        if req.operation != "capture":
-            raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"operation: expected capture, got {req.operation}")
-    else:
-        req = CaptureRequest(operation="capture")
-    updates: dict[str, Any] = {}
-    if args.engine or args.engine_opt:
-        updates["engine"] = req.engine.model_copy(update={"name": args.engine or req.engine.name,
-                                                          "options": {**req.engine.options,
-                                                                      **engine_options(args.engine_opt)}})
-    if args.tag:
-        updates["tag"] = args.tag
-    if args.snapshot_driver:
-        updates["snapshot_driver"] = args.snapshot_driver
-    policy = {}
-    if args.weights_mode:
-        policy["weights_mode"] = args.weights_mode
-    if policy:
-        updates["policy"] = req.policy.model_copy(update=policy)
-    life = {}
-    if args.leave_running:
-        life["leave_running"] = True
-    if args.name:
-        life["name"] = args.name
-    if life:
-        updates["lifecycle"] = req.lifecycle.model_copy(update=life)
+    req = _read_request(args.request, "capture") if args.request else CaptureRequest(operation="capture")
+
+    def given(**values: Any) -> dict[str, Any]:  # the flags given override the request's fields
+        return {k: v for k, v in values.items() if v}
+
+    data = req.model_dump()
+    options = {**req.engine.options, **engine_options(args.engine_opt)} if args.engine_opt else None
+    data["engine"].update(given(name=args.engine, options=options))
+    data.update(given(tag=args.tag, snapshot_driver=args.snapshot_driver))
+    data["policy"].update(given(weights_mode=args.weights_mode))
+    data["lifecycle"].update(given(leave_running=args.leave_running, name=args.name))
     if args.device:
-        updates["launch"] = req.launch.model_copy(update={"devices": [] if args.device == "cpu" else [args.device]})
-    # Re-validate the combined request (model_copy does not validate).
-    return type(req).model_validate({**req.model_dump(), **{k: (v.model_dump() if hasattr(v, "model_dump") else v)
-                                                             for k, v in updates.items()}})
+        data["launch"]["devices"] = [] if args.device == "cpu" else [args.device]
+    with _flags_checked():
+        return type(req).model_validate(data)  # validates the combination
+
+
+@contextmanager
+def _flags_checked() -> Iterator[None]:
+    """A request built from flags is refused like one read from a file: one line naming the field, exit 2."""
+    from pydantic import ValidationError
+
+    from coldsnap.contracts.parse import first_error
+
+    try:
+        yield
+    except ValidationError as e:
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, first_error(e)) from None
 
 
 def engine_options(pairs: list[str] | None) -> dict:
@@ -156,7 +155,7 @@ def engine_options(pairs: list[str] | None) -> dict:
     return out
 
 
-def cmd_capture(args) -> int:
+def cmd_capture(args) -> None:
     if args.container:
         from coldsnap.flows.container_capture import capture_container
 
@@ -176,27 +175,26 @@ def cmd_capture(args) -> int:
     r = res.receipt
     facts = r.facts(CaptureFacts)
     _emit(args, r, f"captured {facts.capsule} ({facts.capsule_bytes / 2**20:.1f} MiB); {_receipt_line(r)}")
-    return 0
 
 
-def cmd_restore(args) -> int:
+def cmd_restore(args) -> None:
     from coldsnap.contracts import Lifecycle, Policy, RestoreRequest
     from coldsnap.flows.restore import restore
 
     if args.request:
-        req = _read_request(args.request)
-        if req.operation not in ("restore", "prepare"):
-            raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"operation: expected restore, got {req.operation}")
+        req = _read_request(args.request, "restore", "prepare")
     else:
         if not args.capsule:
             raise ColdSnapError(ErrorCode.INVALID_REQUEST, "restore needs --capsule REF (or --request FILE)")
         gpu_map = dict(pair.split("=", 1) for pair in (args.gpu_map or []) if "=" in pair)
         if len(gpu_map) != len(args.gpu_map or []):
             raise ColdSnapError(ErrorCode.INVALID_REQUEST, "--gpu-map expects CAPTURED_UUID=LOCAL_UUID")
-        req = RestoreRequest(operation="prepare" if args.prepare_only else "restore", capsule=args.capsule,
-                             insecure_registry=args.insecure, gpu_map=gpu_map, lifecycle=Lifecycle(name=args.name),
-                             policy=Policy(fallback_to_cold=not args.no_fallback, allow_unpinned=args.allow_unpinned,
-                                           compatibility="relaxed" if args.relaxed else "strict"))
+        with _flags_checked():
+            req = RestoreRequest(
+                operation="prepare" if args.prepare_only else "restore", capsule=args.capsule,
+                insecure_registry=args.insecure, gpu_map=gpu_map, lifecycle=Lifecycle(name=args.name),
+                policy=Policy(fallback_to_cold=not args.no_fallback, allow_unpinned=args.allow_unpinned,
+                              compatibility="relaxed" if args.relaxed else "strict"))
     r = restore(req, progress=_progress(args))
     res = r.facts(RestoreFacts)
     if r.state == "fell-back":
@@ -206,10 +204,9 @@ def cmd_restore(args) -> int:
     else:
         human = f"restored {res.workload} at {res.url}: first token {res.time_to_first_token_s:.3f} s"
     _emit(args, r, f"{human}; {_receipt_line(r)}")
-    return 0
 
 
-def cmd_status(args) -> int:
+def cmd_status(args) -> None:
     from coldsnap.base.procfs import alive
     from coldsnap.workload.state import list_states
 
@@ -229,37 +226,37 @@ def cmd_status(args) -> int:
 
     human = "\n".join(line(r) for r in rows) or "no workloads"
     _emit(args, {"workloads": rows, "recovered": args.recovered}, human)
-    return 0
 
 
-def cmd_stop(args) -> int:
+def cmd_stop(args) -> None:
     from coldsnap.workload.process import stop_workload
     from coldsnap.workload.state import load_state
 
     ws = load_state(args.name)
     stop_workload(ws)
     _emit(args, {"stopped": ws.name}, f"stopped {ws.name}")
-    return 0
 
 
-def cmd_sleep(args) -> int:
+def cmd_sleep(args) -> None:
     from coldsnap.contracts import WorkloadRequest
     from coldsnap.flows.lifecycle import sleep
 
-    r = sleep(WorkloadRequest(operation="sleep", workload=args.name, sleep_mode=args.mode), progress=_progress(args))
+    with _flags_checked():
+        req = WorkloadRequest(operation="sleep", workload=args.name, sleep_mode=args.mode)
+    r = sleep(req, progress=_progress(args))
     _emit(args, r, f"{args.name} is sleeping ({r.facts(SleepFacts).mode}: GPU memory released); "
                    f"{_receipt_line(r)}")
-    return 0
 
 
-def cmd_wake(args) -> int:
+def cmd_wake(args) -> None:
     from coldsnap.contracts import WorkloadRequest
     from coldsnap.flows.lifecycle import wake
 
-    r = wake(WorkloadRequest(operation="wake", workload=args.name), progress=_progress(args))
+    with _flags_checked():
+        req = WorkloadRequest(operation="wake", workload=args.name)
+    r = wake(req, progress=_progress(args))
     _emit(args, r, f"{args.name} is awake: first token {r.facts(WakeFacts).time_to_first_token_s:.3f} s; "
                    f"{_receipt_line(r)}")
-    return 0
 
 
 def _store():
@@ -268,20 +265,17 @@ def _store():
     return CapsuleStore(settings().store).init()
 
 
-def cmd_runtime(args) -> int:
+def cmd_runtime(args) -> None:
     from coldsnap.host.runtimes import configure
 
-    if args.action != "configure":
-        raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"unknown runtime action {args.action!r}")
     r = configure(args.runtime, dry_run=args.dry_run, set_default=args.set_default, config=args.config,
                   runtime_path=args.runtime_path, runtime_class_path=args.runtime_class,
                   out=(lambda m: None) if args.json else print)
     if args.json:
-        print(json.dumps(r.__dict__ if hasattr(r, "__dict__") else r, default=str, indent=1))
-    return 0
+        print(json.dumps(vars(r), default=str, indent=1))
 
 
-def cmd_ls(args) -> int:
+def cmd_ls(args) -> None:
     from coldsnap.capsule.gc import list_capsules
 
     rows = list_capsules(_store())
@@ -289,40 +283,34 @@ def cmd_ls(args) -> int:
                        f"{(r.get('size') or 0) / 2**20:9.1f} MiB  staged {r['staged_bytes'] / 2**20:8.1f} MiB  "
                        f"{r.get('created') or ''}" for r in rows)
     _emit(args, {"capsules": rows}, human or "no capsules")
-    return 0
 
 
-def cmd_rm(args) -> int:
+def cmd_rm(args) -> None:
     from coldsnap.capsule.gc import remove
 
     removed = remove(_store(), args.ref)
     _emit(args, {"removed": removed}, f"removed {', '.join(removed)} from the index (blobs go at the next gc)")
-    return 0
 
 
-def cmd_gc(args) -> int:
+def cmd_gc(args) -> None:
     from coldsnap.capsule.gc import gc
 
     r = {**gc(_store(), grace_s=args.grace, code_dir=settings().code), "recovered": args.recovered}
     _emit(args, r, f"freed {r['freed_bytes'] / 2**20:.1f} MiB ({len(r['removed_blobs'])} blobs, "
                    f"{r['code_removed']} CUDA code files)")
-    return 0
 
 
-def cmd_push(args) -> int:
+def cmd_push(args) -> None:
     from coldsnap.capsule.registry import push
 
     store = _store()
     digest = store.resolve(args.capsule, allow_unpinned=args.allow_unpinned)
-    progress = _progress(args)
-    r = push(store, digest, args.ref, insecure=args.insecure,
-             progress=lambda d, done, total: None)
-    progress(f"pushed {r['bytes_transferred'] / 2**20:.1f} MiB in {r['seconds']:.1f} s")
+    r = push(store, digest, args.ref, insecure=args.insecure, progress=lambda d, done, total: None)
+    _progress(args)(f"pushed {r['bytes_transferred'] / 2**20:.1f} MiB in {r['seconds']:.1f} s")
     _emit(args, r, f"pushed {r['ref']}")
-    return 0
 
 
-def cmd_pull(args) -> int:
+def cmd_pull(args) -> None:
     from coldsnap.capsule.registry import pull
 
     r = pull(_store(), args.ref, insecure=args.insecure, allow_unpinned=args.allow_unpinned)
@@ -335,13 +323,12 @@ def cmd_pull(args) -> int:
                         "this capsule will start cold")
     _emit(args, data, f"pulled {r} ({r.bytes_transferred / 2**20:.1f} MiB moved, "
                       f"{len(r.blobs_present)} blobs already here{', with its template' if with_template else ''})")
-    return 0
 
 
 SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSW|KEY|CREDENTIAL|AUTH", re.I)
 
 
-def cmd_inspect(args) -> int:
+def cmd_inspect(args) -> None:
     from coldsnap.capsule import CapsuleStore, trust
     from coldsnap.host.run_args import ENGINES, run_args
     from coldsnap.host.runtimes import default_runtime_path
@@ -350,8 +337,7 @@ def cmd_inspect(args) -> int:
     cap = store.load(store.resolve(args.ref, allow_unpinned=args.allow_unpinned))
     out = {"digest": cap.digest, "manifest": cap.manifest,
            "profile": cap.profile.model_dump(mode="json", exclude={"launch": {"env"}})}
-    names = cap.env_names
-    out["secret_like_env"] = [n for n in names if SECRET_NAME.search(n)]
+    out["secret_like_env"] = [n for n in cap.env_names if SECRET_NAME.search(n)]
     if out["secret_like_env"]:  # their values are in the capsule's memory images: whoever restores it has them
         print(f"coldsnap: warning: environment variables that look like credentials travelled in this capsule "
               f"(their values are in its processes' memory): {', '.join(out['secret_like_env'])}", file=sys.stderr)
@@ -362,23 +348,9 @@ def cmd_inspect(args) -> int:
     if cap.profile.container is not None:  # how to restore it, as `coldsnap run-args` prints it
         out["run_args"] = {e: run_args(cap.profile, cap.digest, e, default_runtime_path()).line() for e in ENGINES}
     print(json.dumps(out, indent=1))
-    return 0
 
 
-def _bench_options(args, **fixed):
-    from coldsnap_bench.run import BenchOptions
-
-    opts = BenchOptions(
-        engine=args.engine, samples=args.samples, vanilla_samples=args.vanilla_samples, device=args.device,
-        weights_mode=args.weights_mode, engine_options=engine_options(args.engine_opt), out=args.out,
-        name=args.name, drop_caches=args.drop_caches, via=args.via, template=getattr(args, "template", False),
-        command="coldsnap " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
-    for key, value in fixed.items():
-        setattr(opts, key, value)
-    return opts
-
-
-def cmd_run_args(args) -> int:
+def cmd_run_args(args) -> None:
     from coldsnap.capsule import CapsuleStore
     from coldsnap.host.run_args import run_args
     from coldsnap.host.runtimes import default_runtime_path
@@ -390,14 +362,13 @@ def cmd_run_args(args) -> int:
     for note in r.notes:
         _progress(args)(f"note: {note}")
     _emit(args, {"engine": r.engine, "argv": r.argv, "command": r.line(), "notes": r.notes}, r.line())
-    return 0
 
 
-def cmd_bench(args) -> int:
+def cmd_bench(args) -> None:
+    progress = _progress(args)
     if args.registry:
         from coldsnap_bench.registry import run
 
-        progress = _progress(args)
         progress(f"registry benchmark: a {args.size_mib} MiB capsule through a local registry vs curl")
         data = run(args.out, size_mib=args.size_mib, repeats=args.samples)
         s = data["summary"]
@@ -405,47 +376,44 @@ def cmd_bench(args) -> int:
                           f"({s['pull_vs_curl_file_fsynced']}x curl to a synced file, {s['pull_vs_curl_devnull']}x "
                           f"curl to /dev/null), peak RSS {s['peak_rss_mib_push']}/{s['peak_rss_mib_pull']} MiB; "
                           f"wrote {args.out}/registry_bench.json and .png")
-        return 0
-    opts = _bench_options(args)
+        return
+    from coldsnap_bench.run import BenchOptions, run_bench
+
+    opts = BenchOptions(
+        engine=args.engine, samples=args.samples, vanilla_samples=args.vanilla_samples, device=args.device,
+        weights_mode=args.weights_mode, engine_options=engine_options(args.engine_opt), out=args.out,
+        name=args.name, drop_caches=args.drop_caches, via=args.via, template=args.template,
+        command="coldsnap " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
     if args.passthrough:
         from coldsnap_bench.passthrough import run_passthrough
 
-        result = run_passthrough(opts, reps=args.samples if args.samples != 5 else 20, progress=_progress(args))
-        _emit(args, result.data, result.summary)
-        return 0
-    if args.cold_node:
+        result = run_passthrough(opts, reps=args.samples if args.samples != 5 else 20, progress=progress)
+    elif args.cold_node:
         from coldsnap_bench.coldnode import run_cold_node
 
-        result = run_cold_node(opts, progress=_progress(args))
-        _emit(args, result.data, result.summary)
-        return 0
-    if args.replicas:
+        result = run_cold_node(opts, progress=progress)
+    elif args.replicas:
         from coldsnap_bench.replicas import run_replicas
 
-        result = run_replicas(opts, args.replicas, progress=_progress(args))
-        _emit(args, result.data, result.summary)
-        return 0
-    if opts.via == "sparkrun":
+        result = run_replicas(opts, args.replicas, progress=progress)
+    elif opts.via == "sparkrun":
         from coldsnap_bench.sparkrun import run_sparkrun_bench
 
-        result = run_sparkrun_bench(opts, progress=_progress(args))
+        result = run_sparkrun_bench(opts, progress=progress)
     elif opts.via == "cri":
         from coldsnap_bench.pods import run_pods_bench
 
-        result = run_pods_bench(opts, progress=_progress(args))
+        result = run_pods_bench(opts, progress=progress)
     elif opts.via:
         from coldsnap_bench.via import run_via_bench
 
-        result = run_via_bench(opts, progress=_progress(args))
+        result = run_via_bench(opts, progress=progress)
     else:
-        from coldsnap_bench.run import run_bench
-
-        result = run_bench(opts, progress=_progress(args))
+        result = run_bench(opts, progress=progress)
     _emit(args, result.data, result.summary)
-    return 0
 
 
-def cmd_demo(args) -> int:
+def cmd_demo(args) -> None:
     from coldsnap_bench.run import BenchOptions, run_bench
 
     opts = BenchOptions(engine="reference", device="cpu", weights_mode="auto", samples=args.samples,
@@ -454,10 +422,15 @@ def cmd_demo(args) -> int:
     progress("demo: the embedded reference engine on CPU, started cold and restored from a capsule, side by side")
     result = run_bench(opts, progress=progress)
     _emit(args, result.data, result.summary)
-    return 0
 
 
 # --- parser ------------------------------------------------------------------------------------------------------
+ALWAYS_JSON = "accepted for symmetry; output is always JSON"
+PINNED = "accept a tag instead of a digest"
+LOCAL_REGISTRY = "plain HTTP (a local registry)"
+WEIGHTS_MODES = ["native", "recovery", "auto"]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="coldsnap",
@@ -466,41 +439,42 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"coldsnap {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    json_flags: list[tuple[argparse.ArgumentParser, str | None]] = []
 
-    def add(name, fn, help_):
+    def add(name, fn, help_, json_help=None):
         sp = sub.add_parser(name, help=help_, description=help_)
         sp.set_defaults(fn=fn)
+        json_flags.append((sp, json_help))
         return sp
 
-    sp = add("schema", cmd_schema, "print the JSON Schema of a contract (all when NAME is omitted)")
-    sp.add_argument("name", nargs="?", help=f"one of: {', '.join(SCHEMAS)}")
-    sp.add_argument("--json", action="store_true", help="accepted for symmetry; output is always JSON")
-    sp = add("validate-request", cmd_validate_request, "check a request document; prints `valid OPERATION` (--json: "
-                                                       "{valid, operation}), or exits 2 with the field at fault")
-    sp.add_argument("file", help="request file, or - for standard input")
-    sp.add_argument("--json", action="store_true")
-    sp = add("doctor", cmd_doctor, "check this host (CRIU, pycriu, runtimes, cgroups, capabilities, GPUs); prints "
-                                   "one row per check with a fix for each that fails (--json: the checks); exits 12 "
-                                   "when one fails")
-    sp.add_argument("--json", action="store_true", help="machine-readable output")
-    sp = add("capabilities", cmd_capabilities, "print what this ColdSnap supports and what it is qualified for, "
-                                               "each claim with its result file (JSON)")
-    sp.add_argument("--json", action="store_true", help="accepted for symmetry; output is always JSON")
+    def flag(sp, name, help_=None):
+        sp.add_argument(name, action="store_true", help=help_)
 
-    sp = add("capture", cmd_capture, "start a workload (or take a running container), validate it, capture it into "
-                                     "a capsule; prints the capsule digest and the receipt's path (--json: the "
-                                     "receipt, also on failure)")
+    sp = add("schema", cmd_schema, "print the JSON Schema of a contract (all when NAME is omitted)", ALWAYS_JSON)
+    sp.add_argument("name", nargs="?", help=f"one of: {', '.join(SCHEMAS)}")
+    sp = add("validate-request", cmd_validate_request, "check a request document; prints `valid OPERATION` (--json: "
+             "{valid, operation}), or exits 2 with the field at fault")
+    sp.add_argument("file", help="request file, or - for standard input")
+    add("doctor", cmd_doctor, "check this host (CRIU, pycriu, runtimes, cgroups, capabilities, GPUs); prints one row "
+        "per check with a fix for each that fails (--json: the checks); exits 12 when one fails",
+        json_help="machine-readable output")
+    add("capabilities", cmd_capabilities, "print what this ColdSnap supports and what it is qualified for, each claim "
+        "with its result file (JSON)", ALWAYS_JSON)
+
+    sp = add("capture", cmd_capture, "start a workload (or take a running container), validate it, capture it into a "
+             "capsule; prints the capsule digest and the receipt's path (--json: the receipt, also on failure)",
+             json_help="print the receipt as JSON, no progress")
     sp.add_argument("--request", help="capture request file (JSON), or - for stdin")
     sp.add_argument("--engine", choices=ENGINE_NAMES, help="engine (default: reference)")
     sp.add_argument("--tag", help="name the capsule in the local store")
     sp.add_argument("--name", help="workload name (default: ENGINE-xxxxxx)")
-    sp.add_argument("--weights-mode", choices=["native", "recovery", "auto"],
+    sp.add_argument("--weights-mode", choices=WEIGHTS_MODES,
                     help="recovery: the engine drops its weights and reloads them from the pinned file after restore; "
                     "native: the weights travel with the capsule (saved by the engine as a payload beside the images "
                     "where it can, else inside them); auto (default; native with --container): recovery when the "
                     "engine supports it")
     sp.add_argument("--device", help="cpu (default) or cuda / cuda:N")
-    sp.add_argument("--leave-running", action="store_true", help="keep the captured workload running")
+    flag(sp, "--leave-running", "keep the captured workload running")
     sp.add_argument("--snapshot-driver", choices=["full", "template", "both"],
                     help="full (default): the serving workload with its device state (CUDA through the driver's "
                     "checkpoint API); template: the engine before it touches its device, which rebuilds its device "
@@ -521,126 +495,110 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --container: drain (default) waits until no client is connected; none captures with "
                     "requests in flight (their connections travel in the capsule; the network namespace stays locked "
                     "until the restore)")
-    sp.add_argument("--json", action="store_true", help="print the receipt as JSON, no progress")
 
     sp = add("restore", cmd_restore, "restore a workload from a capsule (or start it cold when refused, unless "
-                                     "--no-fallback); prints where it serves and the receipt's path (--json: the "
-                                     "receipt, also on failure)")
+             "--no-fallback); prints where it serves and the receipt's path (--json: the receipt, also on failure)")
     sp.add_argument("--capsule", help="capsule reference pinned by digest: sha256:… or NAME@sha256:…; or a registry "
                     "reference HOST[:PORT]/REPO@sha256:…, pulled unless the store has it (its images unpack while "
                     "its weights arrive)")
-    sp.add_argument("--insecure", action="store_true", help="pull a registry reference over plain HTTP")
+    flag(sp, "--insecure", "pull a registry reference over plain HTTP")
     sp.add_argument("--request", help="restore request file (JSON)")
     sp.add_argument("--name", help="the restored workload's name (default: the captured one's); each restore of a "
                     "capsule under its own name runs beside the others, on a network of its own")
-    sp.add_argument("--prepare-only", action="store_true", help="admit, verify and stage only; touch no workload")
-    sp.add_argument("--no-fallback", action="store_true", help="fail instead of starting cold")
-    sp.add_argument("--allow-unpinned", action="store_true", help="accept a tag instead of a digest")
-    sp.add_argument("--relaxed", action="store_true", help="relaxed compatibility (only what breaks a restore)")
+    flag(sp, "--prepare-only", "admit, verify and stage only; touch no workload")
+    flag(sp, "--no-fallback", "fail instead of starting cold")
+    flag(sp, "--allow-unpinned", PINNED)
+    flag(sp, "--relaxed", "relaxed compatibility (only what breaks a restore)")
     sp.add_argument("--gpu-map", action="append", metavar="CAPTURED=HERE",
                     help="restore onto another GPU of the same kind: GPU UUID pairs (repeatable)")
-    sp.add_argument("--json", action="store_true")
 
     sp = add("status", cmd_status, "list the workloads on this host, active or sleeping, after cleaning up what "
-                                   "interrupted operations left; prints one row each (--json: {workloads, "
-                                   "recovered})")
+             "interrupted operations left; prints one row each (--json: {workloads, recovered})")
     sp.add_argument("name", nargs="?")
-    sp.add_argument("--json", action="store_true")
     sp = add("stop", cmd_stop, "stop a workload: its processes, network namespace and state; prints `stopped NAME` "
-                               "(--json: {stopped})")
+             "(--json: {stopped})")
     sp.add_argument("name")
-    sp.add_argument("--json", action="store_true")
     sp = add("runtime", cmd_runtime, "register coldsnap-runtime with docker, containerd (+ a Kubernetes "
              "RuntimeClass) or podman, keeping existing settings")
     sp.add_argument("action", choices=["configure"])
     sp.add_argument("--runtime", required=True, choices=["docker", "containerd", "podman"])
-    sp.add_argument("--dry-run", action="store_true", help="print the diff, write nothing")
-    sp.add_argument("--set-default", action="store_true",
-                    help="make coldsnap the default runtime: unannotated containers still run exactly as with runc")
+    flag(sp, "--dry-run", "print the diff, write nothing")
+    flag(sp, "--set-default",
+         "make coldsnap the default runtime: unannotated containers still run exactly as with runc")
     sp.add_argument("--config", help="configuration file to edit (default: the engine's usual path)")
     sp.add_argument("--runtime-path", help="path of coldsnap-runtime (default: the installed one)")
     sp.add_argument("--runtime-class", help="containerd: where to write the RuntimeClass manifest")
-    sp.add_argument("--json", action="store_true")
     sp = add("sleep", cmd_sleep, "release a workload's GPU memory in place (CUDA checkpoint), its process kept; "
-                                 "prints the mode and the receipt's path (--json: the receipt)")
+             "prints the mode and the receipt's path (--json: the receipt)")
     sp.add_argument("--mode", choices=("auto", "engine", "cuda"), default="auto",
                     help="engine: the engine drops its weights and KV first and reloads them at wake (recovery "
                     "weights); cuda: all GPU memory moves to host memory and back; auto (default): engine when it can")
     sp.add_argument("name")
-    sp.add_argument("--json", action="store_true")
     sp = add("wake", cmd_wake, "bring a sleeping workload's GPU state back and validate it; prints the time to its "
-                               "first token and the receipt's path (--json: the receipt)")
+             "first token and the receipt's path (--json: the receipt)")
     sp.add_argument("name")
-    sp.add_argument("--json", action="store_true")
-    sp = add("ls", cmd_ls, "list the capsules in the local store: digest, tag, engine, size, staged bytes, created "
-                           "(--json: {capsules})")
-    sp.add_argument("--json", action="store_true")
+    add("ls", cmd_ls, "list the capsules in the local store: digest, tag, engine, size, staged bytes, created "
+        "(--json: {capsules})")
     sp = add("rm", cmd_rm, "remove a capsule from the local index and its staged images (blobs go at the next gc); "
-                           "prints the digests untagged (--json: {removed})")
+             "prints the digests untagged (--json: {removed})")
     sp.add_argument("ref")
-    sp.add_argument("--json", action="store_true")
     sp = add("gc", cmd_gc, "delete blobs no capsule references, staged images of capsules gone or beyond the staging "
-                           "cap, and CUDA code files (coldsnap.gpu.codestash) no "
-                           "capsule lists and no process maps")
+             "cap, and CUDA code files (coldsnap.gpu.codestash) no capsule lists and no process maps")
     sp.add_argument("--grace", type=float, default=600,
                     help="keep unreferenced blobs and code files younger than this (s)")
-    sp.add_argument("--json", action="store_true")
     sp = add("push", cmd_push, "push a capsule (and its weights payload) to an OCI registry; prints the reference "
-                               "pushed (--json: what moved)")
+             "pushed (--json: what moved)")
     sp.add_argument("capsule", help="local capsule: sha256:… or NAME@sha256:…")
     sp.add_argument("ref", help="HOST[:PORT]/REPO:TAG")
-    sp.add_argument("--insecure", action="store_true", help="plain HTTP (a local registry)")
-    sp.add_argument("--allow-unpinned", action="store_true")
-    sp.add_argument("--json", action="store_true")
-    sp = add("pull", cmd_pull, "pull a capsule (only missing blobs; resumes interrupted pulls); prints its digest "
-                               "and what moved (--json: the same)")
+    flag(sp, "--insecure", LOCAL_REGISTRY)
+    flag(sp, "--allow-unpinned")
+    sp = add("pull", cmd_pull, "pull a capsule (only missing blobs; resumes interrupted pulls); prints its digest and "
+             "what moved (--json: the same)")
     sp.add_argument("ref", help="HOST[:PORT]/REPO@sha256:… (or :TAG with --allow-unpinned)")
-    sp.add_argument("--insecure", action="store_true", help="plain HTTP (a local registry)")
-    sp.add_argument("--allow-unpinned", action="store_true")
-    sp.add_argument("--json", action="store_true")
-    sp = add("inspect", cmd_inspect, "print a capsule's manifest and profile as JSON (environment values omitted)")
+    flag(sp, "--insecure", LOCAL_REGISTRY)
+    flag(sp, "--allow-unpinned")
+    sp = add("inspect", cmd_inspect, "print a capsule's manifest and profile as JSON (environment values omitted)",
+             ALWAYS_JSON)
     sp.add_argument("ref")
-    sp.add_argument("--allow-unpinned", action="store_true")
-    sp.add_argument("--json", action="store_true", help="accepted for symmetry; output is always JSON")
+    flag(sp, "--allow-unpinned")
 
     sp = add("run-args", cmd_run_args, "print the podman, docker or ctr command that restores a container capsule "
-             "(the captured container's binds, tmpfs, /dev/shm size, network, working directory and command)")
+             "(the captured container's binds, tmpfs, /dev/shm size, network, working directory and command)",
+             json_help="print {engine, argv, command, notes} as JSON")
     sp.add_argument("capsule", help="a container capsule: sha256:… or NAME@sha256:…")
     sp.add_argument("--for", dest="engine", required=True, choices=["podman", "docker", "ctr"])
     sp.add_argument("--name", help="the restored container's name (ctr: its id)")
     sp.add_argument("--image", help="the image to run (default: the one the capture recorded)")
     sp.add_argument("--runtime-path", help="path of coldsnap-runtime (default: the installed one)")
-    sp.add_argument("--allow-unpinned", action="store_true", help="accept a tag instead of a digest")
-    sp.add_argument("--json", action="store_true", help="print {engine, argv, command, notes} as JSON")
+    flag(sp, "--allow-unpinned", PINNED)
 
     sp = add("demo", cmd_demo, "capture the reference engine on CPU, restore it, and print cold vs restored side by "
-                               "side (--json: the result)")
+             "side (--json: the result)")
     sp.add_argument("--samples", "-n", type=int, default=3)
     sp.add_argument("--out", help="where the JSON and PNG go (default: COLDSNAP_HOME/demo)")
-    sp.add_argument("--json", action="store_true")
 
     sp = add("bench", cmd_bench, "vanilla start vs restore, N samples each, against the same-run physical limit; "
-                                 "writes JSON + PNG under --out and prints the table (--json: the result)")
+             "writes JSON + PNG under --out and prints the table (--json: the result)",
+             json_help="print the result JSON, no progress")
     sp.add_argument("--engine", default="reference", choices=ENGINE_NAMES)
     sp.add_argument("--samples", "-n", type=int, default=5,
                     help="restore samples (and vanilla, unless given); with --registry, transfers of each kind")
     sp.add_argument("--vanilla-samples", type=int, help="vanilla samples when they cost too much to match --samples")
     sp.add_argument("--device", default="cpu")
-    sp.add_argument("--weights-mode", default="auto", choices=["native", "recovery", "auto"])
+    sp.add_argument("--weights-mode", default="auto", choices=WEIGHTS_MODES)
     sp.add_argument("--out", default="bench/results", help="directory for the JSON and PNG")
     sp.add_argument("--engine-opt", action="append", metavar="KEY=VALUE", help="engine option, repeatable")
     sp.add_argument("--name", help="result file stem (default ENGINE-DEVICE-MODE)")
-    sp.add_argument("--drop-caches", action="store_true", help="drop the page cache before every sample")
+    flag(sp, "--drop-caches", "drop the page cache before every sample")
     sp.add_argument("--replicas", type=int, metavar="N", help="N restores of one capsule issued at once vs N vanilla "
                     "starts at once, for 1 … N (ENGINE-DEVICE-replicas)")
-    sp.add_argument("--template", action="store_true", help="three ways in one run: vanilla, the restore of a "
-                    "template capsule (criu-template, captured with the full one) and of the full capsule")
-    sp.add_argument("--cold-node", action="store_true", help="the first restore on a node that never saw the "
-                    "capsule: pull from a local registry + restore, from issue to first token, vs vanilla "
-                    "(ENGINE-DEVICE-cold-node)")
-    sp.add_argument("--passthrough", action="store_true", help="what coldsnap-runtime adds to a runc call it passes "
-                    "through: runc vs coldsnap-runc vs the Python script, best of --samples (default 20) each")
-    sp.add_argument("--registry", action="store_true", help="benchmark push/pull through a local registry instead")
+    flag(sp, "--template", "three ways in one run: vanilla, the restore of a template capsule (criu-template, "
+         "captured with the full one) and of the full capsule")
+    flag(sp, "--cold-node", "the first restore on a node that never saw the capsule: pull from a local registry + "
+         "restore, from issue to first token, vs vanilla (ENGINE-DEVICE-cold-node)")
+    flag(sp, "--passthrough", "what coldsnap-runtime adds to a runc call it passes through: runc vs coldsnap-runc vs "
+         "the Python script, best of --samples (default 20) each")
+    flag(sp, "--registry", "benchmark push/pull through a local registry instead")
     sp.add_argument("--size-mib", type=int, default=2048, help="capsule size for --registry")
     sp.add_argument("--via", choices=["podman", "docker", "cri", "sparkrun"], help=(
         "the engine in a container. podman|docker: `run` of the reference engine cold vs restored by "
@@ -648,7 +606,8 @@ def build_parser() -> argparse.ArgumentParser:
         "plugin, StartContainer to first token (ENGINE-cri-cpu); sparkrun: `sparkrun run RECIPE` through "
         "ColdSnap's plugin to sparkrun's readiness (ENGINE-sparkrun-cpu); cri and sparkrun take --engine "
         "reference or vllm"))
-    sp.add_argument("--json", action="store_true", help="print the result JSON, no progress")
+    for sp, json_help in json_flags:  # every command takes --json, listed after its other options
+        sp.add_argument("--json", action="store_true", help=json_help)
     return p
 
 
@@ -674,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         args.recovered = _recover(args)
-        return args.fn(args)
+        return args.fn(args) or 0  # a command returns its exit status only when that is not 0
     except ColdSnapError as e:
         if e.receipt is not None and getattr(args, "json", False):  # a machine caller gets the receipt either way
             _emit(args, e.receipt)

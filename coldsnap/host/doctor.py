@@ -1,13 +1,11 @@
-"""`coldsnap doctor`: can this host capture and restore? One row per fact, each with a one-line fix.
-
-Also `capabilities()`: what this ColdSnap speaks and what was qualified where (`coldsnap capabilities --json`).
-"""
+"""`coldsnap doctor`: can this host capture and restore? One row per fact, each with a one-line fix."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
@@ -19,20 +17,12 @@ Status = Literal["ok", "warn", "fail"]
 
 CRIU_MIN = (4, 2)
 
-CAP_SYS_PTRACE = 19
 CAP_SYS_ADMIN = 21
 CAP_SYS_RESOURCE = 24
 CAP_CHECKPOINT_RESTORE = 40
 
-# Container tools: name → argv that prints its version.
-CONTAINER_TOOLS: dict[str, list[str]] = {
-    "runc": ["runc", "--version"],
-    "crun": ["crun", "--version"],
-    "podman": ["podman", "--version"],
-    "containerd": ["containerd", "--version"],
-    "dockerd": ["dockerd", "--version"],
-    "docker-registry": ["docker-registry", "--version"],
-}
+# Container tools, each asked for its `--version`.
+CONTAINER_TOOLS = ("runc", "crun", "podman", "containerd", "dockerd", "docker-registry")
 _EXTRA_PATH = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
 
 
@@ -57,32 +47,17 @@ def check_criu(criu_binary: str | None = None) -> list[Check]:
     try:
         version = criu_version(binary)
     except ColdSnapError as e:
-        return [
-            Check("criu version", "fail", e.message, fix, {"binary": binary, "version": None}),
-            Check("criu check", "fail", "skipped: no working CRIU", fix, {"ok": False}),
-        ]
+        return [Check("criu version", "fail", e.message, fix, {"binary": binary, "version": None}),
+                Check("criu check", "fail", "skipped: no working CRIU", fix, {"ok": False})]
+    facts = {"binary": binary, "version": version}
     if version_tuple(version) >= CRIU_MIN:
-        rows = [Check("criu version", "ok", f"{version} ({binary})", "", {"binary": binary, "version": version})]
+        rows = [Check("criu version", "ok", f"{version} ({binary})", "", facts)]
     else:
-        rows = [
-            Check(
-                "criu version",
-                "fail",
-                f"{version} ({binary}): kernels >= 6.16 need CRIU >= 4.2 (older ones fail on vDSO or sockets)",
-                fix,
-                {"binary": binary, "version": version},
-            )
-        ]
+        rows = [Check("criu version", "fail", f"{version} ({binary}): kernels >= 6.16 need CRIU >= 4.2 (older ones "
+                      "fail on vDSO or sockets)", fix, facts)]
     ok, detail = criu_check(binary)
-    rows.append(
-        Check(
-            "criu check",
-            "ok" if ok else "fail",
-            detail,
-            "" if ok else f"run `{binary} check` as root and read its complaints",
-            {"ok": ok},
-        )
-    )
+    rows.append(Check("criu check", "ok" if ok else "fail", detail,
+                      "" if ok else f"run `{binary} check` as root and read its complaints", {"ok": ok}))
     return rows
 
 
@@ -94,8 +69,6 @@ def import_pycriu():
         return pycriu, os.path.dirname(os.path.dirname(pycriu.__file__))
     except ImportError:
         pass
-    import sys
-
     path = str(settings().pycriu_path)
     if os.path.isdir(os.path.join(path, "pycriu")) and path not in sys.path:
         sys.path.append(path)
@@ -134,30 +107,21 @@ def check_pycriu(criu_binary: str | None = None, expected_version: str | None = 
     try:
         pycriu, where = import_pycriu()
     except Exception as e:  # noqa: BLE001 - ImportError or a protobuf mismatch inside it
-        return [
-            Check("pycriu import", "fail", f"{type(e).__name__}: {e}", fix),
-            Check("pycriu VERSION RPC", "fail", "skipped: pycriu not importable", fix),
-        ]
+        return [Check("pycriu import", "fail", f"{type(e).__name__}: {e}", fix),
+                Check("pycriu VERSION RPC", "fail", "skipped: pycriu not importable", fix)]
     rows = [Check("pycriu import", "ok", f"pycriu {getattr(pycriu, '__version__', '?')} from {where}")]
     try:
         version = pycriu_version_rpc(criu_binary)
     except Exception as e:  # noqa: BLE001
-        rows.append(
-            Check("pycriu VERSION RPC", "fail", f"criu swrk: {e}", "check that `criu swrk` runs as root with this CRIU")
-        )
-        return rows
-    if expected_version and version != expected_version:
-        rows.append(
-            Check(
-                "pycriu VERSION RPC",
-                "warn",
-                f"swrk says {version}, `criu --version` says {expected_version}",
-                "point COLDSNAP_CRIU and pycriu at the same CRIU",
-                {"version": version},
-            )
-        )
+        rows.append(Check("pycriu VERSION RPC", "fail", f"criu swrk: {e}",
+                          "check that `criu swrk` runs as root with this CRIU"))
     else:
-        rows.append(Check("pycriu VERSION RPC", "ok", f"criu swrk answered {version}", "", {"version": version}))
+        if expected_version and version != expected_version:
+            rows.append(Check("pycriu VERSION RPC", "warn", f"swrk says {version}, `criu --version` says "
+                              f"{expected_version}", "point COLDSNAP_CRIU and pycriu at the same CRIU",
+                              {"version": version}))
+        else:
+            rows.append(Check("pycriu VERSION RPC", "ok", f"criu swrk answered {version}", "", {"version": version}))
     return rows
 
 
@@ -169,14 +133,15 @@ def _which(name: str) -> str | None:
 
 def check_container_tools() -> list[Check]:
     rows = []
-    for name, argv in CONTAINER_TOOLS.items():
-        path = _which(argv[0])
+    for name in CONTAINER_TOOLS:
+        path = _which(name)
         if not path:
             rows.append(Check(f"tool {name}", "warn", "not installed (container capture unavailable through it)",
                               "make setup-containers"))
             continue
         try:
-            p = subprocess.run([path, *argv[1:]], capture_output=True, text=True, timeout=15, stdin=subprocess.DEVNULL)
+            p = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=15,
+                               stdin=subprocess.DEVNULL)
             first = ((p.stdout or "") + (p.stderr or "")).strip().splitlines()
             version = first[0].strip() if first else "?"
             status: Status = "ok" if p.returncode == 0 else "warn"
@@ -199,21 +164,15 @@ def cgroup_version(mountinfo: str | None = None) -> str:
     mounts: list[tuple[str, str]] = []  # (mount point, fs type)
     for line in mountinfo.splitlines():
         left, sep, right = line.partition(" - ")
-        if not sep:
-            continue
         fields = left.split()
-        fstype = right.split()[0] if right.split() else ""
-        if len(fields) >= 5 and fields[4].startswith("/sys/fs/cgroup"):
-            mounts.append((fields[4], fstype))
+        if sep and len(fields) >= 5 and fields[4].startswith("/sys/fs/cgroup"):
+            mounts.append((fields[4], (right.split() or [""])[0]))
     if ("/sys/fs/cgroup", "cgroup2") in mounts:
         return "v2"
-    has_v1 = any(t == "cgroup" for _, t in mounts)
-    has_v2 = any(t == "cgroup2" for _, t in mounts)
-    if has_v1 and has_v2:
-        return "hybrid"
-    if has_v1:
-        return "v1"
-    return "v2" if has_v2 else "none"
+    types = {t for _, t in mounts}
+    if "cgroup" in types:
+        return "hybrid" if "cgroup2" in types else "v1"
+    return "v2" if "cgroup2" in types else "none"
 
 
 def effective_capabilities(status_text: str | None = None) -> int:
@@ -239,33 +198,21 @@ def check_cgroup() -> Check:
 def check_capabilities(cap_eff: int | None = None) -> list[Check]:
     caps = effective_capabilities() if cap_eff is None else cap_eff
 
-    def has(bit: int) -> bool:
-        return bool(caps >> bit & 1)
+    def row(name: str, bit: int, status: Status, detail: str, fix: str = "") -> Check:
+        return Check(name, "ok", "held") if caps >> bit & 1 else Check(name, status, detail, fix)
 
-    rows = []
-    if has(CAP_SYS_ADMIN):
-        rows.append(Check("CAP_SYS_ADMIN", "ok", "held"))
+    admin = row("CAP_SYS_ADMIN", CAP_SYS_ADMIN, "fail", "missing: CRIU dump/restore and namespaces need it",
+                "run as root")
+    if admin.status == "ok":
+        restore = row("CAP_CHECKPOINT_RESTORE", CAP_CHECKPOINT_RESTORE, "ok",
+                      "missing, not needed while CAP_SYS_ADMIN is held")
     else:
-        rows.append(Check("CAP_SYS_ADMIN", "fail", "missing: CRIU dump/restore and namespaces need it", "run as root"))
-    if has(CAP_CHECKPOINT_RESTORE):
-        rows.append(Check("CAP_CHECKPOINT_RESTORE", "ok", "held"))
-    elif has(CAP_SYS_ADMIN):
-        rows.append(Check("CAP_CHECKPOINT_RESTORE", "ok", "missing, not needed while CAP_SYS_ADMIN is held"))
-    else:
-        rows.append(Check("CAP_CHECKPOINT_RESTORE", "fail", "missing (and no CAP_SYS_ADMIN)", "run as root"))
-    if has(CAP_SYS_RESOURCE):
-        rows.append(Check("CAP_SYS_RESOURCE", "ok", "held"))
-    else:
-        rows.append(
-            Check(
-                "CAP_SYS_RESOURCE",
-                "warn",
-                "missing: RLIMIT_NOFILE can't be raised above its hard limit; CRIU's "
-                "'rlimit: Can't setup RLIMIT_NOFILE' message is harmless",
-                "none needed; give containers --ulimit nofile within the hard limit",
-            )
-        )
-    return rows
+        restore = row("CAP_CHECKPOINT_RESTORE", CAP_CHECKPOINT_RESTORE, "fail", "missing (and no CAP_SYS_ADMIN)",
+                      "run as root")
+    resource = row("CAP_SYS_RESOURCE", CAP_SYS_RESOURCE, "warn", "missing: RLIMIT_NOFILE can't be raised above its "
+                   "hard limit; CRIU's 'rlimit: Can't setup RLIMIT_NOFILE' message is harmless",
+                   "none needed; give containers --ulimit nofile within the hard limit")
+    return [admin, restore, resource]
 
 
 def check_kernel() -> Check:
@@ -279,27 +226,23 @@ def check_nvidia() -> list[Check]:
     from coldsnap.gpu.cuda_checkpoint import CudaCheckpointAPI
 
     report = nvml.discover()
-    rows = []
     if report.gpus:
         listed = ", ".join(f"{g.index}: {g.name} {g.memory_mib} MiB cc {g.compute_capability}" for g in report.gpus)
-        rows.append(Check("nvidia gpus", "ok",
-                          f"driver {report.driver_version}, CUDA {report.cuda_version}; {listed}",
-                          "", {"driver": report.driver_version, "cuda": report.cuda_version,
-                               "count": len(report.gpus)}))
+        rows = [Check("nvidia gpus", "ok", f"driver {report.driver_version}, CUDA {report.cuda_version}; {listed}", "",
+                      {"driver": report.driver_version, "cuda": report.cuda_version, "count": len(report.gpus)})]
     elif report.driver_version:
-        rows.append(Check("nvidia gpus", "warn", f"driver {report.driver_version} but no GPU visible: CPU-only capture",
-                          "check the device nodes / NVIDIA_VISIBLE_DEVICES"))
+        rows = [Check("nvidia gpus", "warn", f"driver {report.driver_version} but no GPU visible: CPU-only capture",
+                      "check the device nodes / NVIDIA_VISIBLE_DEVICES")]
     else:
-        rows.append(Check("nvidia gpus", "warn", f"no GPU: CPU-only capture ({report.error})",
-                          "none needed for CPU workloads; GPU capture needs an NVIDIA driver r570+"))
+        rows = [Check("nvidia gpus", "warn", f"no GPU: CPU-only capture ({report.error})",
+                      "none needed for CPU workloads; GPU capture needs an NVIDIA driver r570+")]
     api = CudaCheckpointAPI()
     if api.available():
         rows.append(Check("cuda checkpoint api", "ok",
                           f"{api.lib_path} exports cuCheckpointProcess* (CUDA {api.driver_version_text()})"))
     else:
-        status: Status = "fail" if report.gpus else "warn"
-        fix = "upgrade the NVIDIA driver to r570+" if report.gpus else "none needed for CPU workloads"
-        rows.append(Check("cuda checkpoint api", status, str(api.unavailable_reason()), fix))
+        rows.append(Check("cuda checkpoint api", "fail" if report.gpus else "warn", str(api.unavailable_reason()),
+                          "upgrade the NVIDIA driver to r570+" if report.gpus else "none needed for CPU workloads"))
     return rows
 
 
@@ -318,11 +261,9 @@ def run_doctor() -> list[Check]:
     checks = _guard("criu", lambda: check_criu(criu))
     version = next((c.data.get("version") for c in checks if c.name == "criu version"), None)
     checks += _guard("pycriu", lambda: check_pycriu(criu, version))
-    checks += _guard("containers", check_container_tools)
-    checks += _guard("cgroup", check_cgroup)
-    checks += _guard("capabilities", check_capabilities)
-    checks += _guard("kernel", check_kernel)
-    checks += _guard("nvidia", check_nvidia)
+    for name, fn in (("containers", check_container_tools), ("cgroup", check_cgroup),
+                     ("capabilities", check_capabilities), ("kernel", check_kernel), ("nvidia", check_nvidia)):
+        checks += _guard(name, fn)
     return checks
 
 
@@ -338,30 +279,18 @@ def render_table(checks: list[Check]) -> str:
             lines.append(f"{'':<4}  {'':<{name_w}}  fix: {c.fix}")
     n_fail = sum(c.status == "fail" for c in checks)
     n_warn = sum(c.status == "warn" for c in checks)
-    lines.append("")
-    lines.append(f"{'OK' if not n_fail else 'NOT OK'}: {n_fail} failed, {n_warn} warning(s), {len(checks)} checks")
+    lines += ["", f"{'OK' if not n_fail else 'NOT OK'}: {n_fail} failed, {n_warn} warning(s), {len(checks)} checks"]
     return "\n".join(lines) + "\n"
 
 
 def doctor_json(checks: list[Check]) -> dict[str, Any]:
     """{"ok": no row failed, "checks": [...], "criu": {"binary", "version", "check"}}."""
     by_name = {c.name: c for c in checks}
-    version_row = by_name.get("criu version")
+    facts = by_name["criu version"].data if "criu version" in by_name else {}
     check_row = by_name.get("criu check")
-    return {
-        "ok": not any(c.status == "fail" for c in checks),
-        "checks": [c.to_dict() for c in checks],
-        "criu": {
-            "binary": version_row.data.get("binary") if version_row else None,
-            "version": version_row.data.get("version") if version_row else None,
-            "check": check_row.status if check_row else None,
-        },
-    }
+    return {"ok": not any(c.status == "fail" for c in checks), "checks": [c.to_dict() for c in checks],
+            "criu": {"binary": facts.get("binary"), "version": facts.get("version"),
+                     "check": check_row.status if check_row else None}}
 
 
-__all__ = [
-    "Check",
-    "doctor_json",
-    "render_table",
-    "run_doctor",
-]
+__all__ = ["Check", "doctor_json", "render_table", "run_doctor"]
