@@ -33,6 +33,7 @@ from pathlib import Path
 from coldsnap.base.files import WriteBehind, private_dir
 from coldsnap.base.paths import settings
 from coldsnap.capsule import CapsuleStore, pieces
+from coldsnap.capsule.payload import weight_layers
 from coldsnap.capsule.registry import push
 from coldsnap.capsule.signing import host_public_key_path
 from coldsnap.contracts import ColdSnapError, ErrorCode
@@ -168,12 +169,11 @@ def run_cold_node(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
         try:
             repo = "coldsnap/bench"
             store = CapsuleStore(settings().store)
-            for d in _payload_layers(store, cap.capsule):  # the weights: linked in, not copied (push skips them)
-                registry.hold(repo, d["digest"], store.blob_path(d["digest"]))
+            for d in weight_layers(store, store.load(cap.capsule)):  # linked in, not copied (push skips them)
+                registry.hold(repo, d.digest, store.blob_path(d.digest))
             pushed = push(CapsuleStore(settings().store), cap.capsule, f"{registry}/{repo}:cold-node", insecure=True)
             ref = f"{registry}/{repo}@{cap.capsule}"
-            payload = pushed.get("payload") or {}
-            biggest = _biggest_blob(CapsuleStore(settings().store), cap.capsule, payload)
+            biggest = _biggest_blob(store, cap.capsule)
             rate = registry_rate(registry, repo, *biggest)
             write_rate = storage_write_rate(Path(tmp), biggest[1])
             progress(f"pushed to {registry}; the registry serves a {biggest[1] / 2**20:.0f} MiB blob at "
@@ -242,7 +242,8 @@ def run_cold_node(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
                                             for k in SPANS},
                          "runs": two_commands},
         "capsule": {"digest": cap.capsule, "bytes": cap.receipt.facts(CaptureFacts).capsule_bytes, "staging_s": None,
-                    "payload_bytes": payload.get("bytes"), "capture_spans": {s.name: s.duration_s
+                    "weights_bytes": sum(d.size for d in weight_layers(store, store.load(cap.capsule))),
+                    "pushed_bytes": pushed.get("bytes_transferred"), "capture_spans": {s.name: s.duration_s
                                                                              for s in cap.receipt.spans}},
     }
     out = Path(opts.out)
@@ -268,21 +269,11 @@ def _storage(path: Path) -> str:
     return f"{best[0]} at {best[1]}"
 
 
-def _payload_layers(store: CapsuleStore, digest: str) -> list[dict]:
-    payload = store.load(digest).payload
-    if not payload or not store.has_blob(payload):
-        return []
-    return json.loads(store.blob_path(payload).read_bytes()).get("layers", [])
-
-
-def _biggest_blob(store: CapsuleStore, digest: str, payload: dict) -> tuple[str, int]:
-    """(digest, size) of the largest blob a first restore pulls: the weights payload's layer, or a capsule layer."""
-    manifests = [store.load(digest).manifest]
-    if payload.get("digest") and store.has_blob(payload["digest"]):
-        manifests.append(json.loads(store.blob_path(payload["digest"]).read_bytes()))
-    layers = [layer for m in manifests for layer in m.get("layers", [])]
-    best = max(layers, key=lambda layer: layer["size"])
-    return best["digest"], best["size"]
+def _biggest_blob(store: CapsuleStore, digest: str) -> tuple[str, int]:
+    """(digest, size) of the largest blob a first restore pulls: a weights layer, or another layer of the capsule."""
+    capsule = store.load(digest)
+    best = max([*capsule.layers, *weight_layers(store, capsule)], key=lambda d: d.size)
+    return best.digest, best.size
 
 
 def _first_restore(node: Path, ref: str, expected: str, one_command: bool = True) -> dict:

@@ -245,3 +245,56 @@ def test_staging_is_bounded_listed_and_freed_by_rm_and_gc(store, tmp_path, monke
     assert staged.path_of(kept).exists() and not staged.path_of(other).exists()
     remove(store, "demo")  # rm: untagged and no other entry names it: its staged images go at once
     assert not staged.path_of(kept).exists()
+
+
+def reachable_from_index(store) -> set[str]:
+    """Every blob a descriptor reaches from index.json: manifests, their configs and layers."""
+    seen, todo = set(), [m["digest"] for m in store.index()]
+    while todo:
+        digest = todo.pop()
+        if digest in seen:
+            continue
+        seen.add(digest)
+        try:
+            doc = json.loads(store.blob_path(digest).read_bytes())
+        except (ValueError, UnicodeDecodeError):
+            continue  # a layer
+        if isinstance(doc, dict):
+            todo += [d["digest"] for d in [doc.get("config") or {}, *(doc.get("layers") or [])] if d.get("digest")]
+    return seen
+
+
+def test_weights_that_travel_apart_are_layers_every_blob_reachable_and_put_back(store, tmp_path):
+    """A capsule's weight files are layers of its own manifest (path and mode annotated): any tool that copies the
+    capsule copies them, nothing in the store hides behind an annotation, and a host without the file gets it back
+    from the blob, with its mode. The capsule's size is its own, without the weights."""
+    import hashlib
+
+    from coldsnap.capsule.assemble import pack_capsule
+    from coldsnap.capsule.payload import materialize
+    from coldsnap.contracts import Model, WeightFile
+
+    weights = tmp_path / "model" / "model.safetensors"
+    weights.parent.mkdir()
+    weights.write_bytes(os.urandom(1 << 20))
+    weights.chmod(0o640)
+    wf = WeightFile(path=str(weights), sha256=hashlib.sha256(weights.read_bytes()).hexdigest(), size=1 << 20)
+    images = tmp_path / "images"
+    images.mkdir()
+    (images / "pages-1.img").write_bytes(b"criu images")
+    recovery = profile().model_copy(update={"weights_mode": "recovery",
+                                            "model": Model(id="m", revision="r", weights=[wf])})
+    packed = pack_capsule(store, images, [], recovery, "demo", weights_apart=True)
+    cap = store.load(packed.digest)
+    layers = [d for d in cap.layers if d.media_type == mt.LAYER_WEIGHTS]
+    assert [(d.digest, d.size) for d in layers] == [("sha256:" + wf.sha256, 1 << 20)]
+    assert layers[0].annotations[mt.ANNOTATION_PATH] == str(weights)
+    assert layers[0].annotations[mt.ANNOTATION_MODE] == "0o640"
+    assert cap.payload is None and mt.ANNOTATION_PAYLOAD not in cap.annotations
+    assert packed.size == sum(d.size for d in cap.layers if d.media_type != mt.LAYER_WEIGHTS)
+    blobs = {"sha256:" + p.name for p in store.blobs.iterdir()}
+    assert blobs == reachable_from_index(store)  # nothing unreachable: an OCI copy of the layout is whole
+    weights.unlink()
+    assert materialize(store, cap, [wf]) == [str(weights)]
+    assert weights.read_bytes() == store.blob_path("sha256:" + wf.sha256).read_bytes()
+    assert stat.S_IMODE(weights.stat().st_mode) == 0o640

@@ -15,6 +15,7 @@ from coldsnap.base.procfs import alive
 from coldsnap.capsule import CapsuleStore
 from coldsnap.contracts import CaptureRequest, ColdSnapError, ErrorCode, Policy, RestoreRequest
 from coldsnap.contracts import capsule as mt
+from coldsnap.contracts.results import CaptureFacts
 from coldsnap.flows.capture import capture
 from coldsnap.flows.receipts import receipt_path
 from coldsnap.flows.restore import restore
@@ -72,8 +73,8 @@ def test_capture_writes_a_private_verified_capsule_and_stops_the_workload(captur
     assert "--tcp-established" in p.criu_options
     # Everything that can hold process memory is private; the weights payload is a hard link of the pinned
     # (public, read-only) weights file and keeps its mode.
-    payload = cap.manifest["annotations"][mt.ANNOTATION_PAYLOAD]
-    weight_blobs = {d["digest"].split(":")[1] for d in json.loads(store.blob_path(payload).read_text())["layers"]}
+    weight_blobs = {d.digest.split(":")[1] for d in cap.layers if d.media_type == mt.LAYER_WEIGHTS}
+    assert weight_blobs == {p.model.weights[0].sha256}
     for blob in store.blobs.iterdir():
         if blob.name not in weight_blobs:
             assert stat.S_IMODE(blob.stat().st_mode) == 0o600, blob
@@ -157,9 +158,11 @@ def test_native_weights_travel_as_a_payload_beside_the_images(env):
     assert ".native-" in saved.path and stat.S_IMODE(os.stat(saved.path).st_mode) == 0o600
     store = CapsuleStore(settings().store)
     cap = store.load(res.capsule)
-    payload = json.loads(store.blob_path(cap.manifest["annotations"][mt.ANNOTATION_PAYLOAD]).read_text())
-    assert [d["digest"] for d in payload["layers"]] == ["sha256:" + saved.sha256]
-    assert not any(d.media_type == mt.LAYER_WEIGHTS for d in cap.layers)  # not in the capsule itself
+    # the saved weights are a layer of their own, reached from the capsule's manifest (not in its images)
+    assert [d.digest for d in cap.layers if d.media_type == mt.LAYER_WEIGHTS] == ["sha256:" + saved.sha256]
+    assert mt.ANNOTATION_PAYLOAD not in cap.annotations
+    own = sum(d.size for d in cap.layers if d.media_type != mt.LAYER_WEIGHTS)
+    assert res.receipt.facts(CaptureFacts).capsule_bytes == own  # the receipt's size is the capsule's own
 
     os.unlink(saved.path)  # as on a host that never had it
     r = restore(RestoreRequest(operation="restore", capsule=res.capsule, policy=Policy(fallback_to_cold=False)))

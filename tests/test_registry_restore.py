@@ -36,13 +36,14 @@ def test_pull_into_an_empty_store_restores_and_shares_weights(registry, tmp_path
     second = fast_capture("pyt-reg", "two")
     assert first.capsule != second.capsule
     origin = CapsuleStore(settings().store)
-    payloads = {origin.load(c.capsule).manifest["annotations"][mt.ANNOTATION_PAYLOAD] for c in (first, second)}
-    assert len(payloads) == 1  # one shared weights payload
+    shared = {tuple(d.digest for d in origin.load(c.capsule).layers if d.media_type == mt.LAYER_WEIGHTS)
+              for c in (first, second)}
     weights = first.profile.model.weights[0]
+    assert shared == {("sha256:" + weights.sha256,)}  # the weights are layers of both capsules: the same blob
     r1 = push(origin, first.capsule, f"{registry}/coldsnap/ref:one", insecure=True)
     r2 = push(origin, second.capsule, f"{registry}/coldsnap/ref:two", insecure=True)
-    assert r1["payload"]["bytes_transferred"] >= os.path.getsize(weights.path)  # weights + the empty config
-    assert r2["payload"]["bytes_transferred"] == 0  # the registry already has the weights
+    assert "sha256:" + weights.sha256 in r1["blobs_uploaded"] and r1["bytes_transferred"] >= weights.size
+    assert "sha256:" + weights.sha256 in r2["blobs_present"]  # the registry already has the weights
 
     # A fresh host: an empty store and no weights file at the pinned path.
     store_dir = settings().store

@@ -1,8 +1,10 @@
 """Capsule assembly: the one writer of the capsule format, shared by process and container captures.
 
 A capsule is an OCI image manifest in the store: the CRIU images (criu.tar.zst), the files the tree held open
-outside them (files.tar.zst), the weights manifest, and annotations (engine, model, environment names, the weights
-payload, the template it was captured with). Its config blob is the CapsuleProfile."""
+outside them (files.tar.zst), the weights manifest, the weight files when they travel apart from the images (one
+layer each, coldsnap.capsule.payload), and annotations (engine, model, environment names, the template it was
+captured with). Its config blob is the CapsuleProfile. Every blob is reached through its manifest's descriptors, so
+any OCI tool copies a capsule whole by its tag or its digest."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from coldsnap.base.journal import Blob, Dir, Journal
 from coldsnap.capsule import trust
 from coldsnap.capsule.gc import discard
 from coldsnap.capsule.pack import pack_dir
-from coldsnap.capsule.payload import write_payload
+from coldsnap.capsule.payload import put_weights
 from coldsnap.capsule.store import CapsuleStore, Descriptor
 from coldsnap.contracts import CapsuleProfile, CapturedFile, CaptureRequest, EngineRelease, HostProfile
 from coldsnap.contracts import capsule as mt
@@ -28,7 +30,7 @@ from coldsnap.contracts.profile import SnapshotDriver
 @dataclass
 class PackedCapsule:
     digest: str
-    size: int  # the layers' bytes
+    size: int  # the bytes of its layers but the weights (shared by every capsule of the model)
     weights_apart: bool
     signed_by: str  # this host's key
 
@@ -50,8 +52,8 @@ def capsule_profile(driver: SnapshotDriver, request: CaptureRequest, host: HostP
 
 
 def weights_travel_apart(profile: CapsuleProfile, released: EngineRelease | None) -> bool:
-    """Whether the weights go as a payload beside the images: pinned files (recovery) or the engine's own save of
-    its native weights. Otherwise (native weights kept in memory) they are in the images."""
+    """Whether the weights travel apart from the images, as layers of their own: pinned files (recovery) or the
+    engine's own save of its native weights. Otherwise (native weights kept in memory) they are in the images."""
     return profile.weights_mode == "recovery" or bool(released and released.saved_weights)
 
 
@@ -73,7 +75,8 @@ def pack_capsule(store: CapsuleStore, images: Path, files: list[CapturedFile], p
         shutil.rmtree(scratch, ignore_errors=True)
         if journal and entry:
             journal.drop(entry)
-    size = sum(int(layer["size"]) for layer in json.loads(store.blob_path(digest).read_text())["layers"])
+    size = sum(int(layer["size"]) for layer in json.loads(store.blob_path(digest).read_text())["layers"]
+               if layer["mediaType"] != mt.LAYER_WEIGHTS)
     return PackedCapsule(digest=digest, size=size, weights_apart=weights_apart,
                          signed_by=trust.adopt_capture(store, digest))  # how a restore on this host knows it
 
@@ -111,9 +114,9 @@ def _write(store: CapsuleStore, scratch: Path, files: list[CapturedFile], images
     if env_names:
         annotations[mt.ANNOTATION_ENV_NAMES] = ",".join(env_names)
     if payload and profile.model and profile.model.weights:
-        # The weight files as a content-addressed payload artifact beside the images: restores on a host that lacks
-        # them pull it once, and capsules of the same weights share it.
-        annotations[mt.ANNOTATION_PAYLOAD] = write_payload(store, profile.model.weights, keep=keep, scratch=scratch)
+        # The weight files as layers of their own beside the images: restores on a host that lacks them pull them
+        # once, and capsules of the same weights share their blobs.
+        layers += put_weights(store, profile.model.weights, keep=keep, scratch=scratch)
     if profile.model:
         annotations[mt.ANNOTATION_MODEL] = f"{profile.model.id}@{profile.model.revision}"
     if template_capsule:

@@ -73,8 +73,9 @@ def reachable(store: CapsuleStore) -> set[str]:
 
 
 def list_capsules(store: CapsuleStore) -> list[dict]:
-    """One row per capsule in index.json: digest, tag, created, engine, size (bytes of manifest+config+layers),
-    complete (every blob present) and staged_bytes (its unpacked images, 0 when not staged)."""
+    """One row per capsule in index.json: digest, tag, created, engine, size (bytes of manifest+config+layers but
+    the weights), weights_bytes (its weights layers, shared by every capsule of the model), complete (every blob
+    present) and staged_bytes (its unpacked images, 0 when not staged)."""
     rows = []
     unpacked = {e.digest: e.bytes for e in staged.entries()}
     for entry in store.index():
@@ -83,13 +84,16 @@ def list_capsules(store: CapsuleStore) -> list[dict]:
         if manifest is not None and manifest.get("artifactType") != mt.ARTIFACT_TYPE:
             continue  # another tool's artifact in the layout (a signature, an image): not a capsule
         row = {"digest": digest, "tag": tag_of(entry), "created": None, "engine": None, "size": None,
-               "complete": False, "staged_bytes": unpacked.get(digest, 0) if digest else 0}
+               "weights_bytes": 0, "complete": False, "staged_bytes": unpacked.get(digest, 0) if digest else 0}
         if manifest:
             ann = manifest_annotations(manifest)
             row["created"] = ann.get(mt.ANNOTATION_CREATED)
             row["engine"] = ann.get(mt.ANNOTATION_ENGINE)
             descs = [manifest.get("config") or {}] + list(manifest.get("layers") or [])
-            row["size"] = int(entry.get("size", 0)) + sum(int(d.get("size", 0)) for d in descs)
+            weights = [d for d in descs if d.get("mediaType") == mt.LAYER_WEIGHTS]
+            weights_bytes = sum(int(d.get("size", 0)) for d in weights)
+            row["weights_bytes"] = weights_bytes
+            row["size"] = int(entry.get("size", 0)) + sum(int(d.get("size", 0)) for d in descs) - weights_bytes
             row["complete"] = all(store.has_blob(d["digest"]) for d in descs if DIGEST_RE.match(d.get("digest", "")))
             if row["engine"] is None and (cfg := _json_blob(store, (manifest.get("config") or {}).get("digest", ""))):
                 engine = cfg.get("engine")

@@ -1,6 +1,11 @@
-"""Weights payloads: the safetensors files of one model revision as their own content-addressed OCI artifact,
-referenced from capsules by the `io.coldsnap.payload` annotation. Every capsule of the same weights shares the
-same payload and blobs, so a second capsule of a model moves no weight bytes; the capsule itself never holds them."""
+"""Weights that travel apart from the CRIU images: the safetensors files of one model revision as blobs of their
+own, content-addressed, listed as layers of the capsule's manifest (media type LAYER_WEIGHTS, each with its path and
+mode). Every capsule of the same weights names the same blobs, so a second capsule of a model moves no weight bytes
+(a registry keeps one copy of a blob across manifests and repositories), and any tool that copies the capsule by tag
+or digest copies its weights with it.
+
+Capsules written before kept them in a payload artifact of their own, named by the `io.coldsnap.payload`
+annotation: those still stage (materialize) and pull."""
 
 from __future__ import annotations
 
@@ -12,18 +17,19 @@ from typing import Callable
 
 from coldsnap.base.digests import remember_hashed, remember_pieces
 from coldsnap.capsule.pinned import mismatch
-from coldsnap.capsule.store import CapsuleStore, Descriptor, reuse
+from coldsnap.capsule.store import CapsuleStore, Descriptor, LoadedCapsule, reuse
 from coldsnap.contracts import ColdSnapError, ErrorCode, WeightFile
 from coldsnap.contracts import capsule as mt
 
 EMPTY_CONFIG = b"{}"
 
 
-def write_payload(store: CapsuleStore, weights: list[WeightFile],
-                  keep: Callable[[Descriptor], Descriptor] = lambda d: d, scratch: Path | None = None) -> str:
+def put_weights(store: CapsuleStore, weights: list[WeightFile],
+                keep: Callable[[Descriptor], Descriptor] = lambda d: d, scratch: Path | None = None
+                ) -> list[Descriptor]:
     """Add the weight files to the store (hard-linked when on the same filesystem: they are immutable and pinned by
-    digest) and write a payload manifest. Returns its digest (not indexed: capsules reference it). keep(descriptor)
-    is told of every blob written or reused (a capture journals them, so gc spares them until they are indexed)."""
+    digest); returns their layer descriptors. keep(descriptor) is told of every blob written or reused (a capture
+    journals them, so gc spares them until they are indexed)."""
     layers = []
     for wf in weights:
         digest = "sha256:" + wf.sha256
@@ -49,6 +55,14 @@ def write_payload(store: CapsuleStore, weights: list[WeightFile],
         layers.append(keep(Descriptor(mt.LAYER_WEIGHTS, digest, size,
                                       {mt.ANNOTATION_TITLE: Path(wf.path).name, mt.ANNOTATION_PATH: wf.path,
                                        mt.ANNOTATION_MODE: mode})))
+    return layers
+
+
+def write_payload(store: CapsuleStore, weights: list[WeightFile],
+                  keep: Callable[[Descriptor], Descriptor] = lambda d: d, scratch: Path | None = None) -> str:
+    """The earlier format: the weights as a payload artifact of their own; returns its manifest digest (not
+    indexed: capsules name it in their `io.coldsnap.payload` annotation)."""
+    layers = put_weights(store, weights, keep, scratch)
     config = keep(store.put_bytes(EMPTY_CONFIG, "application/vnd.oci.empty.v1+json"))
     manifest = {"schemaVersion": 2, "mediaType": mt.MANIFEST_MEDIA_TYPE, "artifactType": mt.PAYLOAD_ARTIFACT_TYPE,
                 "config": config.to_json(), "layers": [d.to_json() for d in layers]}
@@ -56,31 +70,35 @@ def write_payload(store: CapsuleStore, weights: list[WeightFile],
                                 mt.MANIFEST_MEDIA_TYPE)).digest
 
 
-def _modes(store: CapsuleStore, payload_digest: str) -> dict[str, int]:
+def weight_layers(store: CapsuleStore, capsule: LoadedCapsule) -> list[Descriptor]:
+    """The capsule's weights layers: in its own manifest, or (earlier capsules) in its payload's."""
+    if not capsule.payload:
+        return [d for d in capsule.layers if d.media_type == mt.LAYER_WEIGHTS]
     try:
-        manifest = json.loads(store.blob_path(payload_digest).read_bytes())
-    except (OSError, ValueError):
-        return {}
-    return {d["digest"]: int(d.get("annotations", {}).get(mt.ANNOTATION_MODE, "0o644"), 8)
-            for d in manifest.get("layers", [])}
+        manifest = json.loads(store.blob_path(capsule.payload).read_bytes())
+        return [Descriptor.from_json(d) for d in manifest.get("layers", [])]
+    except (OSError, ValueError, AttributeError):
+        return []
 
 
-def materialize(store: CapsuleStore, payload_digest: str, weights: list[WeightFile]) -> list[str]:
-    """Put missing weight files back at their pinned paths (and modes) from the payload's verified blobs."""
+def materialize(store: CapsuleStore, capsule: LoadedCapsule, weights: list[WeightFile]) -> list[str]:
+    """Put missing weight files back at their pinned paths (and modes) from the capsule's verified weights blobs."""
     placed = []
-    modes = _modes(store, payload_digest)
+    source = f"payload {capsule.payload}" if capsule.payload else f"capsule {capsule.digest}"
+    modes = {d.digest: int((d.annotations or {}).get(mt.ANNOTATION_MODE, "0o644"), 8)
+             for d in weight_layers(store, capsule)}
     for wf in weights:
         if os.path.exists(wf.path) and os.path.getsize(wf.path) > 0:
             continue  # verify_weights checks its digest
         desc = Descriptor(mt.LAYER_WEIGHTS, "sha256:" + wf.sha256, wf.size or os.path.getsize(
             store.blob_path("sha256:" + wf.sha256)) if store.has_blob("sha256:" + wf.sha256) else 0)
         if not store.has_blob(desc.digest):
-            raise ColdSnapError(ErrorCode.INCOMPATIBLE, f"weight file {wf.path} is missing and payload "
-                                f"{payload_digest} does not hold it")
+            raise ColdSnapError(ErrorCode.INCOMPATIBLE, f"weight file {wf.path} is missing and {source} "
+                                "does not hold it")
         if wf.chunks and wf.chunk_bytes:  # pinned by pieces: checked by pieces, on every core (a pull may never
             src = store.blob_path(desc.digest)  # have computed its whole digest: coldsnap.capsule.pieces)
             if why := mismatch(src, wf):
-                raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"blob {desc.digest} of payload {payload_digest} "
+                raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"blob {desc.digest} of {source} "
                                     f"{why}")
         else:
             src = store.verify_blob(desc)

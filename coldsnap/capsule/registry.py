@@ -379,7 +379,7 @@ class PullResult(str):
     seconds: float
     tag: str | None
     manifest_written: str | None  # the manifest blob, when this pull wrote it (not there before)
-    payload_bytes: int  # moved by the pull of the capsule's weights payload (part of bytes_transferred)
+    payload_bytes: int  # the capsule's weights moved (part of bytes_transferred)
     signatures: int  # signature bundles pulled along with the capsule
     template: dict | None = None  # a full capsule's template: {digest, pulled} (False: not in the registry)
 
@@ -557,9 +557,10 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
          on_blobs: Callable[[str, dict], None] | None = None, pins: dict[str, WeightFile] | None = None
          ) -> PullResult:
     """Fetch the capsule `ref` into `store`; returns its manifest digest (a PullResult: .bytes_transferred …).
-    For a capsule with a weights payload, on_blobs(digest, manifest) is called once the capsule's own blobs are in
-    the store (verified), before the payload moves; the capsule itself is not listed yet. A payload's weights blobs
-    that the capsule pins piece by piece (`pins`, from its verified profile) are fetched and checked by pieces."""
+    For a capsule whose weights travel apart, on_blobs(digest, manifest) is called once the capsule's own blobs are
+    in the store (verified), before the weights move; the capsule itself is not listed yet. Weights blobs that the
+    capsule pins piece by piece (from its verified profile; `pins` for an earlier capsule's payload) are fetched
+    and checked by pieces."""
     t0 = time.monotonic()
     remote = parse_remote(ref)
     if not remote.digest and not allow_unpinned:
@@ -605,18 +606,22 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
     payload, template = annotations.get(mt.ANNOTATION_PAYLOAD), annotations.get(mt.ANNOTATION_TEMPLATE)
     pulled: list[PullResult] = []  # what this pull brought before the capsule itself
     early = _Fetched()
+    descs = _descriptors(manifest, digest)
+    own = [d for d in descs if d.media_type != mt.LAYER_WEIGHTS]
     try:
-        if payload:
+        if artifact_type == mt.ARTIFACT_TYPE and (payload or len(own) < len(descs)):
             # The capsule's own blobs first (its profile and CRIU images, small): a restore that pulls can unpack
             # the images while the weights stream in (on_blobs). The capsule is listed only once all is here.
-            descs = _descriptors(manifest, digest)
-            with _blob_locks(store, [d.digest for d in descs]):
-                early = _fetch_missing(store, client, descs, progress)
+            with _blob_locks(store, [d.digest for d in own]):
+                early = _fetch_missing(store, client, own, progress)
             if on_blobs is not None:
                 on_blobs(digest, manifest)
-            # then the shared weights: only their missing blobs move
+            # then the shared weights, fetched and checked by the pieces its verified profile pins: only their
+            # missing blobs move
+            pins = _weight_pins(store, manifest)
+        if payload:  # an earlier capsule: its weights are a payload artifact of their own
             pulled.append(pull(store, f"{remote.name}@{payload}", insecure, True, progress,
-                               artifact_type=mt.PAYLOAD_ARTIFACT_TYPE, pins=_weight_pins(store, manifest)))
+                               artifact_type=mt.PAYLOAD_ARTIFACT_TYPE, pins=pins))
         if template:  # pinned by this manifest; verified and trusted as a capsule of its own
             got = _pull_template(store, f"{remote.name}@{template}", insecure, progress)
             pulled += [got] if got is not None else []
@@ -740,7 +745,8 @@ def _pull_capsule(store: CapsuleStore, client: "_Client", remote: RemoteRef, raw
     if artifact_type == mt.ARTIFACT_TYPE:  # where it came from and who vouches for it: the restore policy's input
         trust.record(store, digest, "pull", remote.tagged)
         signatures = referrers.pull(client, store, digest)
-    payload_bytes = payload_result.bytes_transferred if payload_result else 0
+    payload_bytes = payload_result.bytes_transferred if payload_result else sum(
+        d.size for d in descs if d.media_type == mt.LAYER_WEIGHTS and d.digest in got.digests)
     return PullResult(digest, payload_bytes=payload_bytes, bytes_transferred=early.received + got.received
                       + payload_bytes, blobs_fetched=fetched,
                       blobs_present=[d.digest for d in descs if d.digest not in fetched],

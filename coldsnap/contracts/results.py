@@ -33,7 +33,7 @@ class CaptureFacts(Facts):
     capsule: str = Field(description="The capsule's digest.")
     capsule_bytes: int
     signed_by: str = Field(description="The fingerprint of the key that signed it (this host's).")
-    weights_apart: bool = Field(description="The weights travel as a payload beside the images.")
+    weights_apart: bool = Field(description="The weights travel apart from the images (layers of their own).")
     zero_pages: ZeroPages
     tag: str | None = None
     snapshot_driver: str | None = None

@@ -45,12 +45,11 @@ def stage(capsule: LoadedCapsule) -> StagedForRestore:
     with _timed(parts, "verify"):
         store.verify(capsule)
     profile = capsule.profile
-    payload = capsule.payload
     if reloads_weights(capsule):
         assert profile.model is not None  # reloads_weights: there is a model
         with _timed(parts, "weights"):
-            if payload:
-                materialize(store, payload, profile.model.weights)
+            if weights_travel(capsule):
+                materialize(store, capsule, profile.model.weights)
             verify_weights(profile.model.weights)
     private_dir(staged_area.root())
     root = staged_area.path_of(capsule.digest)
@@ -131,7 +130,12 @@ def _unpack_layers(store: CapsuleStore, digest: str, criu: str, files: str | Non
 def reloads_weights(capsule: LoadedCapsule) -> bool:
     """Whether the restored engine reloads its weights from files (recovery's pinned files, or native weights that
     travel as a payload), rather than finding them in its restored memory."""
-    return bool(capsule.profile.model) and (bool(capsule.payload) or capsule.profile.weights_mode == "recovery")
+    return bool(capsule.profile.model) and (weights_travel(capsule) or capsule.profile.weights_mode == "recovery")
+
+
+def weights_travel(capsule: LoadedCapsule) -> bool:
+    """Its weight files travel with it (layers of their own, or an earlier capsule's payload)."""
+    return bool(capsule.payload) or capsule.layer(mt.LAYER_WEIGHTS) is not None
 
 
 def put_back_files(staged: StagedForRestore, only_code: bool = False) -> None:
