@@ -6,8 +6,7 @@ inode, size, mtime and ctime. Any write to the file moves its ctime, and no syst
 changed after its check is hashed again before use. A file changed within a second before its check is not
 remembered: timestamps advance by clock ticks, so a second change in the same tick could leave the same ctime (git's
 "racily clean" index entries, the same answer). (Not caught: a write to the disk underneath the file system. The
-store is as safe as the disk that holds it.) The memo lives in $COLDSNAP_HOME/digests.json, mode 0600.
-"""
+store is as safe as the disk that holds it.) The memo lives in $COLDSNAP_HOME/digests.json, mode 0600."""
 
 from __future__ import annotations
 
@@ -16,6 +15,7 @@ import json
 import os
 import threading
 import time
+from contextlib import suppress
 from pathlib import Path
 from typing import Callable
 
@@ -61,15 +61,9 @@ def _remember(key: str, before: os.stat_result, started_ns: int | None, **facts)
     if started_ns is not None and started_ns - before.st_ctime_ns < SETTLED_NS:
         return
     memo = {p: e for p, e in _read_memo().items() if os.path.exists(p)}  # forget files that are gone
-    found = memo.get(key)
-    entry: dict = found if isinstance(found, dict) else {}
-    if entry.get("version") != _version(before):
-        entry = {}
-    memo[key] = {**entry, "version": _version(before), **facts}
-    try:
+    memo[key] = {**_memo_entry(key, before, memo), "version": _version(before), **facts}
+    with suppress(OSError):  # no memo: the next check hashes again
         atomic_write(_memo_path(), json.dumps(memo).encode())
-    except OSError:
-        pass  # no memo: the next check hashes again
 
 
 def remember_hashed(path: str | os.PathLike, digest: str, **facts) -> None:
@@ -91,15 +85,15 @@ def remember_pieces(path: str | os.PathLike, chunks: list[str], chunk_bytes: int
 
 
 def known_by_pieces_only(path: str | os.PathLike) -> bool:
-    """Whether the file, as it is now, was checked only piece by piece (remember_pieces): its whole digest never
-    computed."""
+    """Whether the file, as it is now, was checked only piece by piece (remember_pieces), never as a whole."""
     key = os.path.abspath(os.fspath(path))
     entry = _memo_entry(key, os.stat(key))
     return "chunks" in entry and "sha256" not in entry
 
 
-def _memo_entry(key: str, before: os.stat_result) -> dict:
-    entry = _read_memo().get(key)
+def _memo_entry(key: str, before: os.stat_result, memo: dict | None = None) -> dict:
+    """The memo's entry for the file at `before`'s version; {} for none, or for one of another version."""
+    entry = (_read_memo() if memo is None else memo).get(key)
     return entry if isinstance(entry, dict) and entry.get("version") == _version(before) else {}
 
 
@@ -123,12 +117,7 @@ def checked_sha256(path: str | os.PathLike) -> tuple[str, int]:
 CHUNK_BYTES = 256 << 20
 
 
-def _workers() -> int:
-    return max(1, min(32, os.cpu_count() or 1))
-
-
 def chunk_sha256(fd: int, offset: int, length: int) -> str:
-    """sha256 (hex) of `length` bytes of the open file at `offset`."""
     h = hashlib.sha256()
     done = 0
     while done < length:
@@ -148,7 +137,7 @@ def chunk_sha256s(path: str | os.PathLike, chunk_bytes: int = CHUNK_BYTES) -> li
     try:
         size = os.fstat(fd).st_size
         offsets = range(0, size, chunk_bytes)
-        with ThreadPoolExecutor(_workers()) as pool:
+        with ThreadPoolExecutor(max(1, min(32, os.cpu_count() or 1))) as pool:
             return list(pool.map(lambda o: chunk_sha256(fd, o, min(chunk_bytes, size - o)), offsets))
     finally:
         os.close(fd)
@@ -180,16 +169,14 @@ def pin_in_background(paths: list[str]) -> Callable[[], None]:
     cold: a capture then finds the whole-file stream done. Returns wait(). A file that changes meanwhile is not
     remembered, and is hashed again when it is pinned for real."""
     todo = [p for p in paths if os.path.isfile(p)]
+    if not todo:
+        return lambda: None
 
     def run() -> None:
         for p in todo:
-            try:
+            with suppress(OSError):  # gone or unreadable now: pinning it for real says so
                 pinned_digests(p)
-            except OSError:  # gone or unreadable now: pinning it for real says so
-                pass
 
-    if not todo:
-        return lambda: None
     thread = threading.Thread(target=run, name="pin-ahead", daemon=True)
     thread.start()
     return thread.join
@@ -213,6 +200,5 @@ def checked_chunks(path: str | os.PathLike, chunks: list[str], chunk_bytes: int)
 
 
 def file_sha256(path: str | os.PathLike) -> str:
-    """The file's sha256 as 64 hex digits (how weight files are pinned), hashed only when it changed since its last
-    check."""
+    """The file's sha256 as 64 hex digits (how weight files are pinned); checked_sha256's memo applies."""
     return checked_sha256(path)[0].removeprefix("sha256:")

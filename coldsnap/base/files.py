@@ -147,12 +147,10 @@ def copy_sparse(src: str | os.PathLike, dst: str | os.PathLike, size: int, block
                 hole_at = min(os.lseek(fdi, data_at, os.SEEK_HOLE), size)
             except OSError:
                 hole_at = size
-            os.lseek(fdi, data_at, os.SEEK_SET)
             pos = data_at
             while pos < hole_at:
-                chunk = os.read(fdi, min(block, hole_at - pos))
-                if not chunk:
-                    hole_at = pos
+                chunk = os.pread(fdi, min(block, hole_at - pos), pos)
+                if not chunk:  # the file ended early: the next SEEK_DATA finds no more
                     break
                 if chunk != zero[:len(chunk)]:
                     os.pwrite(fo.fileno(), chunk, pos)

@@ -17,10 +17,11 @@ import os
 import uuid
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, dataclass_transform
 
 from coldsnap.base.files import atomic_write, private_dir
 from coldsnap.base.paths import settings
+from coldsnap.base.procfs import alive
 
 
 def start_time(pid: int) -> int | None:
@@ -36,63 +37,56 @@ def same_process(pid: int | None, started: int | None) -> bool:
     """Whether pid still names the process that had this start time (not a later one given the same PID)."""
     if not pid or started is None:
         return False
-    now = start_time(pid)
-    if now != started:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
+    return start_time(pid) == started and alive(pid)
+
+
+THINGS: dict[str, type[Thing]] = {}
 
 
 # --- what an operation records, kind by kind (the file says each one's kind; recovery reads them by type) ---------
-@dataclass(eq=False)  # a thing is itself: drop() and `in` go by identity
+@dataclass_transform(eq_default=False)
+@dataclass(eq=False)
 class Thing:
+    """Each kind is a dataclass compared by identity (drop() and `in`), registered in THINGS under its kind."""
+
     kind: ClassVar[str] = ""
 
+    def __init_subclass__(cls, kind: str, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.kind = kind
+        dataclass(eq=False)(cls)
+        THINGS[kind] = cls
 
-@dataclass(eq=False)
-class Dir(Thing):
-    """A work, staging or scratch directory (workload_dir: the workload's run directory, kept with a kept
-    workload)."""
 
-    kind: ClassVar[str] = "dir"
+class Dir(Thing, kind="dir"):
+    """A work, staging or scratch directory (workload_dir: the workload's run directory, kept with a kept workload)."""
+
     path: str
     workload_dir: bool = False
 
 
-@dataclass(eq=False)
-class Network(Thing):
+class Network(Thing, kind="network"):
     """A network namespace with its veth and addresses: a NetworkPlan's JSON (pydantic stays off this floor)."""
 
-    kind: ClassVar[str] = "network"
     plan: dict[str, Any]
 
 
-@dataclass(eq=False)
-class Workload(Thing):
+class Workload(Thing, kind="workload"):
     """A workload's process tree in its network namespace; pid and start once it runs."""
 
-    kind: ClassVar[str] = "workload"
     name: str
     netns: str
     pid: int | None = None
     start: int | None = None
 
 
-@dataclass(eq=False)
-class Validated(Thing):
+class Validated(Thing, kind="validated"):
     """The capture's workload answered its validation: a --leave-running workload is kept from here on."""
 
-    kind: ClassVar[str] = "validated"
 
-
-@dataclass(eq=False)
-class Released(Thing):
+class Released(Thing, kind="released"):
     """An engine released for the dump: resumed if the operation dies (container_pid: a container's engine)."""
 
-    kind: ClassVar[str] = "released"
     engine: str
     weights_mode: str
     port: int
@@ -100,37 +94,23 @@ class Released(Thing):
     container_pid: int | None = None
 
 
-@dataclass(eq=False)
-class ShmFiles(Thing):
+class ShmFiles(Thing, kind="files"):
     """Host /dev/shm files a dumped tree used (with_workload: they go with the workload)."""
 
-    kind: ClassVar[str] = "files"
     paths: list[str]
     with_workload: bool = False
 
 
-@dataclass(eq=False)
-class CudaTree(Thing):
+class CudaTree(Thing, kind="cuda"):
     """A process tree whose CUDA state the driver checkpointed: restored if the operation dies."""
 
-    kind: ClassVar[str] = "cuda"
     root: int
 
 
-@dataclass(eq=False)
-class Blob(Thing):
+class Blob(Thing, kind="blob"):
     """A store blob a capture wrote or reuses: gc spares it until the capsule is indexed."""
 
-    kind: ClassVar[str] = "blob"
     digest: str
-
-
-THINGS: dict[str, type[Thing]] = {t.kind: t for t in (Dir, Network, Workload, Validated, Released, ShmFiles,
-                                                      CudaTree, Blob)}
-
-
-def _thing_to_json(thing: Thing) -> dict[str, Any]:
-    return {"kind": thing.kind, **asdict(thing)}
 
 
 def _thing_of(data: dict[str, Any]) -> Thing | None:
@@ -177,8 +157,9 @@ class Journal:
             return None
 
     def _write(self) -> None:
+        things = [{"kind": t.kind, **asdict(t)} for t in self.things]
         atomic_write(self.path, json.dumps({"kind": self.kind, "owner": self.owner, "about": self.about,
-                                            "things": [_thing_to_json(t) for t in self.things]}, indent=1).encode())
+                                            "things": things}, indent=1).encode())
 
     def add(self, thing: T) -> T:
         """Record a thing before making it (written to disk before this returns)."""
@@ -195,7 +176,6 @@ class Journal:
         self._write()
 
     def of(self, kind: type[T]) -> list[T]:
-        """Its things of one kind, in the order they were recorded."""
         return [t for t in self.things if isinstance(t, kind)]
 
     def drop(self, entry: Thing) -> None:
@@ -213,9 +193,5 @@ class Journal:
 
 def entries() -> list[Journal]:
     root = ops_dir()
-    out = []
-    for path in sorted(root.glob("*.json")) if root.is_dir() else []:
-        journal = Journal.load(path)
-        if journal is not None:
-            out.append(journal)
-    return out
+    journals = [Journal.load(path) for path in sorted(root.glob("*.json"))] if root.is_dir() else []
+    return [j for j in journals if j is not None]

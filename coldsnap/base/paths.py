@@ -57,14 +57,12 @@ VARIABLES = (
 
 
 def _env(name: str) -> str | None:
-    value = os.environ.get(name)
-    return value if value else None
+    return os.environ.get(name) or None
 
 
 def _flag(name: str, default: bool) -> bool:
     """'0' is off, any other value on; unset is the default."""
-    value = os.environ.get(name)
-    return default if value is None or value == "" else value != "0"
+    return value != "0" if (value := os.environ.get(name)) else default
 
 
 @dataclass(frozen=True)
@@ -111,9 +109,7 @@ class Settings:
 
     @property
     def criu(self) -> str:
-        if self.criu_binary:
-            return self.criu_binary
-        return str(self.criu_prefix / "bin" / "criu")
+        return self.criu_binary or str(self.criu_prefix / "bin" / "criu")
 
     @property
     def pycriu_path(self) -> Path:

@@ -6,6 +6,7 @@ any OSError as "gone"."""
 from __future__ import annotations
 
 import os
+from contextlib import suppress
 
 
 def read_children(pid: int) -> list[int]:
@@ -17,11 +18,8 @@ def read_children(pid: int) -> list[int]:
     except OSError:
         return out
     for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                out.extend(int(c) for c in f.read().split())
-        except OSError:
-            continue
+        with suppress(OSError), open(f"/proc/{pid}/task/{tid}/children") as f:
+            out.extend(int(c) for c in f.read().split())
     return out
 
 
@@ -68,9 +66,7 @@ def in_network_namespace(inode: int) -> list[int]:
     out = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            try:
+            with suppress(OSError):
                 if os.stat(f"/proc/{entry}/ns/net").st_ino == inode:
                     out.append(int(entry))
-            except OSError:
-                continue
     return out

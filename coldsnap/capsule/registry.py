@@ -745,10 +745,13 @@ def _pull_capsule(store: CapsuleStore, client: "_Client", remote: RemoteRef, raw
     if artifact_type == mt.ARTIFACT_TYPE:  # where it came from and who vouches for it: the restore policy's input
         trust.record(store, digest, "pull", remote.tagged)
         signatures = referrers.pull(client, store, digest)
-    payload_bytes = payload_result.bytes_transferred if payload_result else sum(
-        d.size for d in descs if d.media_type == mt.LAYER_WEIGHTS and d.digest in got.digests)
-    return PullResult(digest, payload_bytes=payload_bytes, bytes_transferred=early.received + got.received
-                      + payload_bytes, blobs_fetched=fetched,
+    moved = early.received + got.received
+    if payload_result:  # an earlier capsule: its weights came with its payload artifact
+        payload_bytes = payload_result.bytes_transferred
+        moved += payload_bytes
+    else:  # the weights layers among what moved here
+        payload_bytes = sum(d.size for d in descs if d.media_type == mt.LAYER_WEIGHTS and d.digest in got.digests)
+    return PullResult(digest, payload_bytes=payload_bytes, bytes_transferred=moved, blobs_fetched=fetched,
                       blobs_present=[d.digest for d in descs if d.digest not in fetched],
                       resumed_bytes=early.resumed + got.resumed, seconds=round(time.monotonic() - t0, 3), tag=tag,
                       manifest_written=None if had_manifest else digest, signatures=signatures)

@@ -15,6 +15,7 @@ from typing import Any
 
 from coldsnap import __version__
 from coldsnap.base.paths import settings
+from coldsnap.cli.show import Shown
 from coldsnap.contracts import ENGINE_NAMES, EXIT_CODES, SCHEMAS, ColdSnapError, ErrorCode, parse_request
 from coldsnap.contracts.parse import MAX_BYTES, short
 from coldsnap.contracts.results import CaptureFacts, RestoreFacts, SleepFacts, WakeFacts
@@ -30,10 +31,11 @@ def _epilog() -> str:
             "docs/settings.md.")
 
 
-def _progress(args) -> Any:
-    if getattr(args, "json", False):
-        return lambda msg: None
-    return lambda msg: print(f"coldsnap: {msg}", file=sys.stderr, flush=True)
+def _progress(args) -> Shown:
+    """The invocation's one progress display (coldsnap.cli.show): lines, or live bars on a terminal."""
+    if getattr(args, "shown", None) is None:
+        args.shown = Shown(quiet=getattr(args, "json", False))
+    return args.shown
 
 
 def _emit(args, data: Any, human: str | None = None) -> None:
@@ -305,7 +307,7 @@ def cmd_push(args) -> None:
 
     store = _store()
     digest = store.resolve(args.capsule, allow_unpinned=args.allow_unpinned)
-    r = push(store, digest, args.ref, insecure=args.insecure, progress=lambda d, done, total: None)
+    r = push(store, digest, args.ref, insecure=args.insecure, progress=_progress(args).transfer)
     _progress(args)(f"pushed {r['bytes_transferred'] / 2**20:.1f} MiB in {r['seconds']:.1f} s")
     _emit(args, r, f"pushed {r['ref']}")
 
@@ -313,7 +315,8 @@ def cmd_push(args) -> None:
 def cmd_pull(args) -> None:
     from coldsnap.capsule.registry import pull
 
-    r = pull(_store(), args.ref, insecure=args.insecure, allow_unpinned=args.allow_unpinned)
+    r = pull(_store(), args.ref, insecure=args.insecure, allow_unpinned=args.allow_unpinned,
+             progress=_progress(args).transfer)
     data = {"digest": str(r), "bytes_transferred": r.bytes_transferred, "payload_bytes": r.payload_bytes,
             "blobs_fetched": r.blobs_fetched, "resumed_bytes": r.resumed_bytes, "seconds": r.seconds, "tag": r.tag,
             "template": r.template}
@@ -633,7 +636,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         args.recovered = _recover(args)
-        return args.fn(args) or 0  # a command returns its exit status only when that is not 0
+        try:
+            return args.fn(args) or 0  # a command returns its exit status only when that is not 0
+        finally:
+            if getattr(args, "shown", None) is not None:
+                args.shown.close()
     except ColdSnapError as e:
         if e.receipt is not None and getattr(args, "json", False):  # a machine caller gets the receipt either way
             _emit(args, e.receipt)

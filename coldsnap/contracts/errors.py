@@ -1,8 +1,7 @@
 """Stable error codes: the contract between ColdSnap and whatever automates it.
 
 Every failure that crosses a floor is a ColdSnapError carrying one of these codes. Entry points turn it into
-a one-line message and the code's exit status; receipts carry the code string.
-"""
+a one-line message and the code's exit status; receipts carry the code string."""
 
 from __future__ import annotations
 

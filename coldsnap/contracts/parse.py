@@ -16,8 +16,6 @@ from coldsnap.contracts.errors import ColdSnapError, ErrorCode
 from coldsnap.contracts.request import OPERATIONS, REQUEST_ADAPTER, CaptureRequest, RestoreRequest, WorkloadRequest
 
 _ALL_TOP_LEVEL = set(CaptureRequest.model_fields) | set(RestoreRequest.model_fields) | set(WorkloadRequest.model_fields)
-
-
 MAX_BYTES = 1 << 20  # a request or an annotation is small; a manifest too (its layers are blobs of their own)
 MAX_DEPTH = 32
 MAX_INT_DIGITS = 40
@@ -120,19 +118,13 @@ def strict_json(raw: str | bytes, what: str = "document", max_bytes: int = MAX_B
 def _location(loc: tuple[Any, ...]) -> str:
     # pydantic puts the union tag first ("capture", ...): drop it, callers think in document paths.
     parts = [str(p) for p in loc]
-    if parts and parts[0] in OPERATIONS:
-        parts = parts[1:]
-    return ".".join(parts) or "(document)"
+    return ".".join(parts[1:] if parts and parts[0] in OPERATIONS else parts) or "(document)"
 
 
 def first_error(exc: ValidationError) -> str:
     err = exc.errors()[0]
-    where = short(_location(err["loc"]), 120, quote=False)
-    if err["type"] == "extra_forbidden":
-        return f"{where}: unknown field"
-    if err["type"] == "missing":
-        return f"{where}: required field missing"
-    return f"{where}: {err['msg']}"
+    what = {"extra_forbidden": "unknown field", "missing": "required field missing"}.get(err["type"], err["msg"])
+    return f"{short(_location(err['loc']), 120, quote=False)}: {what}"
 
 
 def parse_request(text: str | bytes):

@@ -29,9 +29,7 @@ SECCOMP_MODES = {"disabled": 0, "strict": 1, "filter": SECCOMP_FILTER}  # pycriu
 
 
 def _seccomp_mode(value) -> int:
-    if isinstance(value, str):
-        return SECCOMP_MODES.get(value.lower(), -1)
-    return int(value or 0)
+    return SECCOMP_MODES.get(value.lower(), -1) if isinstance(value, str) else int(value or 0)
 
 
 @dataclass
@@ -74,12 +72,8 @@ def image_creds(images: Path) -> list[TaskCreds]:
 
 
 def _spec_mask(names) -> int:
-    mask = 0
-    for name in names or []:
-        n = str(name).upper().removeprefix("CAP_")
-        if n in CAPABILITIES:
-            mask |= 1 << CAPABILITIES.index(n)
-    return mask
+    wanted = {str(name).upper().removeprefix("CAP_") for name in names or []}
+    return sum(1 << i for i, cap in enumerate(CAPABILITIES) if cap in wanted)
 
 
 def _names(mask: int) -> str:
@@ -103,8 +97,7 @@ def exceeds_spec(tasks: list[TaskCreds], spec: dict) -> str | None:
         if uid != 0 and t.gids - gids:
             return f"task {t.pid} would hold gid {sorted(t.gids - gids)[0]}; the container grants {sorted(gids)}"
         for field, key in SETS.items():
-            extra = t.caps[field] & ~bounding
-            if extra:
+            if extra := t.caps[field] & ~bounding:
                 return (f"task {t.pid} would hold {_names(extra)} in its {key} set, outside the container's "
                         "capability bounding set")
         if nnp and not t.no_new_privs:

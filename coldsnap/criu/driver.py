@@ -20,19 +20,16 @@ NETNS_KEY = "coldsnap-netns"
 def _pycriu():
     """Import pycriu, from the provisioned CRIU prefix if it is not on sys.path already."""
     try:
-        import pycriu  # noqa: F401
+        import pycriu
     except ImportError:
         path = str(settings().pycriu_path)
         if path not in sys.path:
             sys.path.append(path)
         try:
-            import pycriu  # noqa: F401
+            import pycriu
         except ImportError as e:
-            raise ColdSnapError(
-                ErrorCode.ENVIRONMENT, f"pycriu not importable ({e}); run `make setup` (packaging/criu/provision.sh)"
-            ) from None
-    import pycriu
-
+            raise ColdSnapError(ErrorCode.ENVIRONMENT, f"pycriu not importable ({e}); run `make setup` "
+                                "(packaging/criu/provision.sh)") from None
     return pycriu
 
 
@@ -59,16 +56,10 @@ class CriuOptions:
 
     def cli_flags(self) -> list[str]:
         """The same options as `criu` command-line flags (for receipts and by-hand replay)."""
-        flags = []
-        table = [
-            (self.tcp_established, "--tcp-established"),
-            (self.ext_unix_sk, "--ext-unix-sk"),
-            (self.file_locks, "--file-locks"),
-            (self.link_remap, "--link-remap"),
-            (self.shell_job, "--shell-job"),
-            (self.leave_running, "--leave-running"),
-        ]
-        flags += [flag for on, flag in table if on]
+        switches = {"--tcp-established": self.tcp_established, "--ext-unix-sk": self.ext_unix_sk,
+                    "--file-locks": self.file_locks, "--link-remap": self.link_remap, "--shell-job": self.shell_job,
+                    "--leave-running": self.leave_running}
+        flags = [flag for flag, on in switches.items() if on]
         flags += [f"--ghost-limit={self.ghost_limit_mib}M", f"--network-lock={self.network_lock}"]
         flags += [f"--external={e}" for e in self.external]
         if self.host_mounts:
@@ -84,9 +75,8 @@ class CriuOptions:
         opts.link_remap = self.link_remap
         opts.shell_job = self.shell_job
         opts.ghost_limit = self.ghost_limit_mib << 20
-        opts.network_lock = {"iptables": pycriu.rpc.IPTABLES, "nftables": pycriu.rpc.NFTABLES, "skip": pycriu.rpc.SKIP}[
-            self.network_lock
-        ]
+        locks = {"iptables": pycriu.rpc.IPTABLES, "nftables": pycriu.rpc.NFTABLES, "skip": pycriu.rpc.SKIP}
+        opts.network_lock = locks[self.network_lock]
         opts.log_level = self.log_level
         if self.host_mounts:
             opts.external.append("mnt[]")  # auto-detect: a mount the host also has is external
@@ -94,7 +84,6 @@ class CriuOptions:
 
 
 def lazy_pages_wanted() -> bool:
-    """Lazy pages with COLDSNAP_LAZY_PAGES=1."""
     return settings().lazy_pages
 
 
@@ -150,23 +139,18 @@ def first_error_line(log: Path) -> str:
     return "no error line in the log"
 
 
+# CRIU's parasite mounts the dumped task's /proc at a fixed directory of its mount namespace: two dumps of
+# PID-namespace inits (both pid 1) in the host's mount namespace at once collide there ("Can't create a directory
+# (-17)"). Dumps on this host take turns under this lock; restores and everything else around a dump run side by side.
 DUMP_LOCK = "/run/coldsnap-criu-dump.lock"
-
-
-def _one_dump_at_a_time():
-    """CRIU's parasite mounts the dumped task's /proc at a fixed directory of its mount namespace: two dumps of
-    PID-namespace inits (both pid 1) in the host's mount namespace at once collide there ("Can't create a directory
-    (-17)"). Dumps on this host take turns; restores and everything else around a dump run side by side."""
-    return locked(DUMP_LOCK)
 
 
 class CriuDriver:
     def __init__(self, binary: str | None = None):
         self.binary = binary or settings().criu
         if not os.access(self.binary, os.X_OK):
-            raise ColdSnapError(
-                ErrorCode.ENVIRONMENT, f"CRIU not found at {self.binary}; run `make setup` or set COLDSNAP_CRIU"
-            )
+            raise ColdSnapError(ErrorCode.ENVIRONMENT,
+                                f"CRIU not found at {self.binary}; run `make setup` or set COLDSNAP_CRIU")
         self.pycriu = _pycriu()
 
     def _client(self):
@@ -200,18 +184,15 @@ class CriuDriver:
             # The network namespace is ColdSnap's (netns + veth), recreated at restore: never dump its contents.
             if netns_inode is not None:
                 client.opts.external.append(f"net[{netns_inode}]:{NETNS_KEY}")
-            for e in options.external:
-                client.opts.external.append(e)
+            client.opts.external.extend(options.external)
             t0 = time.monotonic()
             try:
-                with _one_dump_at_a_time():
+                with locked(DUMP_LOCK):
                     client.dump()
             except self.pycriu.CRIUException as e:
-                raise ColdSnapError(
-                    ErrorCode.CRIU_FAILED,
-                    f"criu dump of pid {pid} failed: {first_error_line(images_dir / 'dump.log')} "
-                    f"(log: {images_dir / 'dump.log'}; {e})"
-                ) from None
+                log = images_dir / "dump.log"
+                raise ColdSnapError(ErrorCode.CRIU_FAILED, f"criu dump of pid {pid} failed: "
+                                    f"{first_error_line(log)} (log: {log}; {e})") from None
             return time.monotonic() - t0
         finally:
             os.close(fd)
@@ -243,18 +224,15 @@ class CriuDriver:
                 # criu swrk is forked from us, so an inheritable fd reaches it under the same number.
                 nsfd = os.open(netns_path, os.O_RDONLY)
                 os.set_inheritable(nsfd, True)
-                inh = client.opts.inherit_fd.add()
-                inh.key = NETNS_KEY
-                inh.fd = nsfd
+                client.opts.inherit_fd.add(key=NETNS_KEY, fd=nsfd)
             try:
                 resp = client.restore()
             except self.pycriu.CRIUException as e:
                 if lazy is not None:
                     lazy.kill()
-                raise ColdSnapError(
-                    ErrorCode.CRIU_FAILED, f"criu restore failed: {first_error_line(work_dir / 'restore.log')} "
-                    f"(log: {work_dir / 'restore.log'}; {e})"
-                ) from None
+                log = work_dir / "restore.log"
+                raise ColdSnapError(ErrorCode.CRIU_FAILED,
+                                    f"criu restore failed: {first_error_line(log)} (log: {log}; {e})") from None
             return resp.pid, lazy
         finally:
             os.close(fd)
@@ -271,13 +249,9 @@ def criu_images_open_files(images_dir: Path) -> list[dict]:
         return []
     with open(path, "rb") as f:
         entries = pycriu.images.load(f)["entries"]
-    files = []
-    for e in entries:
-        reg = e.get("reg")
-        if e.get("type") == "REG" and reg:
-            files.append({"path": reg["name"], "size": int(reg.get("size", 0)), "flags": int(reg.get("flags", 0), 0)
-                          if isinstance(reg.get("flags"), str) else int(reg.get("flags", 0))})
-    return files
+    regs = [e["reg"] for e in entries if e.get("type") == "REG" and e.get("reg")]
+    return [{"path": reg["name"], "size": int(reg.get("size", 0)), "flags": int(reg["flags"], 0)
+             if isinstance(reg.get("flags"), str) else int(reg.get("flags", 0))} for reg in regs]
 
 
 def criu_stats(directory: Path, kind: str) -> dict:
@@ -287,7 +261,7 @@ def criu_stats(directory: Path, kind: str) -> dict:
     try:
         with open(path, "rb") as f:
             entry = _pycriu().images.load(f)["entries"][0]
-    except (OSError, KeyError, IndexError, ValueError, Exception):  # noqa: BLE001 - stats are informational
+    except Exception:  # noqa: BLE001 - stats are informational
         return {}
     raw = entry.get(kind) or {}
     return {(k[:-5] + "_s" if k.endswith("_time") else k): (int(v) / 1e6 if k.endswith("_time") else int(v))

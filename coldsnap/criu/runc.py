@@ -32,18 +32,17 @@ def split_options(cli_flags: list[str], operation: str) -> tuple[list[str], list
     for flag in cli_flags:
         if flag in RUNC_FLAGS or (flag in CHECKPOINT_ONLY and operation == "checkpoint"):
             flags.append(flag)
-        elif flag in CHECKPOINT_ONLY or flag.startswith(PROCESS_MODE_ONLY):
-            continue
-        else:
+        elif flag not in CHECKPOINT_ONLY and not flag.startswith(PROCESS_MODE_ONLY):
             name, _, value = flag.lstrip("-").partition("=")
             lines.append(f"{name} {value}".strip())
     return flags, lines
 
 
-def write_config(path: Path, lines: list[str]) -> Path:
+def _config_env(path: Path, lines: list[str]) -> dict[str, str]:
+    """The environment that hands runc (and the `criu swrk` it runs) a CRIU config file of these lines, at path."""
     path.write_text("".join(line + "\n" for line in lines))
     path.chmod(0o600)
-    return path
+    return {**os.environ, "CRIU_CONFIG_FILE": str(path)}
 
 
 QUIESCE_MODES = ("drain", "none")
@@ -64,28 +63,14 @@ def container_options(leave_running: bool, quiesce: str = "drain") -> CriuOption
 def checkpoint_container(runc: str, runc_root: str | Path, container_id: str, images: Path, work: Path,
                     options: CriuOptions) -> list[str]:
     flags, lines = split_options(options.cli_flags(), "checkpoint")
-    conf = write_config(work.parent / "criu.conf", lines)
     argv = Runc.at_root(runc, runc_root).argv("--criu", settings().criu, "checkpoint", "--image-path", str(images),
                                               "--work-path", str(work), *flags, container_id)
-    r = subprocess.run(argv, env={**os.environ, "CRIU_CONFIG_FILE": str(conf)}, capture_output=True, text=True,
+    r = subprocess.run(argv, env=_config_env(work.parent / "criu.conf", lines), capture_output=True, text=True,
                        stdin=subprocess.DEVNULL)
     if r.returncode != 0:
         raise ColdSnapError(ErrorCode.CRIU_FAILED, f"runc checkpoint of {container_id} failed (exit {r.returncode}): "
                             f"{first_error_line(work / 'dump.log')} (runc: {r.stderr.strip()[-300:]})")
     return argv
-
-
-def restore_argv(runc: str, parsed: RuncArgv, images: Path, work: Path, pid_file: str, flags: list[str]) -> list[str]:
-    """The caller's globals (its --log/--criu replaced: runc logs to our work dir, CRIU is ColdSnap's)."""
-    argv = Runc.for_call(runc, parsed, drop=("criu", "log", "log-format")).argv(
-        "--log", str(work / "runc.log"), "--log-format", "json", "--criu", settings().criu,
-        "restore", "--detach", "--image-path", str(images), "--work-path", str(work),
-        "--bundle", parsed.bundle, "--pid-file", os.path.abspath(pid_file))
-    if parsed.console_socket:
-        argv += ["--console-socket", os.path.abspath(parsed.console_socket)]
-    if parsed.flag("no-pivot"):
-        argv.append("--no-pivot")
-    return argv + flags + [parsed.id]
 
 
 def _runc_error(log: Path) -> str:
@@ -120,11 +105,19 @@ def restore_container(runc: str, parsed: RuncArgv, images: Path, criu_options: l
     capsule's recorded CRIU options. Returns (host pid of the restored init, the argv used); the container is
     running when this returns. On failure CRIU's log is kept in receipts/<id>.restore.log."""
     flags, lines = split_options(criu_options, "restore")
-    conf = write_config(work / "criu.conf", lines)
     pid_file = parsed.pid_file or str(work / "restore.pid")
-    argv = restore_argv(runc, parsed, images, work, pid_file, flags)
+    # The caller's globals, its --log/--criu replaced: runc logs to our work dir, CRIU is ColdSnap's.
+    argv = Runc.for_call(runc, parsed, drop=("criu", "log", "log-format")).argv(
+        "--log", str(work / "runc.log"), "--log-format", "json", "--criu", settings().criu,
+        "restore", "--detach", "--image-path", str(images), "--work-path", str(work),
+        "--bundle", parsed.bundle, "--pid-file", os.path.abspath(pid_file))
+    if parsed.console_socket:
+        argv += ["--console-socket", os.path.abspath(parsed.console_socket)]
+    if parsed.flag("no-pivot"):
+        argv.append("--no-pivot")
+    argv += flags + [parsed.id]
     # stdio is inherited: runc hands the caller's pipes (conmon's, containerd's) to the restored process.
-    rc = subprocess.call(argv, env={**os.environ, "CRIU_CONFIG_FILE": str(conf)})
+    rc = subprocess.call(argv, env=_config_env(work / "criu.conf", lines))
     if rc != 0:
         kept = _keep_log(work / "restore.log", receipts / f"{parsed.container_id}.restore.log")
         raise ColdSnapError(ErrorCode.CRIU_FAILED,

@@ -71,11 +71,8 @@ def _thinnable(vma: dict) -> bool:
 def _zero_page_flags(pages: mmap.mmap, offset: int, count: int) -> list[bool]:
     # Compared in place through the page cache: a page with data differs at its first bytes, so the scan costs
     # about as much as the zero pages it finds, never a copy of the whole file.
-    view = memoryview(pages)
-    try:
+    with memoryview(pages) as view:
         return [view[at : at + PAGE] == ZERO_PAGE for at in range(offset, offset + count * PAGE, PAGE)]
-    finally:
-        view.release()
 
 
 Run = tuple[int, int]  # (offset, length) in a pages file

@@ -12,8 +12,6 @@ from coldsnap.contracts import CaptureRequest, Distributed, EngineRelease, Model
 from coldsnap.engines.base import EngineAdapter, PreparedLaunch, option_flags, post_json
 
 MODEL_ID = "coldsnap/reference-tiny"
-
-
 SIZE_OPTIONS = ("layers", "hidden", "heads", "intermediate", "max_seq", "seed")
 
 
@@ -70,8 +68,7 @@ class ReferenceAdapter(EngineAdapter):
             env = {**CAPTURE_SAFE_ENV, **env}  # in the launch (and so in the profile), not only inside the engine
         if os.environ.get("PYTHONPATH"):  # where this interpreter finds ColdSnap's dependencies (a container
             env.setdefault("PYTHONPATH", os.environ["PYTHONPATH"])  # inherits nothing)
-        model = request.model
-        return PreparedLaunch(argv=argv, env=env, weights_mode=mode, model=model, engine_version=__version__,
+        return PreparedLaunch(argv=argv, env=env, weights_mode=mode, model=request.model, engine_version=__version__,
                               cwd=request.launch.workdir, mounts=container_mounts(weights), pin_ahead=[weights])
 
     def template_launch(self, request: CaptureRequest) -> PreparedLaunch:

@@ -56,9 +56,7 @@ def build_filter(arch: int, numbers: list[int], err: int = errno.ENOSYS) -> byte
         _insn(BPF_AND_K, 0xFFFFFFFF & ~X32_SYSCALL_BIT),
     ]
     # One compare per syscall: a match jumps to the deny return at the end, a miss falls through to the next.
-    n = len(numbers)
-    for i, nr in enumerate(numbers):
-        prog.append(_insn(BPF_JEQ_K, nr, jt=(n - 1 - i) + 1, jf=0))
+    prog += [_insn(BPF_JEQ_K, nr, jt=len(numbers) - i) for i, nr in enumerate(numbers)]
     prog += [_insn(BPF_RET_K, SECCOMP_RET_ALLOW), _insn(BPF_RET_K, deny)]
     return b"".join(prog)
 
@@ -86,12 +84,11 @@ def install(numbers: list[int] | None = None, err: int = errno.ENOSYS) -> None:
     buf = ctypes.create_string_buffer(prog, len(prog))
     fprog = _SockFprog(len(prog) // 8, ctypes.addressof(buf))
     # Unprivileged filters need no_new_privs; it is harmless for root and keeps setuid binaries from escaping it.
-    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, f"prctl(PR_SET_NO_NEW_PRIVS): {os.strerror(e)}")
-    if libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(fprog), 0, 0) != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, f"prctl(PR_SET_SECCOMP): {os.strerror(e)}")
+    for what, args in (("PR_SET_NO_NEW_PRIVS", (PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)),
+                       ("PR_SET_SECCOMP", (PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(fprog), 0, 0))):
+        if libc.prctl(*args) != 0:
+            e = ctypes.get_errno()
+            raise OSError(e, f"prctl({what}): {os.strerror(e)}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -85,18 +85,16 @@ def _llama_tensors(shape: dict):
     """(name, shape, kind) of every tensor of a Llama model: kind 'norm' (ones), 'head' (rows past the tokenizer's
     vocabulary zero) or 'matrix'."""
     h, kv = shape["hidden_size"], shape["num_key_value_heads"] * (shape["hidden_size"] // shape["num_attention_heads"])
+    inter = shape["intermediate_size"]
     yield "model.embed_tokens.weight", (shape["vocab_size"], h), "matrix"
     for i in range(shape["num_hidden_layers"]):
         pre = f"model.layers.{i}."
         yield pre + "input_layernorm.weight", (h,), "norm"
-        yield pre + "self_attn.q_proj.weight", (h, h), "matrix"
-        yield pre + "self_attn.k_proj.weight", (kv, h), "matrix"
-        yield pre + "self_attn.v_proj.weight", (kv, h), "matrix"
-        yield pre + "self_attn.o_proj.weight", (h, h), "matrix"
+        for proj, dims in (("q", (h, h)), ("k", (kv, h)), ("v", (kv, h)), ("o", (h, h))):
+            yield f"{pre}self_attn.{proj}_proj.weight", dims, "matrix"
         yield pre + "post_attention_layernorm.weight", (h,), "norm"
-        yield pre + "mlp.gate_proj.weight", (shape["intermediate_size"], h), "matrix"
-        yield pre + "mlp.up_proj.weight", (shape["intermediate_size"], h), "matrix"
-        yield pre + "mlp.down_proj.weight", (h, shape["intermediate_size"]), "matrix"
+        for proj, dims in (("gate", (inter, h)), ("up", (inter, h)), ("down", (h, inter))):
+            yield f"{pre}mlp.{proj}_proj.weight", dims, "matrix"
     yield "model.norm.weight", (h,), "norm"
     yield "lm_head.weight", (shape["vocab_size"], h), "head"
 
@@ -161,31 +159,28 @@ def make(directory: str | os.PathLike, seed: int = 0, force: bool = False, shape
         if shape != "tiny":
             _write_shaped(tmp, shape, seed, len(tokenizer))
             tokenizer.save_pretrained(tmp)
-            (tmp / STAMP).write_text(json.dumps({"id": f"coldsnap/llama-{shape}", "seed": seed,
-                                                 "shape": SHAPES[shape]}, sort_keys=True) + "\n")
-            os.chmod(tmp, 0o755)
-            shutil.rmtree(dest, ignore_errors=True)
-            os.replace(tmp, dest)
-            return dest
-        torch.manual_seed(seed)
-        config = LlamaConfig(**SHAPE, bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False,
-                             rms_norm_eps=1e-5, rope_theta=10000.0, hidden_act="silu")
-        config.dtype = torch.float32
-        with torch.no_grad():
-            model = LlamaForCausalLM(config).to(torch.float32)
-            # A random init with std 0.02 gives near-uniform logits; a wider spread makes greedy decoding decisive
-            # (no ties that a different kernel could break differently).
-            for p in model.parameters():
-                if p.dim() >= 2:
-                    p.normal_(0.0, 0.3)
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        gen = tmp / "generation_config.json"
-        gen.write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "do_sample": False},
-                                  indent=2) + "\n")
-        (tmp / STAMP).write_text(json.dumps({"id": MODEL_ID, "seed": seed, "shape": SHAPE}, sort_keys=True) + "\n")
-        for f in tmp.iterdir():
-            os.chmod(f, 0o644)
+            stamp = {"id": f"coldsnap/llama-{shape}", "seed": seed, "shape": SHAPES[shape]}
+        else:
+            torch.manual_seed(seed)
+            config = LlamaConfig(**SHAPE, bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False,
+                                 rms_norm_eps=1e-5, rope_theta=10000.0, hidden_act="silu")
+            config.dtype = torch.float32
+            with torch.no_grad():
+                model = LlamaForCausalLM(config).to(torch.float32)
+                # A random init with std 0.02 gives near-uniform logits; a wider spread makes greedy decoding
+                # decisive (no ties that a different kernel could break differently).
+                for p in model.parameters():
+                    if p.dim() >= 2:
+                        p.normal_(0.0, 0.3)
+            model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            (tmp / "generation_config.json").write_text(json.dumps(
+                {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "do_sample": False}, indent=2) + "\n")
+            stamp = {"id": MODEL_ID, "seed": seed, "shape": SHAPE}
+        (tmp / STAMP).write_text(json.dumps(stamp, sort_keys=True) + "\n")
+        if shape == "tiny":
+            for f in tmp.iterdir():
+                os.chmod(f, 0o644)
         os.chmod(tmp, 0o755)
         shutil.rmtree(dest, ignore_errors=True)
         os.replace(tmp, dest)
@@ -216,8 +211,8 @@ def ensure(directory: str | os.PathLike, python: str, seed: int = 0, timeout: fl
     if is_complete(dest, seed):
         return dest
     root = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": root + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH")
-                                                  else ""), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    python_path = os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))
+    env = {**os.environ, "PYTHONPATH": python_path, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     r = subprocess.run([python, "-m", "coldsnap.engines.tinymodel", str(dest), "--seed", str(seed)], env=env,
                        capture_output=True, text=True, timeout=timeout)
     if r.returncode != 0 or not is_complete(dest, seed):

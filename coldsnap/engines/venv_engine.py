@@ -14,10 +14,6 @@ from coldsnap.engines import tinymodel
 REPO = Path(__file__).resolve().parents[2]
 
 
-def default_model_dir() -> Path:
-    return settings().tiny_model
-
-
 def ensure_venv(engine: str, venv: Path, default: str) -> Path:
     """The engine's venv. The default one is built (or repaired) by packaging/engines/<engine>-setup.sh when its
     stamp is missing; a venv elsewhere is the caller's and used as it is."""
@@ -66,7 +62,7 @@ def resolve_model(opts: dict, python: Path) -> tuple[Path, str]:
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, "this engine needs a model: --engine-opt model=DIR (a Hugging "
                             f"Face model directory) or model={TINY} (ColdSnap's generated tiny model)")
     if str(model_opt) == TINY:
-        model_dir = default_model_dir()
+        model_dir = settings().tiny_model
         if not tinymodel.is_complete(model_dir):
             tinymodel.ensure(model_dir, str(python))
     else:
@@ -151,8 +147,6 @@ def base_env() -> dict[str, str]:
     }
 
 
-
-
 def cpu_engine_setup(engine: str, request, configured: str | None, default_venv: str) -> tuple[dict, Path, Path, str]:
     """What every venv engine's prepare() starts with: CPU only, its venv (built on first use), its model.
     Returns (remaining options, venv python, model dir, served model name)."""
@@ -160,8 +154,7 @@ def cpu_engine_setup(engine: str, request, configured: str | None, default_venv:
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"the {engine} adapter drives the engine's CPU build only "
                             "(launch.devices must be empty)")
     opts = dict(request.engine.options)
-    venv = ensure_venv(engine, Path(str(opts.pop("venv", None) or configured or default_venv)),
-                       default_venv)
+    venv = ensure_venv(engine, Path(str(opts.pop("venv", None) or configured or default_venv)), default_venv)
     python = venv / "bin" / "python"
     model_dir, served = resolve_model(opts, python)
     return opts, python, model_dir, served

@@ -11,6 +11,7 @@ from coldsnap.capsule import CapsuleStore, LoadedCapsule
 from coldsnap.contracts import ColdSnapError, ContainerLaunch, Distributed, ErrorCode, HostProfile, Policy
 from coldsnap.criu import CriuDriver
 from coldsnap.host.profile import host_profile
+from coldsnap.oci.spec import annotations_of, netns_path
 
 
 @dataclass
@@ -44,9 +45,8 @@ def admit(captured: HostProfile, host: HostProfile, strictness: str = "strict",
     soft: list[str] = []
 
     def check(ok: bool, what: str, strict_only: bool) -> None:
-        if ok:
-            return
-        (soft if strict_only and strictness == "relaxed" else blocking).append(what)
+        if not ok:
+            (soft if strict_only and strictness == "relaxed" else blocking).append(what)
 
     check(captured.arch == host.arch, f"architecture {captured.arch} vs {host.arch} here", False)
     missing = sorted(set(captured.cpu_flags) - set(host.cpu_flags))
@@ -94,8 +94,6 @@ def load_capsule(ref: str, allow_unpinned: bool) -> LoadedCapsule:
 def container_differences(captured: ContainerLaunch, spec: dict) -> list[str]:
     """What the new container lacks that the captured one had, first difference first: CRIU rebuilds the captured
     mount tree and namespaces, and cannot where a mount or a namespace is missing ("No mapping for … mountpoint")."""
-    from coldsnap.oci.spec import netns_path
-
     mounts = {os.path.normpath(str(m.get("destination", ""))) for m in spec.get("mounts") or [] if isinstance(m, dict)}
     out = [f"{m.destination} was mounted ({m.type}) at capture and is not in this container"
            for m in captured.mounts if m.destination not in mounts]
@@ -112,9 +110,7 @@ def container_differences(captured: ContainerLaunch, spec: dict) -> list[str]:
 def admit_capsule(capsule: LoadedCapsule, policy: Policy, driver: str, image_digest: str | None = None,
                   spec: dict | None = None) -> Admission:
     """Whether this host may restore the capsule with `driver` (criu-process for a process restore, criu-runc for a
-    container): the capsule's snapshot driver, the container image it was captured from (when both name one), the
-    new container's mounts and namespaces against the captured ones (spec: its config.json), then the capsule's
-    host profile against this host's."""
+    container; spec: the new container's config.json), the first refusal first."""
     profile = capsule.profile
     if profile.snapshot_driver != driver:
         return Admission(admitted=False, differences=[
@@ -122,11 +118,7 @@ def admit_capsule(capsule: LoadedCapsule, policy: Policy, driver: str, image_dig
             f"{driver}"])
     from coldsnap.capsule import trust
 
-    annotations = None
-    if spec is not None:
-        from coldsnap.oci.spec import annotations_of
-
-        annotations = annotations_of(spec)
+    annotations = annotations_of(spec) if spec is not None else None
     verdict = trust.check(capsule, CapsuleStore(settings().store), annotations, image_digest)
     if verdict.refusal:
         return Admission(admitted=False, differences=[verdict.refusal], untrusted=True)

@@ -38,7 +38,6 @@ from coldsnap.contracts import (
     Validation,
 )
 from coldsnap.contracts import capsule as mt
-from coldsnap.contracts.capsule import ANNOTATION_IMAGE_DIGEST
 from coldsnap.contracts.request import EngineName
 from coldsnap.contracts.results import CaptureFacts
 from coldsnap.criu import CriuDriver
@@ -58,7 +57,6 @@ from coldsnap.workload.layer import HeldLayer
 from coldsnap.workload.target import Target, validate
 
 DEFAULT_PORT = 8000
-
 
 
 def container_state(runc: str, runc_root: str | Path, container_id: str) -> dict:
@@ -135,7 +133,7 @@ def capture_container(container_id: str, runc_root: str | Path = "/run/runc", bu
         operation="capture", engine=Engine(name=engine), model=model, tag=tag,
         launch=Launch(command=list(proc.get("args") or []) or None, workdir=proc.get("cwd"),
                       port=port or int(val_ann.get("port") or DEFAULT_PORT),
-                      image_digest=image_digest or ann.get(ANNOTATION_IMAGE_DIGEST) or None),
+                      image_digest=image_digest or ann.get(mt.ANNOTATION_IMAGE_DIGEST) or None),
         policy=Policy(weights_mode=weights_mode, kv_discard=kv_discard and quiesce == "drain", quiesce=quiesce),
         validation=validation or Validation(), lifecycle=Lifecycle(leave_running=leave_running))
     if weights_mode not in ("native", "recovery"):

@@ -119,13 +119,6 @@ class CreateOutcome:
     exit_code: int = 0
 
 
-def work_dir(container_id: str) -> Path:
-    """A fresh work dir for this container's restore (runc's and CRIU's logs; removed when it is deleted)."""
-    path = Path(records.work_dir_path(container_id))
-    shutil.rmtree(path, ignore_errors=True)
-    return private_dir(path)
-
-
 def restore_at_create(runc: str, parsed: RuncArgv, spec: dict) -> CreateOutcome:
     cid = parsed.id
     if os.path.exists(os.path.join(parsed.root, cid)):  # runc's own refusal; and never touch that container
@@ -189,7 +182,9 @@ def _restore(runc: str, parsed: RuncArgv, staged: StagedForRestore, spec: dict, 
     # deletes a container whose restore this shim did not live to validate.
     records.save(cid, ShimRecord(outcome=Outcome.RESTORING, id=cid, root=parsed.root, bundle=parsed.bundle,
                                  runc=runc, owner=Owner(pid=os.getpid(), start=start_time(os.getpid()))))
-    work = work_dir(cid)
+    work = Path(records.work_dir_path(cid))  # runc's and CRIU's logs; removed when the container is deleted
+    shutil.rmtree(work, ignore_errors=True)
+    private_dir(work)
     t0 = time.monotonic()  # the restore clock: staging excluded, as for process mode
     # files of a bound /dev/shm the dump refers to, and those the container wrote into its root filesystem: into
     # the new container's before CRIU looks for them
@@ -216,10 +211,6 @@ def _restore(runc: str, parsed: RuncArgv, staged: StagedForRestore, spec: dict, 
             "host": target.host, "cuda_processes": len(gpu.pids)}
 
 
-def _remove_container(runc: str, parsed: RuncArgv) -> None:
-    Runc.for_call(runc, parsed).delete_force(parsed.id)
-
-
 def _unlock_network(netns: str | None) -> dict:
     """Before a cold start in a network namespace the container joins (a pod's): remove the network lock an
     in-flight capture left there for the restore that is not coming (coldsnap.net.lock). Never raises."""
@@ -238,7 +229,7 @@ def _fall_back(runc: str, parsed: RuncArgv, creq: ContainerRequest, tl: Timeline
                cause: ColdSnapError, attempted: bool, netns: str | None) -> CreateOutcome:
     cid = parsed.id
     if attempted:  # never leave a half-restored container (only ours: a restore was tried under this id)
-        _remove_container(runc, parsed)
+        Runc.for_call(runc, parsed).delete_force(cid)
     records.forget(cid)
     shutil.rmtree(records.work_dir_path(cid), ignore_errors=True)  # what is worth keeping sits beside the receipt
     reason = f"{cause.code.value}: {cause.message}"
@@ -265,7 +256,7 @@ def _fall_back(runc: str, parsed: RuncArgv, creq: ContainerRequest, tl: Timeline
             _record_cold_start(creq, parsed, tl, result, reason)
         except Exception as e:  # noqa: BLE001
             runclog.log(parsed, "warning", f"coldsnap: no receipt or record for the cold start: {short(str(e), 200)}")
-        return CreateOutcome("cold", message, exit_code=0)
+        return CreateOutcome("cold", message)
     failed = ColdSnapError(ErrorCode.RUNTIME, f"{reason}; and the cold start failed too: runc {parsed.command} "
                            f"exited {rc}")
     finish_receipt(creq.request, cid, "restore", tl, "failed", result=result, error=failed)
@@ -303,11 +294,8 @@ def validate_restored(state: dict) -> Validated | None:
     tl = Timeline.from_dict(record.timeline)
     target = Target(pid=pid, port=int(record.port or 0), host=record.host)
     try:
-        start = time.monotonic()
-        try:
+        with tl.span("validate"):
             res = validate(target, Validation.model_validate(record.validation), record.expected_text)
-        finally:
-            tl.add("validate", start, time.monotonic())
     except ColdSnapError as e:
         receipt = finish_receipt(request, cid, "restore", tl, "failed",
                                  result=RestoreFacts(container=cid, capsule=record.capsule), error=e)

@@ -75,8 +75,10 @@ def fetch(request: RestoreRequest, progress: Progress) -> tuple[RestoreRequest, 
     progress(f"pulling {ref}")
     try:
         insecure = request.insecure_registry or ref.split("/", 1)[0] in insecure_registries()
+        # a display that draws transfers (the CLI's bars on a terminal) gets the bytes; else a sentence every 2 s
+        transfer = getattr(progress, "transfer", None) or bytes_progress
         result = pull(store, ref, insecure=insecure, allow_unpinned=request.policy.allow_unpinned,
-                      progress=bytes_progress, on_blobs=on_blobs)
+                      progress=transfer, on_blobs=on_blobs)
     finally:
         if "thread" in ahead:
             ahead.pop("thread").join()

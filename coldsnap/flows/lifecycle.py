@@ -24,12 +24,15 @@ from coldsnap.workload.probe import ValidationProbe
 from coldsnap.workload.state import load_state, save_state
 
 
-def _checked(name: str | None):
+def _checked(name: str | None, sleeping: bool):
     if name is None:  # WorkloadRequest's own check makes this unreachable for a validated request
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, "sleep and wake need a workload")
     ws = load_state(name)
     if not alive(ws.pid):
         raise ColdSnapError(ErrorCode.WORKLOAD_FAILED, f"workload {name!r} (pid {ws.pid}) is not running")
+    if (ws.state == "sleeping") != sleeping:
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST,
+                            f"workload {ws.name!r} is {'not' if sleeping else 'already'} sleeping")
     return ws
 
 
@@ -53,9 +56,7 @@ def sleep(request: WorkloadRequest, progress=lambda m: None) -> Receipt:
     tl = Timeline()
     op_id = request.id or f"sleep-{uuid.uuid4().hex[:12]}"
     with receipt_on_failure(request, op_id, "sleep", tl):
-        ws = _checked(request.workload)
-        if ws.state == "sleeping":
-            raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"workload {ws.name!r} is already sleeping")
+        ws = _checked(request.workload, sleeping=False)
         mode = _sleep_mode(ws, request.sleep_mode)
         host, port = _address(ws)
         released = EngineRelease()
@@ -84,9 +85,7 @@ def wake(request: WorkloadRequest, progress=lambda m: None, validation: Validati
     tl = Timeline()
     op_id = request.id or f"wake-{uuid.uuid4().hex[:12]}"
     with receipt_on_failure(request, op_id, "wake", tl):
-        ws = _checked(request.workload)
-        if ws.state != "sleeping":
-            raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"workload {ws.name!r} is not sleeping")
+        ws = _checked(request.workload, sleeping=True)
         t0 = time.monotonic()
         host, port = _address(ws)
         with tl.span("gpu-restore"):

@@ -29,10 +29,7 @@ def open_connections(pid: int, port: int | None = None) -> int:
 
 def wait_no_connections(pid: int, port: int, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
-    while True:
-        n = open_connections(pid, port)
-        if n == 0:
-            return
+    while n := open_connections(pid, port):
         if time.monotonic() > deadline:
             raise ColdSnapError(ErrorCode.RESOURCE_BUSY,
                                 f"{n} client connection(s) still open to the workload after {timeout:.0f} s; "

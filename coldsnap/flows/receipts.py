@@ -26,34 +26,16 @@ def failed_state(error: ColdSnapError) -> State:
     return "refused" if error.code == ErrorCode.INCOMPATIBLE else "failed"
 
 
-def build_receipt(request, op_id: str, operation: Operation, tl: Timeline, state: State, result: Result | None = None,
-                  error: ColdSnapError | None = None) -> Receipt:
-    return Receipt(
-        operation=operation,
-        operation_id=op_id,
-        request_sha256=sha256_hex(request.model_dump(mode="json")),
-        state=state,
-        origin=tl.origin,
-        spans=tl.spans,
-        result=result,
-        error=ErrorInfo(code=error.code, message=error.message, exit_code=error.exit_code) if error else None,
-        coldsnap_version=__version__,
-    )
-
-
-def write_receipt(receipt: Receipt) -> Path:
-    path = receipt_path(receipt.operation_id)
+def finish_receipt(request, op_id: str, operation: Operation, tl: Timeline, state: State,
+                   result: Result | None = None, error: ColdSnapError | None = None) -> Receipt:
+    """Build and write the receipt; an error that ends the operation carries it to the entry point."""
+    receipt = Receipt(
+        operation=operation, operation_id=op_id, request_sha256=sha256_hex(request.model_dump(mode="json")),
+        state=state, origin=tl.origin, spans=tl.spans, result=result, coldsnap_version=__version__,
+        error=ErrorInfo(code=error.code, message=error.message, exit_code=error.exit_code) if error else None)
+    path = receipt_path(op_id)
     private_dir(path.parent)
     atomic_write(path, receipt.model_dump_json(indent=1).encode())
-    return path
-
-
-def finish_receipt(request, op_id: str, operation: Operation, tl: Timeline, state: State,
-                   result: Result | None = None,
-                   error: ColdSnapError | None = None) -> Receipt:
-    """Build and write the receipt; an error that ends the operation carries it to the entry point."""
-    receipt = build_receipt(request, op_id, operation, tl, state, result, error)
-    write_receipt(receipt)
     if error is not None:
         error.receipt = receipt
     return receipt

@@ -19,21 +19,11 @@ import shutil
 import signal
 import subprocess
 import time
+from contextlib import suppress
 from pathlib import Path
 
 from coldsnap.base import journal as journals
-from coldsnap.base.journal import (
-    CudaTree,
-    Dir,
-    Journal,
-    Network,
-    Released,
-    ShmFiles,
-    Thing,
-    Validated,
-    Workload,
-    same_process,
-)
+from coldsnap.base.journal import CudaTree, Dir, Journal, Network, Released, ShmFiles, Validated, Workload, same_process
 from coldsnap.base.procfs import alive, in_network_namespace
 from coldsnap.base.progress import Progress, quiet
 from coldsnap.contracts import ColdSnapError, NetworkPlan
@@ -76,33 +66,24 @@ def kill_network_namespace(netns: str) -> int:
         return 0
     pids = in_network_namespace(inode)
     for pid in pids:
-        try:
+        with suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and any(alive(p) for p in pids):
         for pid in pids:
-            try:
+            with suppress(ChildProcessError):
                 os.waitpid(pid, os.WNOHANG)  # ours to reap when this process restored it
-            except ChildProcessError:
-                pass
         time.sleep(0.02)
     return len(pids)
 
 
 def _claimed(netns: str, by_other_than: Journal) -> bool:
     """Whether a live workload's state file or another live operation holds this network namespace."""
-    for ws in list_states():
-        if ws.plan.netns == netns and alive(ws.pid):
-            return True
-
-    def names(t: Thing) -> bool:
-        return (isinstance(t, Workload) and t.netns == netns) or (isinstance(t, Network) and
-                                                                  t.plan.get("netns") == netns)
-
-    return any(j.path != by_other_than.path and j.owner_alive() and any(names(t) for t in j.things)
-               for j in journals.entries())
+    if any(ws.plan.netns == netns and alive(ws.pid) for ws in list_states()):
+        return True
+    return any(j.path != by_other_than.path and j.owner_alive() and any(
+        (isinstance(t, Workload) and t.netns == netns) or (isinstance(t, Network) and t.plan.get("netns") == netns)
+        for t in j.things) for j in journals.entries())
 
 
 def _keep_left_running(j: Journal) -> bool:
@@ -131,9 +112,8 @@ def _undo(j: Journal) -> str:
     kept = _keep_left_running(j)
     killed = 0
     for t in reversed(j.things):
-        if isinstance(t, Workload) and not kept and t.netns:
-            if not _claimed(t.netns, j):
-                killed += kill_network_namespace(t.netns)
+        if isinstance(t, Workload) and not kept and t.netns and not _claimed(t.netns, j):
+            killed += kill_network_namespace(t.netns)
         elif isinstance(t, Network) and not kept:
             plan = NetworkPlan.model_validate(t.plan)
             if not _claimed(plan.netns, j):
@@ -155,11 +135,6 @@ def _undo(j: Journal) -> str:
 
 
 # --- containers the shim was restoring -------------------------------------------------------------------------
-def _delete_container(runc: str, root: str, container_id: str) -> None:
-    Runc.at_root(runc, root).delete_force(container_id)
-    records.forget(container_id)
-
-
 def _interrupted_container_restores() -> list[str]:
     """Shim records of restores whose shim died before the container was validated: delete those containers."""
     out = []
@@ -171,7 +146,8 @@ def _interrupted_container_restores() -> list[str]:
         if record.owner and same_process(record.owner.pid, record.owner.start):
             continue
         try:
-            _delete_container(record.runc, record.root, record.id)
+            Runc.at_root(record.runc, record.root).delete_force(record.id)
+            records.forget(record.id)
             out.append(f"restore of container {record.id} was interrupted; the container was deleted")
         except (OSError, subprocess.SubprocessError, ColdSnapError) as e:
             out.append(f"restore of container {path.stem} was interrupted; could not delete it: {e}")

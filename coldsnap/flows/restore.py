@@ -17,7 +17,7 @@ from coldsnap.base.procfs import alive, descendants
 from coldsnap.base.progress import Progress, quiet
 from coldsnap.capsule import LoadedCapsule
 from coldsnap.capsule import staged as staged_area
-from coldsnap.contracts import ColdSnapError, ErrorCode, NetworkPlan, Receipt, RestoreRequest, Validation
+from coldsnap.contracts import ColdSnapError, ErrorCode, NetworkPlan, Receipt, RestoreRequest
 from coldsnap.contracts.results import Hydrate, InsteadOf, Operation, Ranks, RestoreFacts
 from coldsnap.criu import CriuDriver, CriuOptions, criu_stats, lazy_pages_wanted
 from coldsnap.engines import get_adapter
@@ -68,19 +68,16 @@ def restore(request: RestoreRequest, progress: Progress = quiet) -> Receipt:
         with tl.span("stage"):
             staged = stage(capsule)
         progress(f"staged {capsule.digest[:19]}… (all digests verified)")
-        # what every receipt of this restore or prepare carries: where staging went, and a template's reason
-        def with_staging(result: RestoreFacts) -> RestoreFacts:
-            result.stage_parts, result.instead_of, result.pull = staged.parts, instead_of, pulled or None
-            return result
-
         if op == "prepare":
-            return finish_receipt(request, op_id, op, tl, "succeeded", result=with_staging(RestoreFacts(
-                capsule=capsule.digest, staged=str(staged.images.parent), admission="admitted")))
-        try:
-            result = _restore_staged(request, staged, tl, progress)
-        except ColdSnapError as e:
-            return _fall_back(request, capsule, tl, op_id, e, progress)
-        return finish_receipt(request, op_id, op, tl, "succeeded", result=with_staging(result))
+            result = RestoreFacts(capsule=capsule.digest, staged=str(staged.images.parent), admission="admitted")
+        else:
+            try:
+                result = _restore_staged(request, staged, tl, progress)
+            except ColdSnapError as e:
+                return _fall_back(request, capsule, tl, op_id, e, progress)
+        # what every receipt of this restore or prepare carries: where staging went, and a template's reason
+        result.stage_parts, result.instead_of, result.pull = staged.parts, instead_of, pulled or None
+        return finish_receipt(request, op_id, op, tl, "succeeded", result=result)
 
 
 def _driver_for(capsule: LoadedCapsule, op: str) -> str:
@@ -93,7 +90,6 @@ def _driver_for(capsule: LoadedCapsule, op: str) -> str:
 
 def _template_of(capsule: LoadedCapsule) -> LoadedCapsule | None:
     """The template capsule a full capsule names (captured with it, --snapshot-driver both), when this store has it."""
-
     digest = capsule.template
     if not digest:
         return None
@@ -114,10 +110,10 @@ def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timel
     profile = staged.capsule.profile
     name = workload_name(request, profile)
     gpu_steps.refuse_without_room(profile, request.gpu_map)
-    validation = _validation(request, profile)
+    validation = request.validation or profile.validation
     criu = CriuDriver()
     adapter = get_adapter(profile.engine.name)
-    pid = None
+    pid = lease = lazy = prefetched = None
     ok = False
     # Journaled before it exists: a restore killed before its validation leaves nothing running once someone looks.
     journal = Journal.begin("restore", workload=name, capsule=staged.capsule.digest)
@@ -126,9 +122,6 @@ def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timel
     prefetch_started = gpu_steps.start_prefetch_soon(
         profile, adapter.supports_prefetch and reloads_weights(staged.capsule), request.gpu_map,
         private_dir(settings().run / "prefetch"))
-    prefetched = None
-    lease = None
-    lazy = None
     try:
         with tl.span("network"):
             # A network of its own, whatever the capture's was: the engine listens on 0.0.0.0, its own connections
@@ -170,20 +163,18 @@ def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timel
         ranks = _ranks_restored(profile, plan, pid)
         progress(f"restored and validated: first token {ttft:.3f} s after restore began"
                  + (f"; {ranks.restored}/{ranks.expected} ranks" if ranks else ""))
-        wdir = run_dir(name)
+        url = f"http://{plan.workload_address}:{plan.port}"
         save_state(WorkloadState(name=name, pid=pid, network=plan.model_dump(), origin="restored",
-                                 capsule=staged.capsule.digest, run_dir=str(wdir),
-                                 log=profile.files[0].path if profile.files else "",
-                                 url=f"http://{plan.workload_address}:{plan.port}", cuda_pids=gpu.pids,
+                                 capsule=staged.capsule.digest, run_dir=str(run_dir(name)),
+                                 log=profile.files[0].path if profile.files else "", url=url, cuda_pids=gpu.pids,
                                  engine=profile.engine.name, weights_mode=profile.weights_mode))
         ok = True
         for owned in (workload, *journal.of(Network)):  # its state file owns them now
             journal.drop(owned)
         return RestoreFacts(
-            capsule=staged.capsule.digest, snapshot_driver=profile.snapshot_driver, workload=name, pid=pid,
-            url=f"http://{plan.workload_address}:{plan.port}", time_to_first_token_s=round(ttft, 4),
-            validated_text=res.text, first_token_monotonic_s=round(res.first_token_s, 6),
-            cuda_processes=len(gpu.pids), criu_options=options.cli_flags(),
+            capsule=staged.capsule.digest, snapshot_driver=profile.snapshot_driver, workload=name, pid=pid, url=url,
+            time_to_first_token_s=round(ttft, 4), validated_text=res.text, cuda_processes=len(gpu.pids),
+            first_token_monotonic_s=round(res.first_token_s, 6), criu_options=options.cli_flags(),
             hydrate=Hydrate(cuda_restore_s=gpu.seconds, cuda_restore_per_pid_s=gpu.per_pid if len(gpu.pids) > 1
                             else None, engine_resume=engine, prefetch=prefetched),
             criu_stats=criu_account, lazy_pages={"all_in_s": pages_in_s} if lazy else None,
@@ -222,26 +213,6 @@ def _ranks_restored(profile, plan, root_pid: int) -> Ranks | None:
     return Ranks(restored=restored, expected=expected)
 
 
-def _validation(request: RestoreRequest, profile) -> Validation:
-    return request.validation or profile.validation
-
-
-def _start_template_cold(name: str, profile, validation: Validation):
-    """A cold start of a template capsule's launch: the template, then the device work it does when resumed."""
-    cold = start_cold(name, profile.network.port, profile.launch.command, profile.launch.env, profile.launch.workdir,
-                      validation, template=True)
-    try:
-        plan = cold.state.plan
-        get_adapter(profile.engine.name).after_restore(plan.workload_address, plan.port, True, "recovery")
-        cold.probe.wait_ready(alive=lambda: alive(cold.state.pid))
-        cold.first = cold.probe.complete(expected=profile.expected_text)
-    except BaseException:
-        kill_tree(cold.state.pid)
-        destroy_network(cold.state.plan)
-        raise
-    return cold
-
-
 # --- cold fallback -----------------------------------------------------------------------------------------------
 def _fall_back(request: RestoreRequest, capsule: LoadedCapsule, tl: Timeline, op_id: str, cause: ColdSnapError,
                progress: Progress) -> Receipt:
@@ -259,14 +230,23 @@ def _fall_back(request: RestoreRequest, capsule: LoadedCapsule, tl: Timeline, op
 def cold_start(profile, request: RestoreRequest, progress: Progress) -> RestoreFacts:
     """Start the captured workload's launch cold, on a network of its own, and validate it."""
     name = workload_name(request, profile)
-    if profile.snapshot_driver == "criu-template":  # its launch starts a template: started, then resumed
-        cold = _start_template_cold(name, profile, _validation(request, profile))
-    else:
-        cold = start_cold(name, profile.network.port, profile.launch.command, profile.launch.env,
-                          profile.launch.workdir, _validation(request, profile), expected=profile.expected_text)
+    template = profile.snapshot_driver == "criu-template"  # its launch starts a template: started, then resumed
+    cold = start_cold(name, profile.network.port, profile.launch.command, profile.launch.env, profile.launch.workdir,
+                      request.validation or profile.validation, expected=profile.expected_text, template=template)
+    if template:  # the device work a template does when resumed
+        try:
+            plan = cold.state.plan
+            get_adapter(profile.engine.name).after_restore(plan.workload_address, plan.port, True, "recovery")
+            cold.probe.wait_ready(alive=lambda: alive(cold.state.pid))
+            cold.first = cold.probe.complete(expected=profile.expected_text)
+        except BaseException:
+            kill_tree(cold.state.pid)
+            destroy_network(cold.state.plan)
+            raise
     cold.state.engine, cold.state.weights_mode = profile.engine.name, profile.weights_mode
     save_state(cold.state)
     progress(f"cold start validated: first token {cold.time_to_first_token:.2f} s after start")
+    assert cold.first is not None  # time_to_first_token has it
     return RestoreFacts(workload=name, pid=cold.state.pid, url=cold.state.url,
                         time_to_first_token_s=round(cold.time_to_first_token, 4), validated_text=cold.first.text,
                         started="cold")

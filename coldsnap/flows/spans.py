@@ -17,9 +17,6 @@ class Timeline:
                              monotonic_s=self.t0)
         self.spans: list[Span] = []
 
-    def now(self) -> float:
-        return time.monotonic() - self.t0
-
     @contextmanager
     def span(self, name: str) -> Iterator[None]:
         start = time.monotonic()

@@ -1,13 +1,6 @@
 """`coldsnap-hook createRuntime|poststart|poststop`: OCI hooks, the container state JSON on stdin
-({ociVersion, id, status, pid, bundle, annotations}).
-
-  poststart   a container the shim restored is validated with a real completion before it is reported
-              ready; the receipt goes to <receipts>/<container-id>.json and one line to stderr. A failed
-              validation exits 1 with the reason (the runtime then fails the start).
-  poststop    forget the shim's record of the container.
-  createRuntime  in a network namespace runc makes itself, bring `lo` up before CRIU restores loopback
-              connections (runc runs it at CRIU's setup-namespaces during a restore).
-Containers the shim did not handle pass through every stage untouched (exit 0)."""
+({ociVersion, id, status, pid, bundle, annotations}); each stage's module says what it does. Containers the shim
+did not handle pass through every stage untouched (exit 0)."""
 
 from __future__ import annotations
 

@@ -113,16 +113,9 @@ def qualifications(directory: Path | None = None) -> list[Qualification]:
 
 
 def capabilities() -> Capabilities:
-    drivers = typing.get_args(CapsuleProfile.model_fields["snapshot_driver"].annotation)
     return Capabilities(
-        coldsnap_version=coldsnap.__version__,
-        request_formats=[FORMAT_VERSION],
-        receipt_formats=[FORMAT_VERSION],
-        capsule_formats=[FORMAT_VERSION],
-        operations=list(OPERATIONS),
-        engines=list(ENGINE_NAMES),
-        snapshot_drivers=list(drivers),
+        coldsnap_version=coldsnap.__version__, request_formats=[FORMAT_VERSION], receipt_formats=[FORMAT_VERSION],
+        capsule_formats=[FORMAT_VERSION], operations=list(OPERATIONS), engines=list(ENGINE_NAMES),
+        snapshot_drivers=list(typing.get_args(CapsuleProfile.model_fields["snapshot_driver"].annotation)),
         weights_modes=list(typing.get_args(Policy.model_fields["weights_mode"].annotation)),
-        results=str(results_dir()),
-        qualified=qualifications(),
-    )
+        results=str(results_dir()), qualified=qualifications())

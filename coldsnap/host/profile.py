@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+from pathlib import Path
 
 from coldsnap.base.paths import settings
 from coldsnap.contracts import ColdSnapError, ErrorCode, HostProfile
@@ -18,8 +19,7 @@ def read_cpuinfo(text: str | None = None) -> tuple[str, list[str]]:
     """(cpu model, sorted flags) from /proc/cpuinfo: x86 'model name'/'flags', arm64 'Features' and the CPU part."""
     if text is None:
         try:
-            with open("/proc/cpuinfo") as f:
-                text = f.read()
+            text = Path("/proc/cpuinfo").read_text()
         except OSError:
             text = ""
     fields: dict[str, str] = {}
@@ -39,17 +39,9 @@ def host_profile(criu_version: str) -> HostProfile:
     u = os.uname()
     model, flags = read_cpuinfo()
     gpu = nvml.discover()
-    return HostProfile(
-        arch=u.machine,
-        cpu_model=model,
-        cpu_flags=flags,
-        kernel=u.release,
-        criu_version=criu_version,
-        driver_version=gpu.driver_version,
-        cuda_version=gpu.cuda_version,
-        gpus=gpu.gpus,
-        gpu_links=gpu.links,
-    )
+    return HostProfile(arch=u.machine, cpu_model=model, cpu_flags=flags, kernel=u.release, criu_version=criu_version,
+                       driver_version=gpu.driver_version, cuda_version=gpu.cuda_version, gpus=gpu.gpus,
+                       gpu_links=gpu.links)
 
 
 def _run(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
@@ -76,34 +68,23 @@ def criu_version(criu_binary: str | None = None) -> str:
     version = parse_criu_version(p.stdout + "\n" + p.stderr)
     if p.returncode != 0 or not version:
         out = (p.stderr or p.stdout).strip().splitlines()
-        raise ColdSnapError(
-            ErrorCode.ENVIRONMENT,
-            f"`{binary} --version` failed (exit {p.returncode}): {out[-1] if out else 'no output'}",
-        )
+        raise ColdSnapError(ErrorCode.ENVIRONMENT,
+                            f"`{binary} --version` failed (exit {p.returncode}): {out[-1] if out else 'no output'}")
     return version
 
 
 def version_tuple(version: str) -> tuple[int, ...]:
     """'4.2.1' → (4, 2, 1); non-numeric tails are ignored ('4.2-rc1' → (4, 2))."""
-    parts = []
-    for piece in version.split("."):
-        m = re.match(r"\d+", piece)
-        if not m:
-            break
-        parts.append(int(m.group()))
-        if m.end() != len(piece):
-            break
-    return tuple(parts)
+    m = re.match(r"\d+(?:\.\d+)*", version)
+    return tuple(int(part) for part in m.group().split(".")) if m else ()
 
 
 def interpret_criu_check(returncode: int, output: str) -> tuple[bool, str]:
     """(ok, detail) of `criu check`: ok when it exits 0 and says 'Looks good.'; known noise lines are dropped."""
     lines = [ln for ln in output.splitlines() if ln.strip() and not any(n in ln for n in CRIU_NOISE)]
-    ok = returncode == 0 and any("Looks good" in ln for ln in lines)
-    if ok:
+    if returncode == 0 and any("Looks good" in ln for ln in lines):
         return True, "Looks good."
-    detail = "; ".join(lines[-5:]) if lines else "no output"
-    return False, f"exit {returncode}: {detail}"
+    return False, f"exit {returncode}: {'; '.join(lines[-5:]) if lines else 'no output'}"
 
 
 def criu_check(criu_binary: str | None = None) -> tuple[bool, str]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
-from coldsnap.contracts import CapsuleProfile, ColdSnapError, ContainerLaunch, ErrorCode
+from coldsnap.contracts import CapsuleProfile, ColdSnapError, ErrorCode
 from coldsnap.contracts import capsule as mt
 
 ENGINES = ("podman", "docker", "ctr")
@@ -34,17 +34,6 @@ class RunArgs:
         return " ".join(shlex.quote(a) for a in self.argv)
 
 
-def _user_mounts(launch: ContainerLaunch):
-    for m in launch.mounts:
-        if m.destination in ENGINE_MADE or m.destination.startswith(("/proc/", "/sys/", "/dev/")):
-            continue
-        yield m
-
-
-def _readonly(options: list[str]) -> bool:
-    return "ro" in options
-
-
 def run_args(profile: CapsuleProfile, digest: str, engine: str, runtime: str, name: str | None = None,
              image: str | None = None) -> RunArgs:
     if engine not in ENGINES:
@@ -55,9 +44,11 @@ def run_args(profile: CapsuleProfile, digest: str, engine: str, runtime: str, na
                             "(restore it with `coldsnap restore --capsule …`)")
     image = image or launch.image or IMAGE
     notes = [] if image != IMAGE else ["the capture did not record the image: replace IMAGE (capture --image)"]
-    binds = [(m.source, m.destination, _readonly(m.options)) for m in _user_mounts(launch) if m.type == "bind"]
+    mounts = [m for m in launch.mounts
+              if m.destination not in ENGINE_MADE and not m.destination.startswith(("/proc/", "/sys/", "/dev/"))]
+    binds = [(m.source, m.destination, "ro" in m.options) for m in mounts if m.type == "bind"]
     tmpfs = [(m.destination, [o for o in m.options if o in ("rw", "ro") or o.split("=", 1)[0] in TMPFS_KEYS])
-             for m in _user_mounts(launch) if m.type == "tmpfs"]
+             for m in mounts if m.type == "tmpfs"]
     if engine == "ctr":
         argv = ["ctr", "run", "-d", "--runc-binary", runtime, "--annotation", f"{mt.ANNOTATION_CAPSULE}={digest}"]
         for src, dst, ro in binds:
@@ -75,16 +66,15 @@ def run_args(profile: CapsuleProfile, digest: str, engine: str, runtime: str, na
         return RunArgs(engine, argv, notes)
     argv = [engine, "run", "-d", *(["--name", name] if name else [])]
     if engine == "podman":
-        argv += ["--runtime", runtime, "--annotation", f"{mt.ANNOTATION_CAPSULE}={digest}"]
+        argv += ["--runtime", runtime, "--annotation", f"{mt.ANNOTATION_CAPSULE}={digest}", "--network",
+                 {"host": "host", "own": "none", "path": f"ns:{launch.network_path}"}[launch.network]]
     else:  # docker 20.10 has no --annotation: the shim reads COLDSNAP_CAPSULE from the container's environment
         argv += ["--runtime", "coldsnap", "-e", f"COLDSNAP_CAPSULE={digest}"]
-    if engine == "podman":
-        argv += ["--network", {"host": "host", "own": "none", "path": f"ns:{launch.network_path}"}[launch.network]]
-    elif launch.network == "host":
-        argv += ["--network", "host"]
-    else:  # docker makes every container's network namespace itself: its default (bridge) or --network none
-        notes.append("docker: the capture's network namespace was docker's own; add --network none (or the "
-                     "network it was on) as the captured container had it")
+        if launch.network == "host":
+            argv += ["--network", "host"]
+        else:  # docker makes every container's network namespace itself: its default (bridge) or --network none
+            notes.append("docker: the capture's network namespace was docker's own; add --network none (or the "
+                         "network it was on) as the captured container had it")
     if launch.shm_size:
         argv += ["--shm-size", str(launch.shm_size)]
     for dst, opts in tmpfs:

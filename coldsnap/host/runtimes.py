@@ -94,8 +94,7 @@ def _table_span(lines: list[str], table: str) -> tuple[int, int] | None:
     """(header index, end index) of [table], or None."""
     start = None
     for i, line in enumerate(lines):
-        m = _HEADER.match(line)
-        if not m:
+        if not (m := _HEADER.match(line)):
             continue
         if start is not None:
             return start, i
@@ -118,10 +117,8 @@ def set_toml_key(text: str, table: str, key: str, value: str) -> str:
         if m:
             lines[i] = f"{m.group(1) or '  '}{key} = {value}"
             return "\n".join(lines) + "\n"
-    m = re.match(r"^(\s*)", lines[start])
-    assert m is not None  # \s* matches even an empty line
-    indent = m.group(1) + "  "
-    lines.insert(start + 1, f"{indent}{key} = {value}")
+    header = lines[start]
+    lines.insert(start + 1, f"{header[:len(header) - len(header.lstrip())]}  {key} = {value}")
     return "\n".join(lines) + "\n"
 
 
@@ -140,7 +137,6 @@ def _dig(data: dict, dotted: str):
 
 # --- containerd --------------------------------------------------------------------------------------------------
 def installed_containerd_major() -> int | None:
-    """The major version of the containerd on PATH, if any."""
     binary = shutil.which("containerd")
     if not binary:
         return None
@@ -188,10 +184,8 @@ def podman_config(text: str, runtime: str, set_default: bool) -> str:
 
 EDITORS: dict[str, Callable[[str, str, bool], str]] = {
     "docker": docker_config, "containerd": containerd_config, "podman": podman_config}
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    atomic_write(path, text.encode("utf-8"), KEEP_MODE)
+RESTART = {"docker": "restart dockerd", "containerd": "restart containerd",
+           "podman": "nothing to restart (podman reads containers.conf per command)"}
 
 
 def configure(runtime: str, *, dry_run: bool = False, set_default: bool = False, config: str | Path | None = None,
@@ -212,15 +206,12 @@ def configure(runtime: str, *, dry_run: bool = False, set_default: bool = False,
     notes = []
     if runtime == "containerd":
         if runtime_class_path and not dry_run:
-            _atomic_write(Path(runtime_class_path), RUNTIME_CLASS)
+            atomic_write(Path(runtime_class_path), RUNTIME_CLASS.encode("utf-8"), KEEP_MODE)
             notes.append(f"RuntimeClass written to {runtime_class_path}")
         out(RUNTIME_CLASS.rstrip())
     if dry_run:
         out(diff.rstrip() or f"{path}: already configured")
     elif changed:
-        _atomic_write(path, new)
-    restart = {"docker": "restart dockerd", "containerd": "restart containerd",
-               "podman": "nothing to restart (podman reads containers.conf per command)"}[runtime]
-    if changed and not dry_run:
-        notes.append(f"{path} updated; {restart}")
+        atomic_write(path, new.encode("utf-8"), KEEP_MODE)
+        notes.append(f"{path} updated; {RESTART[runtime]}")
     return Configured(path=path, changed=changed, diff=diff, written=changed and not dry_run, notes=notes)

@@ -20,15 +20,20 @@ from typing import Any, Callable
 from coldsnap.contracts import ColdSnapError, ErrorCode
 
 CLONE_NEWNET = 0x40000000
+libc = ctypes.CDLL(None, use_errno=True)
 
 
-def _setns(path: str) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
+def check_rc(rc: int, what: str) -> None:
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def setns(path: str, what: str = "") -> None:
+    """The calling thread enters the network namespace at path."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        if libc.setns(fd, CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"setns({path}): {os.strerror(err)}")
+        check_rc(libc.setns(fd, CLONE_NEWNET), what or f"setns({path})")
     finally:
         os.close(fd)
 
@@ -61,7 +66,7 @@ def call_in_netns(pid: int, fn: Callable[..., Any], *args: Any, timeout: float =
         os.close(r)
         payload: tuple[Any, ...]  # ("ok", result) or ("err", code, message)
         try:
-            _setns(path)
+            setns(path)
             payload = ("ok", fn(*args))
         except ColdSnapError as e:
             payload = ("err", e.code.value, e.message)

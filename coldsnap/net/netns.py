@@ -10,27 +10,24 @@ one lock (/run/coldsnap-net.lock), and a refusal removes nothing it did not make
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
 import socket
 import threading
 from collections.abc import Callable
+from contextlib import suppress
 from pathlib import Path
 
 from pyroute2 import IPRoute, netns
 
 from coldsnap.base.locks import locked
 from coldsnap.contracts import ColdSnapError, ErrorCode, NetworkPlan
+from coldsnap.net.enter import CLONE_NEWNET, check_rc, libc, setns
 
 BASE = "169.254.237."
 MAX_SLOTS = 63
 NETNS_DIR = Path("/run/netns")
 HOST_LOCK = Path("/run/coldsnap-net.lock")
-
-
-CLONE_NEWNET = 0x40000000
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def _on_a_thread(fn: Callable[[], object]) -> object:
@@ -54,16 +51,10 @@ def _on_a_thread(fn: Callable[[], object]) -> object:
     return out["result"]
 
 
-def _check(rc: int, what: str) -> None:
-    if rc != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
-
-
 def create_namespace(name: str) -> None:
     """A new named network namespace (/run/netns/NAME, as `ip netns add` makes it)."""
     def make() -> None:
-        _check(_libc.unshare(CLONE_NEWNET), f"unshare of a network namespace for {name}")
+        check_rc(libc.unshare(CLONE_NEWNET), f"unshare of a network namespace for {name}")
         # attach bind-mounts /proc/PID/ns/net at /run/netns/NAME; this thread's own is /proc/PID/task/TID/ns/net
         netns.attach(name, f"{os.getpid()}/task/{threading.get_native_id()}")
     _on_a_thread(make)
@@ -72,18 +63,9 @@ def create_namespace(name: str) -> None:
 def namespace_route(name: str) -> IPRoute:
     """An rtnetlink handle inside the named network namespace (its socket is made on a thread that entered it)."""
     def enter() -> int:
-        fd = os.open(netns_path(name), os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            _check(_libc.setns(fd, CLONE_NEWNET), f"entering network namespace {name}")
-        finally:
-            os.close(fd)
+        setns(netns_path(name), f"entering network namespace {name}")
         return socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, socket.NETLINK_ROUTE).detach()
     return IPRoute(fileno=_on_a_thread(enter))
-
-
-def _host_lock():
-    """Network names, addresses and veths are host-wide: every home on the host chooses and creates them in turn."""
-    return locked(HOST_LOCK)
 
 
 def netns_path(name: str) -> str:
@@ -104,18 +86,6 @@ def _host_links() -> set[str]:
         return {link.get_attr("IFLA_IFNAME") for link in ipr.get_links()}
 
 
-def plan_for_slot(name: str, slot: int, port: int) -> NetworkPlan:
-    return NetworkPlan(
-        netns=f"coldsnap-{name}",
-        host_veth=f"csh{slot}",
-        workload_veth="eth0",
-        host_address=f"{BASE}{4 * slot + 1}",
-        workload_address=f"{BASE}{4 * slot + 2}",
-        prefix_len=30,
-        port=port,
-    )
-
-
 def _free_plan(name: str, port: int) -> NetworkPlan:
     """The first network namespace name for this workload (coldsnap-NAME, then coldsnap-NAME-2, …: two homes may
     use one name) and the first slot whose addresses and veth are free on this host."""
@@ -123,7 +93,8 @@ def _free_plan(name: str, port: int) -> NetworkPlan:
     netns_name = next(n for n in (f"coldsnap-{name}", *(f"coldsnap-{name}-{i}" for i in range(2, 1000)))
                       if n not in names)
     for slot in range(MAX_SLOTS):
-        plan = plan_for_slot(name, slot, port).model_copy(update={"netns": netns_name})
+        plan = NetworkPlan(netns=netns_name, host_veth=f"csh{slot}", workload_veth="eth0", prefix_len=30, port=port,
+                           host_address=f"{BASE}{4 * slot + 1}", workload_address=f"{BASE}{4 * slot + 2}")
         if plan.host_address not in addresses and plan.host_veth not in links:
             return plan
     raise ColdSnapError(ErrorCode.RESOURCE_BUSY, f"all {MAX_SLOTS} workload network slots are in use")
@@ -132,14 +103,14 @@ def _free_plan(name: str, port: int) -> NetworkPlan:
 def allocate_plan(name: str, port: int) -> NetworkPlan:
     """A plan that is free now (another ColdSnap may take it before it exists: new_network chooses and creates
     under the host lock)."""
-    with _host_lock():
+    with locked(HOST_LOCK):
         return _free_plan(name, port)
 
 
 def new_network(name: str, port: int, before: Callable[[NetworkPlan], object] = lambda plan: None) -> NetworkPlan:
     """Choose a free plan and create it, under the host lock; before(plan) runs between the two (a journal records
     the plan there, before it exists)."""
-    with _host_lock():
+    with locked(HOST_LOCK):
         plan = _free_plan(name, port)
         before(plan)
         _create(plan)
@@ -149,7 +120,7 @@ def new_network(name: str, port: int, before: Callable[[NetworkPlan], object] = 
 def create_network(plan: NetworkPlan) -> None:
     """Create netns + veth exactly as planned (a restore's captured plan), under the host lock; refuse
     (RESOURCE_BUSY) if any part is taken, and then touch nothing."""
-    with _host_lock():
+    with locked(HOST_LOCK):
         _create(plan)
 
 
@@ -188,15 +159,10 @@ def _create(plan: NetworkPlan) -> None:
 
 def destroy_network(plan: NetworkPlan) -> None:
     """Remove veth and netns; idempotent (a missing part is not an error)."""
-    try:
-        with IPRoute() as ipr:
-            idx = ipr.link_lookup(ifname=plan.host_veth) if plan.host_veth else []
-            if idx:
-                ipr.link("del", index=idx[0])
-    except Exception:
-        pass
-    try:
+    with suppress(Exception), IPRoute() as ipr:
+        idx = ipr.link_lookup(ifname=plan.host_veth) if plan.host_veth else []
+        if idx:
+            ipr.link("del", index=idx[0])
+    with suppress(Exception):
         if plan.netns in netns.listnetns():
             netns.remove(plan.netns)
-    except Exception:
-        pass

@@ -17,9 +17,9 @@ MAX_ID = 200  # the shim's record is <id>.json, its temp file longer: beyond thi
 
 
 def valid_container_id(container_id: str | None) -> bool:
-    if not container_id:
-        return False
-    return len(container_id) <= MAX_ID and container_id not in (".", "..") and set(container_id) <= ID_CHARS
+    return (container_id is not None and 0 < len(container_id) <= MAX_ID and container_id not in (".", "..")
+            and set(container_id) <= ID_CHARS)
+
 
 GLOBAL_VALUE = frozenset({"root", "log", "log-format", "criu", "rootless"})
 
@@ -69,7 +69,6 @@ class RuncArgv:
         return (f"RuncArgv(command={self.command!r}, globals={self.globals!r}, flags={self.flags!r}, "
                 f"args={self.args!r})")
 
-    # --- globals ---
     @property
     def root(self) -> str:
         return str(self.globals.get("root") or "/run/runc")
@@ -83,12 +82,12 @@ class RuncArgv:
     def log_format(self) -> str:
         return str(self.globals.get("log-format") or "text")
 
-    # --- subcommand ---
     def flag(self, *names: str) -> str | bool | None:
-        for n in names:
-            if n in self.flags:
-                return self.flags[n]
-        return None
+        return next((self.flags[n] for n in names if n in self.flags), None)
+
+    def _string(self, *names: str) -> str | None:
+        value = self.flag(*names)
+        return value if isinstance(value, str) and value else None
 
     @property
     def container_id(self) -> str | None:
@@ -105,22 +104,21 @@ class RuncArgv:
     @property
     def bundle(self) -> str:
         """The bundle directory; runc's default is the current directory."""
-        value = self.flag("bundle", "b")
-        return os.path.abspath(value) if isinstance(value, str) and value else os.getcwd()
+        value = self._string("bundle", "b")
+        return os.path.abspath(value) if value else os.getcwd()
 
     @property
     def pid_file(self) -> str | None:
-        value = self.flag("pid-file")
-        return value if isinstance(value, str) and value else None
+        return self._string("pid-file")
 
     @property
     def console_socket(self) -> str | None:
-        value = self.flag("console-socket")
-        return value if isinstance(value, str) and value else None
+        return self._string("console-socket")
 
     @property
     def detach(self) -> bool:
-        return _truthy(self.flag("detach", "d"))
+        value = self.flag("detach", "d")
+        return value.lower() in ("1", "t", "true") if isinstance(value, str) else bool(value)
 
     def global_argv(self, drop: tuple[str, ...] = ()) -> list[str]:
         """The caller's global flags verbatim (everything before the subcommand), without the flags named in drop."""
@@ -135,12 +133,6 @@ class RuncArgv:
                 out += group
             i += len(group)
         return out
-
-
-def _truthy(value: str | bool | None) -> bool:
-    if isinstance(value, str):
-        return value.lower() in ("1", "t", "true")
-    return bool(value)
 
 
 def _parse_flags(tokens: list[str], start: int, value_names: frozenset[str]) -> tuple[dict[str, str | bool], int]:

@@ -144,16 +144,6 @@ def save(container_id: str, record: ShimRecord) -> str:
     return path
 
 
-def remove(container_id: str | None) -> None:
-    if container_id:
-        record = load(container_id)
-        try:
-            os.unlink(state_path(container_id))
-        except (ValueError, FileNotFoundError):
-            pass
-        _mark(record.root if record else None, container_id, False)
-
-
 def belongs(record: ShimRecord | None, root: str) -> bool:
     """A record applies only to the runc root it was made under (ids are unique per root, not per host)."""
     return record is not None and os.path.realpath(record.root) == os.path.realpath(root)
@@ -168,4 +158,8 @@ def forget(container_id: str) -> None:
     record = load(container_id)
     if record is not None and record.work_dir:
         shutil.rmtree(record.work_dir, ignore_errors=True)
-    remove(container_id)
+    try:
+        os.unlink(state_path(container_id))
+    except (ValueError, FileNotFoundError):
+        pass
+    _mark(record.root if record else None, container_id, False)

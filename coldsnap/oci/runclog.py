@@ -32,13 +32,11 @@ def _one_line(msg: str) -> str:
 
 def log(parsed: RuncArgv, level: str, msg: str) -> None:
     """Append one line to runc's --log file (when one is set and is not stderr)."""
-    msg = _one_line(msg)
-    path = parsed.log
-    if not path or path in ("/dev/stderr", "/proc/self/fd/2"):
+    if not parsed.log or parsed.log in ("/dev/stderr", "/proc/self/fd/2"):
         return
     try:
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(format_line(level, msg, parsed.log_format) + "\n")
+        with open(parsed.log, "a", encoding="utf-8") as f:
+            f.write(format_line(level, _one_line(msg), parsed.log_format) + "\n")
     except OSError:
         pass
 

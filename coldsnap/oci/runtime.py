@@ -51,11 +51,6 @@ def runtime_config(path: str = RUNTIME_CONFIG) -> dict:
     return _config
 
 
-def _from_config() -> str | None:
-    value = runtime_config().get("runc")
-    return value if isinstance(value, str) and value else None
-
-
 def apply_config_env() -> None:
     """COLDSNAP_* settings from runtime.json, for the paths that need them (never the pass-through)."""
     env = runtime_config().get("env")
@@ -67,8 +62,8 @@ def apply_config_env() -> None:
 
 def find_runc() -> str:
     # read here, not through base.paths.settings(): the pass-through path imports nothing of ours but oci/
-    for candidate in (os.environ.get("COLDSNAP_RUNC"), _from_config()):
-        if candidate:
+    for candidate in (os.environ.get("COLDSNAP_RUNC"), runtime_config().get("runc")):
+        if isinstance(candidate, str) and candidate:
             if os.access(candidate, os.X_OK) and not _is_self(candidate):
                 return candidate
             raise RuncNotFound(f"runc {candidate!r} (from $COLDSNAP_RUNC or {RUNTIME_CONFIG}) is not an executable "
@@ -102,12 +97,6 @@ class Runc:
     def argv(self, *args: str) -> list[str]:
         return [self.binary, *self.global_flags, *args]
 
-    def run(self, *args: str, env: Mapping[str, str] | None = None, capture: bool = True,
-            timeout: float | None = None) -> subprocess.CompletedProcess:
-        """A command of ours (stdin closed), its output captured unless capture is False (then inherited)."""
-        return subprocess.run(self.argv(*args), env=env, stdin=subprocess.DEVNULL, timeout=timeout,
-                              capture_output=capture, text=True)
-
     def quietly(self, *args: str, timeout: float | None = 60) -> int:
         """A cleanup command (delete, kill): its output discarded, its exit status returned."""
         return subprocess.run(self.argv(*args), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -120,16 +109,14 @@ class Runc:
         return self.quietly("kill", container_id, signal)
 
     def state(self, container_id: str) -> subprocess.CompletedProcess:
-        return self.run("state", container_id)
+        return subprocess.run(self.argv("state", container_id), stdin=subprocess.DEVNULL, capture_output=True,
+                              text=True)
 
     def call(self, argv: Sequence[str], env: Mapping[str, str] | None = None) -> int:
         """The caller's argv, as given (no globals of ours added): stdio and every fd inherited."""
         return subprocess.call([self.binary, *argv], env=env, close_fds=False)
 
-    def become(self, argv: Sequence[str]) -> NoReturn:
-        """Become runc with the caller's argv, unchanged (stdio, environment and fds are inherited as they are)."""
-        os.execv(self.binary, [self.binary, *argv])
 
-
-def exec_runc(runc: str, argv: list[str] | tuple[str, ...]) -> NoReturn:
-    Runc(runc).become(argv)
+def exec_runc(runc: str, argv: Sequence[str]) -> NoReturn:
+    """Become runc with the caller's argv, unchanged (stdio, environment and fds are inherited as they are)."""
+    os.execv(runc, [runc, *argv])

@@ -56,11 +56,9 @@ def runc_refuses(spec) -> str | None:
         if not isinstance(hooks, dict):
             return "hooks must be an object"
         for stage, entries in hooks.items():
-            if entries is None:
-                continue
-            if not isinstance(entries, list):
+            if entries is not None and not isinstance(entries, list):
                 return f"hooks.{stage} must be a list"
-            for hook in entries:
+            for hook in entries or []:
                 if not isinstance(hook, dict) or not isinstance(hook.get("path"), str):
                     return f"hooks.{stage}: each hook needs a string path"
                 if any(hook.get(k) is not None and not _strings(hook[k]) for k in ("args", "env")):
@@ -104,15 +102,14 @@ SANDBOX_MARKS = {"io.kubernetes.cri.container-type": "sandbox", "io.kubernetes.c
 
 def root_path(spec: dict, bundle: str | os.PathLike) -> str | None:
     """The container's root filesystem on the host: root.path, relative to the bundle unless absolute."""
-    root = (spec.get("root") or {}).get("path") if isinstance(spec.get("root"), dict) else None
+    root = spec["root"].get("path") if isinstance(spec.get("root"), dict) else None
     if not isinstance(root, str) or not root:
         return None
     return root if os.path.isabs(root) else os.path.join(str(bundle), root)
 
 
 def is_pod_sandbox(spec: dict) -> bool:
-    ann = annotations_of(spec)
-    return any(ann.get(key) == value for key, value in SANDBOX_MARKS.items())
+    return bool(SANDBOX_MARKS.items() & annotations_of(spec).items())
 
 
 def coldsnap_annotations(spec: dict) -> dict[str, str]:
@@ -143,10 +140,8 @@ def ensure_hook(spec: dict, stage: str, hook: dict) -> bool:
 
 def netns_path(spec: dict) -> str | None:
     """The network namespace path the spec joins, or None when the runtime creates a fresh one (or none)."""
-    for ns in (spec.get("linux") or {}).get("namespaces") or []:
-        if ns.get("type") == "network":
-            return ns.get("path") or None
-    return None
+    namespaces = (spec.get("linux") or {}).get("namespaces") or []
+    return next((ns.get("path") or None for ns in namespaces if ns.get("type") == "network"), None)
 
 
 def apply_launch(spec: dict, argv: list[str], env: dict[str, str], cwd: str | None = None, binds=()) -> dict:
@@ -155,12 +150,8 @@ def apply_launch(spec: dict, argv: list[str], env: dict[str, str], cwd: str | No
     (source, target, readonly) whose target the spec does not mount yet. Returns the spec."""
     proc = spec.setdefault("process", {})
     proc["args"] = list(argv)
-    merged = {}
-    for entry in proc.get("env") or []:
-        name, _, value = str(entry).partition("=")
-        merged[name] = value
-    merged.update(env)
-    proc["env"] = [f"{k}={v}" for k, v in merged.items()]
+    merged = dict(str(entry).partition("=")[::2] for entry in proc.get("env") or [])
+    proc["env"] = [f"{k}={v}" for k, v in {**merged, **env}.items()]
     if cwd:
         proc["cwd"] = cwd
     mounts = spec.setdefault("mounts", [])

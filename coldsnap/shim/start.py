@@ -47,5 +47,3 @@ def start_restored(runc: str, parsed: RuncArgv, record: ShimRecord) -> int:
     record.started = True
     records.save(cid, record)
     return 0
-
-

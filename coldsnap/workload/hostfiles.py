@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import stat
+from contextlib import suppress
 from pathlib import Path
 
 from coldsnap.base.digests import sha256_file
@@ -57,8 +58,7 @@ def put_back_file(src: str | os.PathLike | None, f: CapturedFile) -> None:
     content-addressed: kept when already there at its size, otherwise checked against its name's digest."""
     if codestash.is_code_file(f.path):
         return _put_back_code_file(src, f)
-    Path(f.path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = f"{f.path}.coldsnap-tmp{os.getpid()}"
+    tmp = _tmp_beside(f.path)
     if src is not None and os.path.exists(src):
         copy_sparse(src, tmp, f.size)
     else:
@@ -68,29 +68,29 @@ def put_back_file(src: str | os.PathLike | None, f: CapturedFile) -> None:
     os.replace(tmp, f.path)
 
 
+def _tmp_beside(path: str) -> str:
+    Path(path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return f"{path}.coldsnap-tmp{os.getpid()}"
+
+
 def _put_back_code_file(src: str | os.PathLike | None, f: CapturedFile) -> None:
-    try:
+    with suppress(FileNotFoundError):
         if os.stat(f.path).st_size == f.size:
             return
-    except FileNotFoundError:
-        pass
     if src is None or not os.path.exists(src):
         raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"the capsule lacks the CUDA code file {f.path}")
-    Path(f.path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = f"{f.path}.coldsnap-tmp{os.getpid()}"
+    tmp = _tmp_beside(f.path)
     try:
         copy_sparse(src, tmp, f.size)
         named = codestash.NAME.match(os.path.basename(f.path))
         assert named is not None  # only code files (codestash.is_code_file) come here
-        want = named.group(1)
-        if sha256_file(Path(tmp))[0] != f"sha256:{want}":
+        if sha256_file(Path(tmp))[0] != f"sha256:{named.group(1)}":
             raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"CUDA code file {f.path}: its bytes do not match "
                                 "the digest in its name")
         os.chmod(tmp, 0o600)
         os.replace(tmp, f.path)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        Path(tmp).unlink(missing_ok=True)
 
 
 def snapshot_file(src: str, f: CapturedFile, dest: Path) -> str:
@@ -103,48 +103,37 @@ def tree_shm_files(pid: int) -> list[str]:
     """/dev/shm files of the live tree rooted at pid: every name in /dev/shm whose inode the tree maps or holds open
     (so also a POSIX semaphore's real name when the tree maps it under glibc's deleted temporary name). Call before
     killing the tree, unlink after: a SIGKILLed engine leaves its queues and semaphores behind."""
-    inodes: set[tuple[int, int]] = set()
+    inodes: set[tuple[int, int] | None] = set()
     for p in [pid, *descendants(pid)]:
-        try:
+        with suppress(FileNotFoundError, ProcessLookupError, PermissionError):
             for line in Path(f"/proc/{p}/maps").read_text().splitlines():
                 parts = line.split(None, 5)
                 if len(parts) == 6 and parts[5].startswith(SHM_DIRS):
-                    try:
-                        st = os.stat(f"/proc/{p}/map_files/{parts[0]}")
-                        inodes.add((st.st_dev, st.st_ino))
-                    except OSError:
-                        pass
+                    inodes.add(_inode(f"/proc/{p}/map_files/{parts[0]}"))
             for fd in Path(f"/proc/{p}/fd").iterdir():
-                try:
+                with suppress(OSError):
                     if os.readlink(fd).startswith(SHM_DIRS):
-                        st = os.stat(fd)
-                        inodes.add((st.st_dev, st.st_ino))
-                except OSError:
-                    continue
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
+                        inodes.add(_inode(fd))
+    inodes.discard(None)
     found = []
     for d in SHM_DIRS:
-        try:
+        with suppress(OSError):
             entries = list(os.scandir(d))
-        except OSError:
-            continue
-        for e in entries:
-            try:
-                st = e.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            if (st.st_dev, st.st_ino) in inodes:
-                found.append(e.path)
+            found += [e.path for e in entries if _inode(e.path, follow_symlinks=False) in inodes]
     return sorted(found)
+
+
+def _inode(path: str | os.PathLike, follow_symlinks: bool = True) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path, follow_symlinks=follow_symlinks)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def remove_files(paths: list[str]) -> None:
     for path in paths:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+        Path(path).unlink(missing_ok=True)
 
 
 def tree_socket_files(pid: int) -> list[str]:
@@ -152,40 +141,27 @@ def tree_socket_files(pid: int) -> list[str]:
     in $TMPDIR): a killed engine leaves the socket files behind. Call before killing the tree, unlink after (a
     restore binds them anew)."""
     inodes: set[str] = set()
-    tree = [pid, *descendants(pid)]
-    for p in tree:
-        try:
+    for p in [pid, *descendants(pid)]:
+        with suppress(FileNotFoundError, ProcessLookupError, PermissionError):
             for fd in Path(f"/proc/{p}/fd").iterdir():
-                try:
+                with suppress(OSError):
                     target = os.readlink(fd)
-                except OSError:
-                    continue
-                if target.startswith("socket:["):
-                    inodes.add(target[8:-1])
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-    found = []
+                    if target.startswith("socket:["):
+                        inodes.add(target[8:-1])
     try:
         lines = Path(f"/proc/{pid}/net/unix").read_text().splitlines()[1:]  # the tree's network namespace
     except OSError:
         return []
-    for line in lines:
-        parts = line.split()
-        # Num RefCount Protocol Flags Type St Inode Path; abstract names start with "@" and are no files
-        if len(parts) >= 8 and parts[6] in inodes and parts[7].startswith("/"):
-            found.append(parts[7])
-    return sorted(set(found))
+    # Num RefCount Protocol Flags Type St Inode Path; abstract names start with "@" and are no files
+    rows = [line.split() for line in lines]
+    return sorted({r[7] for r in rows if len(r) >= 8 and r[6] in inodes and r[7].startswith("/")})
 
 
 def remove_socket_files(paths: list[str]) -> None:
-    import stat
-
     for path in paths:
-        try:
+        with suppress(OSError):
             if stat.S_ISSOCK(os.lstat(path).st_mode):
                 os.unlink(path)
-        except OSError:
-            continue
 
 
 # --- a container's /dev/shm bound from the host ----------------------------------------------------------------------
@@ -204,9 +180,8 @@ def bound_shm_source(spec: dict) -> str | None:
     for m in reversed(spec.get("mounts") or []):
         if os.path.normpath(str(m.get("destination", ""))) == "/dev/shm":
             options = m.get("options") or []
-            if m.get("type") == "bind" or "bind" in options or "rbind" in options:
-                return str(m.get("source") or "") or None
-            return None
+            bound = m.get("type") == "bind" or "bind" in options or "rbind" in options
+            return (str(m.get("source") or "") or None) if bound else None
     return None
 
 

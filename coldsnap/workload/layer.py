@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from contextlib import suppress
 from pathlib import Path
 
 from coldsnap.base.files import copy_sparse
@@ -124,10 +125,8 @@ def _open_dir_in(root_fd: int, parts: list[str]) -> int:
     fd = os.dup(root_fd)
     try:
         for part in parts:
-            try:
+            with suppress(FileExistsError):
                 os.mkdir(part, 0o755, dir_fd=fd)
-            except FileExistsError:
-                pass
             nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
             os.close(fd)
             fd = nfd
@@ -147,24 +146,18 @@ class PutBack:
 
     def undo(self) -> None:
         for path in self.made:
-            try:
+            with suppress(OSError):
                 os.unlink(path)
-            except OSError:
-                pass
         for path, aside in self.replaced:
-            try:
+            with suppress(OSError):
                 os.replace(aside, path)
-            except OSError:
-                pass
         self.made, self.replaced = [], []
 
     def settle(self) -> None:
         """After a restore that succeeded: drop the image's files that were moved aside."""
         for _, aside in self.replaced:
-            try:
+            with suppress(OSError):
                 os.unlink(aside)
-            except OSError:
-                pass
         self.replaced = []
 
 
@@ -225,8 +218,6 @@ def _put_one(dir_fd: int, name: str, src: Path | None, f: CapturedFile, host_pat
         if st is None:
             done.made.append(host_path)
     except BaseException:
-        try:
+        with suppress(OSError):
             os.unlink(tmp, dir_fd=dir_fd)
-        except OSError:
-            pass
         raise

@@ -40,59 +40,59 @@ class ValidationProbe:
     def _conn(self, timeout: float) -> http.client.HTTPConnection:
         return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
 
+    def _get(self, path: str, timeout: float, body: bool = True) -> tuple[int, bytes]:
+        """GET path: the status, and the body unless body is False."""
+        conn = self._conn(timeout)
+        try:
+            conn.request("GET", path, headers={"Connection": "close"})
+            resp = conn.getresponse()
+            return resp.status, resp.read() if body else b""
+        finally:
+            conn.close()
+
     def healthy(self) -> bool:
         try:
-            conn = self._conn(2.0)
-            conn.request("GET", self.validation.health_path, headers={"Connection": "close"})
-            ok = conn.getresponse().status == 200
-            conn.close()
-            return ok
+            return self._get(self.validation.health_path, 2.0, body=False)[0] == 200
         except (OSError, http.client.HTTPException):
             return False
 
-    def wait_ready(self, alive: Callable[[], bool] | None = None, timeout: float | None = None,
-                   interval: float = 0.01) -> float:
-        """Poll the health endpoint; fail fast if the workload died. Returns the monotonic time it answered."""
-        timeout = timeout or self.validation.ready_timeout_s
+    def _template(self) -> bool:
+        try:
+            status, body = self._get("/coldsnap/info", 2.0)
+            return status == 200 and json.loads(body).get("template") is True
+        except (OSError, http.client.HTTPException, ValueError):
+            return False
+
+    def _poll(self, ready: Callable[[], bool], alive: Callable[[], bool] | None, timeout: float, interval: float,
+              what: str, late: str) -> float:
+        """Poll ready() until it holds (the monotonic time it did); fail fast if the workload died."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.healthy():
+            if ready():
                 return time.monotonic()
             if alive is not None and not alive():
-                raise ColdSnapError(ErrorCode.WORKLOAD_FAILED, "the workload exited before it became ready")
+                raise ColdSnapError(ErrorCode.WORKLOAD_FAILED, f"the workload exited before {what}")
             time.sleep(interval)
-        raise ColdSnapError(ErrorCode.VALIDATION_TIMEOUT,
-                            f"the workload did not become ready within {timeout:.0f} s ({self.validation.health_path})")
+        raise ColdSnapError(ErrorCode.VALIDATION_TIMEOUT, late)
+
+    def wait_ready(self, alive: Callable[[], bool] | None = None, timeout: float | None = None,
+                   interval: float = 0.01) -> float:
+        """Poll the health endpoint. Returns the monotonic time it answered."""
+        timeout = timeout or self.validation.ready_timeout_s
+        return self._poll(self.healthy, alive, timeout, interval, "it became ready",
+                          f"the workload did not become ready within {timeout:.0f} s ({self.validation.health_path})")
 
     def wait_template(self, alive: Callable[[], bool] | None = None, timeout: float | None = None) -> float:
         """Poll /coldsnap/info until the engine says it is a template ready to be captured (it listens, but serves
         nothing until it is resumed). Returns the monotonic time it said so."""
         timeout = timeout or self.validation.ready_timeout_s
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                conn = self._conn(2.0)
-                conn.request("GET", "/coldsnap/info", headers={"Connection": "close"})
-                resp = conn.getresponse()
-                info = json.loads(resp.read()) if resp.status == 200 else {}
-                conn.close()
-                if info.get("template") is True:
-                    return time.monotonic()
-            except (OSError, http.client.HTTPException, ValueError):
-                pass
-            if alive is not None and not alive():
-                raise ColdSnapError(ErrorCode.WORKLOAD_FAILED, "the workload exited before its template was ready")
-            time.sleep(0.02)
-        raise ColdSnapError(ErrorCode.VALIDATION_TIMEOUT, f"the template did not become ready within {timeout:.0f} s")
+        return self._poll(self._template, alive, timeout, 0.02, "its template was ready",
+                          f"the template did not become ready within {timeout:.0f} s")
 
     def _served_model(self) -> str:
         """The first model id /v1/models lists (OpenAI servers insist on a known model name)."""
         try:
-            conn = self._conn(10.0)
-            conn.request("GET", "/v1/models", headers={"Connection": "close"})
-            data = json.loads(conn.getresponse().read())
-            conn.close()
-            return data["data"][0]["id"]
+            return json.loads(self._get("/v1/models", 10.0)[1])["data"][0]["id"]
         except (OSError, http.client.HTTPException, ValueError, KeyError, IndexError):
             return ""
 

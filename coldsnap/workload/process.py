@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import suppress
 from pathlib import Path
 
 from coldsnap.base.procfs import descendants, read_children, session_of
@@ -33,10 +34,6 @@ def workload_env(extra: dict[str, str]) -> dict[str, str]:
     env.setdefault("HOME", "/root")
     env.update(extra)
     return env
-
-
-def uses_gpu(devices: list[str]) -> bool:
-    return any(d.startswith("cuda") for d in devices)
 
 
 def start_in_namespaces(argv: list[str], env: dict[str, str], plan: NetworkPlan, log_path: Path,
@@ -73,13 +70,8 @@ _LAUNCHERS: dict[int, subprocess.Popen] = {}
 
 def inner_pid(pid: int) -> int | None:
     """The PID a process has in its own (innermost) PID namespace: what it reports about itself."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("NSpid:"):
-                    return int(line.split()[-1])
-    except (OSError, ValueError, IndexError):
-        pass
+    with suppress(OSError, ValueError, IndexError), open(f"/proc/{pid}/status") as f:
+        return next((int(line.split()[-1]) for line in f if line.startswith("NSpid:")), None)
     return None
 
 
@@ -88,45 +80,34 @@ def kill_tree(pid: int, timeout: float = 30.0) -> None:
     until each is gone and reaped (a zombie still holds its PID and its GPU memory), then remove the host /dev/shm
     files it used and the UNIX socket files it bound (a SIGKILLed engine leaves its queues, semaphores and ZMQ ipc
     sockets behind)."""
-    from coldsnap.workload.hostfiles import remove_socket_files, tree_shm_files, tree_socket_files
+    from coldsnap.workload.hostfiles import remove_files, remove_socket_files, tree_shm_files, tree_socket_files
 
     shm = tree_shm_files(pid)
     sockets = tree_socket_files(pid)
     tree = [pid, *descendants(pid)]
     for p in tree:
-        try:
+        with suppress(ProcessLookupError):
             os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    for launcher_pid, launcher in list(_LAUNCHERS.items()):
-        if launcher.poll() is not None:
-            _LAUNCHERS.pop(launcher_pid, None)
     # Wait until every process of the tree is really gone: a GPU process can take a while to exit (driver teardown),
     # and until then it holds its GPU memory.
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for p in tree:
-            try:
+            with suppress(ChildProcessError):  # someone else's to reap (init reaps an orphan in a second or two)
                 os.waitpid(p, os.WNOHANG)  # ours if we started or restored it (rst_sibling): reap it
-            except ChildProcessError:
-                pass  # someone else's to reap (init reaps an orphan within a second or two)
         if not any(os.path.exists(f"/proc/{p}") for p in tree):
             break
         time.sleep(0.01)
-    for path in shm:
-        Path(path).unlink(missing_ok=True)
+    remove_files(shm)
     remove_socket_files(sockets)
     for launcher_pid, launcher in list(_LAUNCHERS.items()):
-        try:
+        with suppress(subprocess.TimeoutExpired):
             launcher.wait(timeout=max(0.0, deadline - time.monotonic()))
             _LAUNCHERS.pop(launcher_pid, None)
-        except subprocess.TimeoutExpired:
-            pass
 
 
 def stop_workload(ws: WorkloadState) -> None:
     kill_tree(ws.pid)
     destroy_network(ws.plan)
-    state = Path(ws.run_dir) / "state.json" if ws.run_dir else None
-    if state and state.exists():
-        state.unlink()
+    if ws.run_dir:
+        (Path(ws.run_dir) / "state.json").unlink(missing_ok=True)

@@ -4,11 +4,13 @@ read."""
 from __future__ import annotations
 
 import json
+from contextlib import suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from coldsnap.base.files import atomic_write, private_dir
 from coldsnap.base.paths import settings
+from coldsnap.base.procfs import alive
 from coldsnap.contracts import ColdSnapError, ErrorCode, NetworkPlan
 
 
@@ -41,33 +43,30 @@ def save_state(ws: WorkloadState) -> None:
     atomic_write(run_dir(ws.name) / "state.json", json.dumps(asdict(ws), indent=1).encode())
 
 
+def _read(path: Path) -> WorkloadState:
+    return WorkloadState(**json.loads(path.read_text()))
+
+
 def load_state(name: str) -> WorkloadState:
-    path = settings().run / "workloads" / name / "state.json"
     try:
-        return WorkloadState(**json.loads(path.read_text()))
+        return _read(settings().run / "workloads" / name / "state.json")
     except FileNotFoundError:
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"no workload named {name!r} on this host") from None
 
 
 def list_states() -> list[WorkloadState]:
-    root = settings().run / "workloads"
     out = []
-    for p in sorted(root.glob("*/state.json")) if root.exists() else []:
-        try:
-            out.append(WorkloadState(**json.loads(p.read_text())))
-        except (ValueError, TypeError):
-            continue
+    for p in sorted((settings().run / "workloads").glob("*/state.json")):
+        with suppress(ValueError, TypeError):
+            out.append(_read(p))
     return out
 
 
 def refuse_running(name: str) -> None:
     """A workload of this name that runs in this home (its state file and process): a second one would take its
     run directory and state."""
-    from coldsnap.base.procfs import alive
-
-    path = settings().run / "workloads" / name / "state.json"
     try:
-        ws = WorkloadState(**json.loads(path.read_text()))
+        ws = _read(settings().run / "workloads" / name / "state.json")
     except (OSError, ValueError, TypeError):
         return
     if alive(ws.pid):

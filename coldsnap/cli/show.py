@@ -1,0 +1,97 @@
+"""How the CLI shows a long operation on stderr. On a terminal: the step under way with its elapsed time, and a bar
+for each blob that moves (bytes, rate, time left), by rich; each finished step stays as a line. Elsewhere (a pipe,
+a log, CI): one line per step and one per blob moved, nothing that redraws. With --json: nothing (the receipt on
+stdout says it all)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import IO
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    ProgressColumn,
+    SpinnerColumn,
+    Task,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.text import Text
+
+
+class _Transfer(ProgressColumn):
+    """Bytes, rate and time left for a blob's bar; nothing for a step (it has no total)."""
+
+    parts = (DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
+
+    def render(self, task: Task) -> Text:
+        if task.total is None:
+            return Text("")
+        return Text(" ").join(Text(str(p.render(task))) for p in self.parts)
+
+
+class Shown:
+    """A Progress (called with a sentence per step) that also takes transfers: .transfer(blob, done, total), the
+    TransferProgress that push and pull report to."""
+
+    def __init__(self, quiet: bool = False, stream: IO[str] | None = None, terminal: bool | None = None):
+        self.stream = stream or sys.stderr
+        self.quiet = quiet
+        live = (self.stream.isatty() if terminal is None else terminal) and not quiet
+        self.console = Console(file=self.stream, force_terminal=live or None, highlight=False) if live else None
+        self.bars: Progress | None = None
+        self.step: TaskID | None = None
+        self.blobs: dict[str, tuple[TaskID, float]] = {}  # moving: its bar and when it started
+        self.finished: set[str] = set()
+
+    def __call__(self, message: str) -> None:
+        if self.quiet:
+            return
+        if self.console is None:
+            print(f"coldsnap: {message}", file=self.stream, flush=True)
+            return
+        bars = self._bars()
+        bars.console.print(f"coldsnap: {message}")
+        if self.step is not None:
+            bars.remove_task(self.step)
+        self.step = bars.add_task(message, total=None, kind="step")
+
+    def transfer(self, blob: str, done: int, total: int) -> None:
+        if self.quiet or blob in self.finished:  # a repeated final report adds no line
+            return
+        if blob not in self.blobs:
+            task = self._bars().add_task(f"{blob[:19]}…", total=total, kind="blob") if self.console else TaskID(0)
+            self.blobs[blob] = (task, time.monotonic())
+        task, started = self.blobs[blob]
+        if self.bars is not None:
+            self.bars.update(task, completed=done)
+        if done >= total:
+            took = max(time.monotonic() - started, 1e-6)
+            line = f"moved {blob[:19]}…: {total / 2**20:.1f} MiB in {took:.1f} s ({total / took / 1e6:.0f} MB/s)"
+            if self.bars is not None:
+                self.bars.remove_task(task)
+                self.bars.console.print(f"coldsnap: {line}")
+            else:
+                print(f"coldsnap: {line}", file=self.stream, flush=True)
+            self.blobs.pop(blob)
+            self.finished.add(blob)
+
+    def close(self) -> None:
+        if self.bars is not None:
+            self.bars.stop()
+            self.bars = None
+
+    def _bars(self) -> Progress:
+        if self.bars is None:
+            assert self.console is not None
+            self.bars = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), _Transfer(),
+                                 TimeElapsedColumn(), console=self.console, transient=True)
+            self.bars.start()
+        return self.bars
