@@ -3,6 +3,7 @@ restores; a second capsule of the same model moves no weight bytes."""
 
 import os
 import shutil
+import subprocess
 
 import pytest
 from conftest import CRIU_PREFIX, needs_root_criu
@@ -69,7 +70,7 @@ def test_pull_into_an_empty_store_restores_and_shares_weights(registry, tmp_path
     assert got2.bytes_transferred > 0
 
 
-def test_a_restore_of_a_registry_reference_pulls_unpacks_while_weights_arrive_and_restores(
+def test_a_restore_of_a_registry_reference_restores_while_its_weights_stream_in(
         registry, tmp_path, monkeypatch):  # noqa: F811
     needs_root_criu()
     from coldsnap.contracts import ColdSnapError, ErrorCode
@@ -91,10 +92,12 @@ def test_a_restore_of_a_registry_reference_pulls_unpacks_while_weights_arrive_an
     assert r.state == "succeeded" and r.result.validated_text == cap.profile.expected_text
     assert [s.name for s in r.spans][:3] == ["pull", "admit", "stage"]
     pulled = r.result.pull
-    assert pulled["pulled"] and pulled["digest"] == cap.capsule and pulled["bytes"] > os.path.getsize(weights.path)
-    assert "unpacked_s" in pulled and "unpack_error" not in pulled  # the images, unpacked during the pull
-    assert any("unpacking its images while the weights arrive" in m for m in said)
-    assert os.path.exists(weights.path)  # the payload brought the weights
+    assert pulled["pulled"] and pulled["streamed"] and pulled["digest"] == cap.capsule
+    assert pulled["bytes"] > os.path.getsize(weights.path)  # counted once the stream ended
+    assert any("restoring it while its weights arrive" in m for m in said)
+    assert r.result.hydrate.weights_arrive_s is not None  # the engine waited for them after CRIU, not before it
+    assert os.path.exists(weights.path)  # the stream brought the weights, checked against their pins
+    assert any(m["digest"] == cap.capsule for m in CapsuleStore(settings().store).index())  # listed once whole
     stop_workload(load_state(r.result.workload))
 
     again = restore(RestoreRequest(operation="restore", capsule=ref, insecure_registry=True,
@@ -106,3 +109,44 @@ def test_a_restore_of_a_registry_reference_pulls_unpacks_while_weights_arrive_an
         restore(RestoreRequest(operation="restore", capsule=f"{registry}/coldsnap/byref:one", insecure_registry=True,
                                policy=Policy(fallback_to_cold=False)))
     assert e.value.code == ErrorCode.CAPSULE_UNPINNED and e.value.receipt is not None
+
+
+def test_a_streamed_restore_whose_weights_fail_their_pin_fails_and_lists_nothing(registry, tmp_path,  # noqa: F811
+                                                                                 monkeypatch):
+    """A weights blob altered in the registry: the restore, already under way with CRIU, fails with exit 4 (no cold
+    start: the capsule is what is wrong), its workload is gone, and the store lists nothing and keeps no blob."""
+    needs_root_criu()
+    from test_registry import registry_blob_file
+
+    from coldsnap.contracts import ColdSnapError, ErrorCode
+    from coldsnap.workload.state import list_states
+
+    monkeypatch.setenv("COLDSNAP_CRIU_PREFIX", CRIU_PREFIX)
+    monkeypatch.setenv("COLDSNAP_RUN", str(tmp_path / "run"))
+    monkeypatch.setenv("COLDSNAP_HOME", str(tmp_path / "origin"))
+    cap = fast_capture("pyt-reg-bad", "bad")
+    weights = cap.profile.model.weights[0]
+    push(CapsuleStore(settings().store), cap.capsule, f"{registry}/coldsnap/badweights:one", insecure=True)
+    blob = registry_blob_file(registry, "sha256:" + weights.sha256)
+    original = blob.read_bytes()
+    data = bytearray(original)
+    data[len(data) // 2] ^= 1
+    blob.write_bytes(bytes(data))
+    shutil.move(str(settings().store), str(tmp_path / "origin-store"))
+    os.rename(weights.path, weights.path + ".gone")
+    try:
+        monkeypatch.setenv("COLDSNAP_STORE", str(tmp_path / "fresh-store"))
+        with pytest.raises(ColdSnapError) as e:
+            restore(RestoreRequest(operation="restore", capsule=f"{registry}/coldsnap/badweights@{cap.capsule}",
+                                   insecure_registry=True, policy=Policy(fallback_to_cold=True)))
+        assert e.value.code == ErrorCode.CAPSULE_CORRUPT and e.value.exit_code == 4, e.value
+        assert e.value.receipt is not None and e.value.receipt.state == "failed"
+        fresh = CapsuleStore(settings().store)
+        assert fresh.index() == [] and not fresh.has_blob("sha256:" + weights.sha256)
+        assert not fresh.has_blob(cap.capsule) and not os.path.exists(weights.path)
+        assert not [w for w in list_states() if w.name == "pyt-reg-bad"]
+        assert "coldsnap-pyt-reg-bad" not in subprocess.run(["ip", "netns", "list"], capture_output=True,
+                                                            text=True).stdout
+    finally:
+        blob.write_bytes(original)
+        os.replace(weights.path + ".gone", weights.path)

@@ -557,8 +557,9 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
          on_blobs: Callable[[str, dict], None] | None = None, pins: dict[str, WeightFile] | None = None
          ) -> PullResult:
     """Fetch the capsule `ref` into `store`; returns its manifest digest (a PullResult: .bytes_transferred …).
-    For a capsule whose weights travel apart, on_blobs(digest, manifest) is called once the capsule's own blobs are
-    in the store (verified), before the weights move; the capsule itself is not listed yet. Weights blobs that the
+    For a capsule whose weights travel apart, on_blobs(digest, manifest) is called once the capsule's own blobs, its
+    manifest, provenance and signatures are in the store (verified): it loads and admits from then on, before the
+    weights move, and is listed only once they are in. Weights blobs that the
     capsule pins piece by piece (from its verified profile; `pins` for an earlier capsule's payload) are fetched
     and checked by pieces."""
     t0 = time.monotonic()
@@ -606,6 +607,7 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
     payload, template = annotations.get(mt.ANNOTATION_PAYLOAD), annotations.get(mt.ANNOTATION_TEMPLATE)
     pulled: list[PullResult] = []  # what this pull brought before the capsule itself
     early = _Fetched()
+    signatures: int | None = None  # pulled with the capsule's own blobs, when someone admits it early
     descs = _descriptors(manifest, digest)
     own = [d for d in descs if d.media_type != mt.LAYER_WEIGHTS]
     try:
@@ -615,6 +617,12 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
             with _blob_locks(store, [d.digest for d in own]):
                 early = _fetch_missing(store, client, own, progress)
             if on_blobs is not None:
+                # What admission needs before the weights move: the manifest (stored, not listed), where the capsule
+                # came from and who signed it. A refused pull discards the manifest with the rest.
+                if not store.has_blob(digest):
+                    store.put_bytes(raw, manifest.get("mediaType", mt.MANIFEST_MEDIA_TYPE))
+                    early.digests.append(digest)
+                signatures = _provenance(client, store, remote, digest)
                 on_blobs(digest, manifest)
             # then the shared weights, fetched and checked by the pieces its verified profile pins: only their
             # missing blobs move
@@ -627,7 +635,7 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
             pulled += [got] if got is not None else []
             template_found = got is not None
         result = _pull_capsule(store, client, remote, raw, digest, manifest, artifact_type, progress,
-                               pulled[0] if payload else None, t0, early, pins)
+                               pulled[0] if payload else None, t0, early, pins, signatures)
     except ColdSnapError as e:
         if e.code == ErrorCode.CAPSULE_CORRUPT and (pulled or early.digests):  # a refused pull keeps nothing
             from coldsnap.capsule.gc import discard
@@ -724,9 +732,16 @@ def _fetch_missing(store: CapsuleStore, client: "_Client", descs: list[Descripto
     return got
 
 
+def _provenance(client: "_Client", store: CapsuleStore, remote: RemoteRef, digest: str) -> int:
+    """Where the capsule came from and who vouches for it (the restore policy's input); returns the signatures
+    pulled."""
+    trust.record(store, digest, "pull", remote.tagged)
+    return referrers.pull(client, store, digest)
+
+
 def _pull_capsule(store: CapsuleStore, client: "_Client", remote: RemoteRef, raw: bytes, digest: str, manifest: dict,
                   artifact_type: str, progress, payload_result, t0: float, early: _Fetched,
-                  pins: dict[str, WeightFile] | None = None) -> PullResult:
+                  pins: dict[str, WeightFile] | None = None, signatures: int | None = None) -> PullResult:
     descs = _descriptors(manifest, digest)
     tag = f"{remote.name}:{remote.tag}" if remote.tag else None
     # Lock every blob of the capsule, present or not: gc leaves locked blobs alone, and a concurrent pull of a
@@ -741,10 +756,8 @@ def _pull_capsule(store: CapsuleStore, client: "_Client", remote: RemoteRef, raw
         if artifact_type == mt.ARTIFACT_TYPE and (tag or not indexed):
             store.add_to_index(mdesc, tag)
     fetched = early.digests + got.digests
-    signatures = 0
-    if artifact_type == mt.ARTIFACT_TYPE:  # where it came from and who vouches for it: the restore policy's input
-        trust.record(store, digest, "pull", remote.tagged)
-        signatures = referrers.pull(client, store, digest)
+    if signatures is None:
+        signatures = _provenance(client, store, remote, digest) if artifact_type == mt.ARTIFACT_TYPE else 0
     moved = early.received + got.received
     if payload_result:  # an earlier capsule: its weights came with its payload artifact
         payload_bytes = payload_result.bytes_transferred

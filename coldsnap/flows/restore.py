@@ -45,13 +45,18 @@ def restore(request: RestoreRequest, progress: Progress = quiet) -> Receipt:
     op_id = request.id or f"{op}-{uuid.uuid4().hex[:12]}"
     with receipt_on_failure(request, op_id, op, tl), ExitStack() as held:
         pulled: dict = {}
+        arriving = None
         if is_registry_reference(request.capsule):
-            with tl.span("pull"):
-                request, pulled = fetch(request, progress)
+            with tl.span("pull"):  # a restore streams: until the capsule's own blobs are in, its weights behind
+                request, pulled, arriving = fetch(request, progress, stream=op == "restore")
+            if arriving is not None:
+                held.callback(arriving.settle)  # the pull ends before the restore does, however it ends
         with tl.span("admit"):
             capsule = load_capsule(request.capsule, request.policy.allow_unpinned)
             verdict = admit_capsule(capsule, request.policy, _driver_for(capsule, op))
             instead_of: InsteadOf | None = None
+            if not verdict.admitted and not verdict.untrusted and arriving is not None:
+                arriving.wait()  # its template, if it names one, comes with the rest of the pull
             if not verdict.admitted and not verdict.untrusted and (template := _template_of(capsule)):
                 # the full capsule's device state cannot restore here; its template rebuilds it
                 template_verdict = admit_capsule(template, request.policy, "criu-template")
@@ -66,7 +71,12 @@ def restore(request: RestoreRequest, progress: Progress = quiet) -> Receipt:
         if not verdict.admitted:
             return _fall_back(request, capsule, tl, op_id, verdict.refusal(), progress)
         with tl.span("stage"):
-            staged = stage(capsule)
+            try:
+                staged = stage(capsule, arriving.wait if arriving else None)
+            except Exception:
+                if arriving is not None and (cause := arriving.failed()) is not None:
+                    raise cause from None  # the stream's refusal took the blobs staging was reading
+                raise
         progress(f"staged {capsule.digest[:19]}… (all digests verified)")
         if op == "prepare":
             result = RestoreFacts(capsule=capsule.digest, staged=str(staged.images.parent), admission="admitted")
@@ -119,9 +129,11 @@ def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timel
     journal = Journal.begin("restore", workload=name, capsule=staged.capsule.digest)
     t0 = time.monotonic()  # the restore clock: staging is excluded, as for a vanilla start
     # The weights go onto the GPU meanwhile, when they can (a process of its own; the engine takes them at resume).
+    # Weights still streaming in are loaded by the engine itself once here (the prefetcher reads whole files).
     prefetch_started = gpu_steps.start_prefetch_soon(
-        profile, adapter.supports_prefetch and reloads_weights(staged.capsule), request.gpu_map,
-        private_dir(settings().run / "prefetch"))
+        profile, adapter.supports_prefetch and reloads_weights(staged.capsule) and staged.weights_later is None,
+        request.gpu_map, private_dir(settings().run / "prefetch"))
+    weights_arrive_s = None
     try:
         with tl.span("network"):
             # A network of its own, whatever the capture's was: the engine listens on 0.0.0.0, its own connections
@@ -147,6 +159,10 @@ def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timel
         criu_account = criu_stats(work, "restore")
         with tl.span("hydrate"):
             gpu = gpu_steps.restore_after_criu(pid, gpu_pairs=list(request.gpu_map.items()) or None)
+            if staged.weights_later is not None:  # streamed: CRIU and the driver ran while they arrived
+                started = time.monotonic()
+                staged.weights_later()
+                weights_arrive_s = round(time.monotonic() - started, 4)
             prefetch = prefetch_started()
             engine = adapter.after_restore(plan.workload_address, plan.port, profile.kv_discarded,
                                            profile.weights_mode, prefetched=prefetch.for_engine())
@@ -176,7 +192,7 @@ def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timel
             time_to_first_token_s=round(ttft, 4), validated_text=res.text, cuda_processes=len(gpu.pids),
             first_token_monotonic_s=round(res.first_token_s, 6), criu_options=options.cli_flags(),
             hydrate=Hydrate(cuda_restore_s=gpu.seconds, cuda_restore_per_pid_s=gpu.per_pid if len(gpu.pids) > 1
-                            else None, engine_resume=engine, prefetch=prefetched),
+                            else None, weights_arrive_s=weights_arrive_s, engine_resume=engine, prefetch=prefetched),
             criu_stats=criu_account, lazy_pages={"all_in_s": pages_in_s} if lazy else None,
             weights_mode=profile.weights_mode, ranks=ranks)
     finally:

@@ -12,7 +12,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from coldsnap.base.files import private_dir
 from coldsnap.base.journal import Dir, Journal
@@ -34,23 +34,38 @@ class StagedForRestore:
     images: Path
     files: Path | None
     parts: dict[str, float] = field(default_factory=dict)  # seconds of verify, weights, unpack: inside "stage"
+    # The weights still arriving (a streamed pull): wait for them and put them in place, when the engine needs them.
+    weights_later: Callable[[], None] | None = None
 
 
-def stage(capsule: LoadedCapsule) -> StagedForRestore:
+def stage(capsule: LoadedCapsule, weights_arrive: Callable[[], None] | None = None) -> StagedForRestore:
     """Verify every blob digest, check pinned weights, unpack CRIU images (cached per capsule digest), put back
     the CUDA code files the capsule's processes map. Each part is timed (StagedForRestore.parts, which receipts carry as
-    `stage_parts`), so a receipt says which of them a first restore on a node waited for."""
+    `stage_parts`), so a receipt says which of them a first restore on a node waited for. weights_arrive (a streamed
+    pull): the weights are still moving; their part is left to StagedForRestore.weights_later, which waits for
+    them."""
     parts: dict[str, float] = {}
     store = CapsuleStore(settings().store)
     with _timed(parts, "verify"):
         store.verify(capsule)
     profile = capsule.profile
+    later = None
     if reloads_weights(capsule):
-        assert profile.model is not None  # reloads_weights: there is a model
-        with _timed(parts, "weights"):
-            if weights_travel(capsule):
-                materialize(store, capsule, profile.model.weights)
-            verify_weights(profile.model.weights)
+        model = profile.model
+        assert model is not None  # reloads_weights: there is a model
+
+        def put_weights_in_place() -> None:
+            with _timed(parts, "weights"):
+                if weights_travel(capsule):
+                    materialize(store, capsule, model.weights)
+                verify_weights(model.weights)
+
+        if weights_arrive is None:
+            put_weights_in_place()
+        else:
+            def later() -> None:
+                weights_arrive()
+                put_weights_in_place()
     private_dir(staged_area.root())
     root = staged_area.path_of(capsule.digest)
     with _timed(parts, "unpack"):
@@ -62,7 +77,7 @@ def stage(capsule: LoadedCapsule) -> StagedForRestore:
     staged_area.evict(keep=frozenset({capsule.digest}))  # the area stays within its cap
     files = root / "files"
     staged = StagedForRestore(capsule=capsule, images=root / "images", files=files if files.exists() else None,
-                              parts=parts)
+                              parts=parts, weights_later=later)
     put_back_files(staged, only_code=True)  # big, and the same for every restore: here, off the restore's clock
     return staged
 
