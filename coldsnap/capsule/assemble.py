@@ -90,10 +90,9 @@ def _write(store: CapsuleStore, scratch: Path, files: list[CapturedFile], images
             journal.add(Blob(desc.digest))
         return desc
 
-    layers = []
     criu_tar = scratch / "criu.tar.zst"
     pack_dir(images, criu_tar, skip=("dump.log",))
-    layers.append(keep(store.put_file(criu_tar, mt.LAYER_CRIU, {mt.ANNOTATION_TITLE: "criu-images"}, move=True)))
+    layers = [keep(store.put_file(criu_tar, mt.LAYER_CRIU, {mt.ANNOTATION_TITLE: "criu-images"}, move=True))]
     if files:
         staging = private_dir(scratch / "files")
         for i, f in enumerate(files):

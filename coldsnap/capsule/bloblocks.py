@@ -4,6 +4,7 @@ does not load it."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 from contextlib import contextmanager
@@ -30,13 +31,9 @@ def acquire_blob_lock(path: Path, blocking: bool = True) -> int | None:
         except BlockingIOError:
             os.close(fd)
             return None
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            os.close(fd)
-            continue
-        if (st.st_dev, st.st_ino) == (os.fstat(fd).st_dev, os.fstat(fd).st_ino):
-            return fd
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samestat(os.stat(path), os.fstat(fd)):
+                return fd
         os.close(fd)
 
 

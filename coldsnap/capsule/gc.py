@@ -11,6 +11,7 @@ lists and no live process maps, once older than `grace_s`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -46,11 +47,6 @@ def _json_blob(store: CapsuleStore, digest: str, limit: int = 4 << 20) -> dict |
         return None
 
 
-def payload_digests(manifest: dict) -> list[str]:
-    """Digests named by the io.coldsnap.payload annotation (a digest, a list, or JSON holding digests)."""
-    return _DIGEST_IN_TEXT.findall(manifest_annotations(manifest).get(mt.ANNOTATION_PAYLOAD, ""))
-
-
 def reachable(store: CapsuleStore) -> set[str]:
     seen: set[str] = set()
     todo = [(m["digest"], True) for m in store.index() if DIGEST_RE.match(m.get("digest", ""))]
@@ -62,13 +58,14 @@ def reachable(store: CapsuleStore) -> set[str]:
         doc = _json_blob(store, digest) if walk else None
         if not doc or "schemaVersion" not in doc:
             continue
-        for d in [doc.get("config")] + list(doc.get("layers") or []):
+        blobs = [(d, False) for d in [doc.get("config"), *(doc.get("layers") or [])]]
+        manifests = [(d, True) for d in [*(doc.get("manifests") or []), doc.get("subject")]]
+        for d, manifest in blobs + manifests:
             if isinstance(d, dict) and DIGEST_RE.match(str(d.get("digest", ""))):
-                todo.append((d["digest"], d.get("mediaType") in _MANIFEST_TYPES))
-        for d in list(doc.get("manifests") or []) + [doc.get("subject")]:
-            if isinstance(d, dict) and DIGEST_RE.match(str(d.get("digest", ""))):
-                todo.append((d["digest"], True))
-        todo.extend((p, True) for p in payload_digests(doc))
+                todo.append((d["digest"], manifest or d.get("mediaType") in _MANIFEST_TYPES))
+        # io.coldsnap.payload: a digest, a list, or JSON holding digests
+        payload = manifest_annotations(doc).get(mt.ANNOTATION_PAYLOAD, "")
+        todo.extend((p, True) for p in _DIGEST_IN_TEXT.findall(payload))
     return seen
 
 
@@ -110,16 +107,14 @@ def remove(store: CapsuleStore, ref: str) -> list[str]:
     with store._locked():
         entries = store.index()
 
-        def hit(e: dict) -> bool:
-            if digest:
-                return e.get("digest") == digest and (name is None or tag_of(e) == name)
-            return tag_of(e) == name
+        def hit(e: dict) -> bool:  # without a digest, ref is a name
+            return (not digest or e.get("digest") == digest) and (name is None or tag_of(e) == name)
 
         gone = [e["digest"] for e in entries if hit(e)]
         if not gone:
             raise ColdSnapError(ErrorCode.CAPSULE_NOT_FOUND, f"no capsule {ref!r} in the store {store.root}")
         left = [e for e in entries if not hit(e)]
-        store._atomic_write(store.root / "index.json", store._index_bytes(left))
+        store._write_index(left)
     for digest in set(gone) - {e["digest"] for e in left}:  # its unpacked images go with it (blobs: at gc)
         staged.remove(digest)
     return gone
@@ -146,11 +141,6 @@ def discard(store: CapsuleStore, digests: list[str], mine: "journal.Journal | No
     return freed
 
 
-def _owns_staging(store: CapsuleStore) -> bool:
-    """The staging area belongs to the home's store: gc of any other store (a copy, a mirror) leaves it alone."""
-    return store.root.resolve() == settings().store.resolve()
-
-
 def _age(st, now: float) -> float:
     return now - max(st.st_mtime, st.st_ctime)  # ctime: a rename/chmod into the store counts as new
 
@@ -160,10 +150,9 @@ def _locked_elsewhere(store: CapsuleStore, hexd: str) -> bool:
     if not path.exists():
         return False
     fd = acquire_blob_lock(path, blocking=False)
-    if fd is None:
-        return True
-    release_blob_lock(path, fd)
-    return False
+    if fd is not None:
+        release_blob_lock(path, fd)
+    return fd is None
 
 
 def code_files_in_use(store: CapsuleStore, live: set[str]) -> set[str]:
@@ -177,11 +166,9 @@ def code_files_in_use(store: CapsuleStore, live: set[str]) -> set[str]:
             if isinstance(f, dict) and codestash.is_code_file(str(f.get("path", ""))):
                 used.add(str(f["path"]))
     for maps in Path("/proc").glob("[0-9]*/maps"):
-        try:
+        with contextlib.suppress(OSError):
             used.update(line.split(None, 5)[5].strip() for line in maps.read_text().splitlines()
                         if line.count(" ") >= 5 and ".cubin" in line)
-        except OSError:
-            continue
     return used
 
 
@@ -207,7 +194,7 @@ def gc(store: CapsuleStore, grace_s: float = DEFAULT_GRACE_S, tmp_max_age_s: flo
     with store._locked():
         live = reachable(store) | in_flight_blobs()
         indexed = {m["digest"] for m in store.index()}
-        if _owns_staging(store):
+        if store.root.resolve() == settings().store.resolve():  # gc of a copy or a mirror leaves staging alone
             for entry in staged.entries():  # unpacked capsules no index entry names any more
                 if entry.digest not in indexed and (freed := staged.remove(entry.digest)):
                     out["staged_removed"].append(entry.digest)

@@ -18,9 +18,7 @@ def pack_dir(src: Path, dest: Path, level: int = 1, skip: tuple[str, ...] = ()) 
     fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as raw, cctx.stream_writer(raw, closefd=False) as zw:
         with tarfile.open(fileobj=zw, mode="w|", format=tarfile.PAX_FORMAT) as tar:
-            for entry in sorted(src.iterdir()):
-                if entry.name in skip:
-                    continue
+            for entry in sorted(e for e in src.iterdir() if e.name not in skip):
                 tar.add(entry, arcname=entry.name)
 
 

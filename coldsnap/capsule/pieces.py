@@ -117,13 +117,10 @@ def fetch_by_pieces(new_client: Callable[[], object], url: str, part: Path, size
             results = list(pool.map(fetch, todo))
         if not all(results):
             bad = next(p[1] for p, good in zip(todo, results) if not good)
-            os.close(fd)
-            fd = -1
             part.unlink(missing_ok=True)
             raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"{what}: the piece at byte {bad} does not match the "
                                 "pin of the capsule's weights: refused, nothing kept")
         os.fsync(fd)
         return done[1], sum(p[2] for p in pieces if p[0] in kept)
     finally:
-        if fd >= 0:
-            os.close(fd)
+        os.close(fd)

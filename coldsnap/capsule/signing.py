@@ -13,6 +13,7 @@ COLDSNAP_SIGNING_KEY names a PEM private key (unencrypted PKCS#8 or SEC1)."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import os
@@ -39,10 +40,6 @@ def key_id(public_key: ec.EllipticCurvePublicKey) -> str:
     """cosign's key hint: base64 of the SHA-256 of the key's DER SubjectPublicKeyInfo."""
     der = public_key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
     return base64.b64encode(hashlib.sha256(der).digest()).decode()
-
-
-def public_pem(public_key: ec.EllipticCurvePublicKey) -> bytes:
-    return public_key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
 def load_public_key(path: str | os.PathLike) -> ec.EllipticCurvePublicKey:
@@ -90,7 +87,9 @@ def signing_key(create: bool = True) -> SigningKey | None:
         private_dir(keys_dir())
         atomic_write(path, private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                                  serialization.NoEncryption()), 0o600)
-        atomic_write(host_public_key_path(), public_pem(private.public_key()), 0o644)
+        public = private.public_key().public_bytes(serialization.Encoding.PEM,
+                                                   serialization.PublicFormat.SubjectPublicKeyInfo)
+        atomic_write(host_public_key_path(), public, 0o644)
         return SigningKey(private, path)
     try:
         loaded = serialization.load_pem_private_key(path.read_bytes(), password=None)
@@ -104,7 +103,7 @@ def signing_key(create: bool = True) -> SigningKey | None:
 
 def host_public_key() -> ec.EllipticCurvePublicKey | None:
     """This host's own capsule key (what its captures are signed with), if it has one."""
-    key = signing_key(create=False) if not settings().signing_key else signing_key()
+    key = signing_key(create=False)  # COLDSNAP_SIGNING_KEY, when set, is loaded whatever `create` says
     return key.public if key else None
 
 
@@ -131,12 +130,14 @@ def sign(digest: str, key: SigningKey) -> dict:
                              "signatures": [{"sig": base64.b64encode(sig).decode()}]}}
 
 
-def _verify_ecdsa(key: ec.EllipticCurvePublicKey, sig: bytes, data: bytes) -> bool:
-    try:
-        key.verify(sig, data, ec.ECDSA(hashes.SHA256()))
-        return True
-    except InvalidSignature:
-        return False
+def _signer(keys: dict[str, ec.EllipticCurvePublicKey], sigs: list[bytes], data: bytes) -> str | None:
+    """The id of the first key among `keys` that made one of `sigs` over `data`."""
+    for kid, key in keys.items():
+        for sig in sigs:
+            with contextlib.suppress(InvalidSignature):
+                key.verify(sig, data, ec.ECDSA(hashes.SHA256()))
+                return kid
+    return None
 
 
 def _b64(value, what: str) -> bytes:
@@ -160,27 +161,19 @@ def verify_bundle(bundle: dict, digest: str, keys: dict[str, ec.EllipticCurvePub
         sigs = [_b64(s["sig"], "sig") for s in env.get("signatures") or []]
     except (KeyError, TypeError, ValueError, AttributeError):
         return None
-    signed = pae(PAYLOAD_TYPE, payload)
-    for kid, key in keys.items():
-        if any(_verify_ecdsa(key, sig, signed) for sig in sigs):
-            return kid
-    return None
+    return _signer(keys, sigs, pae(PAYLOAD_TYPE, payload))
 
 
-def verify_simplesigning(payload: bytes, sig_b64: str, digest: str,
-                         keys: dict[str, ec.EllipticCurvePublicKey]) -> str | None:
-    """cosign 2's signature: `payload` (simple signing JSON) names the manifest digest; sig signs the payload."""
+def verify_simplesigning(signature: dict, digest: str, keys: dict[str, ec.EllipticCurvePublicKey]) -> str | None:
+    """cosign 2's signature: its payload (simple signing JSON, base64) names the manifest digest; sig signs it."""
     try:
-        doc = json.loads(payload)
-        if doc["critical"]["image"]["docker-manifest-digest"] != digest:
+        payload = base64.b64decode(signature["payload"], validate=True)
+        if json.loads(payload)["critical"]["image"]["docker-manifest-digest"] != digest:
             return None
-        sig = _b64(sig_b64, "signature")
+        sig = _b64(signature.get("signature"), "signature")
     except (KeyError, TypeError, ValueError):
         return None
-    for kid, key in keys.items():
-        if _verify_ecdsa(key, sig, payload):
-            return kid
-    return None
+    return _signer(keys, [sig], payload)
 
 
 # --- signatures kept beside the store ----------------------------------------------------------------------------
@@ -200,12 +193,10 @@ def save_signature(store_root: Path, digest: str, signature: dict) -> Path:
 def saved_signatures(store_root: Path, digest: str) -> list[dict]:
     out = []
     for path in sorted(signatures_dir(store_root, digest).glob("*.json")):
-        try:
+        with contextlib.suppress(OSError, ValueError):
             value = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(value, dict):
-            out.append(value)
+            if isinstance(value, dict):
+                out.append(value)
     return out
 
 
@@ -215,11 +206,7 @@ def verify_any(signatures: list[dict], digest: str, keys: dict[str, ec.EllipticC
         if isinstance(s.get("bundle"), dict):
             kid = verify_bundle(s["bundle"], digest, keys)
         elif isinstance(s.get("simplesigning"), dict):
-            try:
-                payload = base64.b64decode(s["simplesigning"]["payload"], validate=True)
-            except (KeyError, TypeError, ValueError):
-                continue
-            kid = verify_simplesigning(payload, s["simplesigning"].get("signature"), digest, keys)
+            kid = verify_simplesigning(s["simplesigning"], digest, keys)
         else:
             continue
         if kid:

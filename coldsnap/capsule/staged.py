@@ -6,6 +6,7 @@ A directory an operation in flight uses (its journal names the capsule) is never
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from dataclasses import dataclass
@@ -38,10 +39,8 @@ def _size(path: Path) -> int:
     total = 0
     for dirpath, _, files in os.walk(path):
         for name in files:
-            try:
+            with contextlib.suppress(OSError):
                 total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512  # sparse images: what they hold
-            except OSError:
-                continue
     return total
 
 
@@ -61,10 +60,8 @@ def restoring(digest: str):
 
 def used(digest: str) -> None:
     """A restore uses it: it is the most recently used now."""
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.utime(path_of(digest) / COMPLETE)
-    except FileNotFoundError:
-        pass
 
 
 def in_flight() -> set[str]:

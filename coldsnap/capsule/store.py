@@ -135,7 +135,6 @@ def reuse(blob: Path) -> bool:
 
 
 def tag_of(entry: dict) -> str | None:
-    """The tag an index.json entry gives its manifest (org.opencontainers.image.ref.name)."""
     ann = entry.get("annotations")
     return ann.get(mt.ANNOTATION_REF_NAME) if isinstance(ann, dict) else None
 
@@ -148,24 +147,19 @@ class CapsuleStore:
 
     # --- layout ---------------------------------------------------------------------------------------------
     def init(self) -> "CapsuleStore":
-        private_dir(self.root)
-        private_dir(self.root / "blobs")
-        private_dir(self.blobs)
-        private_dir(self.root / "tmp")
+        for path in (self.root, self.root / "blobs", self.blobs, self.root / "tmp"):
+            private_dir(path)
         layout = self.root / "oci-layout"
         if not layout.exists():
-            self._atomic_write(layout, json.dumps({"imageLayoutVersion": "1.0.0"}).encode())
+            atomic_write(layout, json.dumps({"imageLayoutVersion": "1.0.0"}).encode(), 0o600)
         if not (self.root / "index.json").exists():
-            self._atomic_write(self.root / "index.json", self._index_bytes([]))
+            self._write_index([])
         return self
 
-    @staticmethod
-    def _index_bytes(manifests: list[dict]) -> bytes:
-        return json.dumps({"schemaVersion": 2, "mediaType": mt.INDEX_MEDIA_TYPE, "manifests": manifests},
+    def _write_index(self, manifests: list[dict]) -> None:
+        data = json.dumps({"schemaVersion": 2, "mediaType": mt.INDEX_MEDIA_TYPE, "manifests": manifests},
                           indent=1, sort_keys=True).encode()
-
-    def _atomic_write(self, dest: Path, data: bytes) -> None:
-        atomic_write(dest, data, 0o600)
+        atomic_write(self.root / "index.json", data, 0o600)
 
     def _locked(self):
         return locked(self.root / ".lock")
@@ -196,7 +190,7 @@ class CapsuleStore:
         digest = "sha256:" + hashlib.sha256(data).hexdigest()
         dest = self.blob_path(digest)
         if not reuse(dest):
-            self._atomic_write(dest, data)
+            atomic_write(dest, data, 0o600)
             self.written.append(digest)
         return Descriptor(media_type, digest, len(data), annotations)
 
@@ -231,8 +225,7 @@ class CapsuleStore:
         return path
 
     def read_verified(self, desc: Descriptor) -> bytes:
-        data = self.verify_blob(desc).read_bytes()
-        return data
+        return self.verify_blob(desc).read_bytes()
 
     # --- capsules -------------------------------------------------------------------------------------------
     def write_capsule(self, profile: CapsuleProfile, layers: list[Descriptor], annotations: dict[str, str],
@@ -267,7 +260,7 @@ class CapsuleStore:
         if tag:  # a tag names one capsule: move it
             manifests = [m for m in manifests if tag_of(m) != tag]
         manifests.append(entry)
-        self._atomic_write(self.root / "index.json", self._index_bytes(manifests))
+        self._write_index(manifests)
 
     def resolve(self, ref: str, allow_unpinned: bool = False) -> str:
         """Reference → manifest digest. Unpinned references (a tag) are refused unless asked for; NAME@sha256:…

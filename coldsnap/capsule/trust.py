@@ -26,18 +26,13 @@ from coldsnap.contracts import ColdSnapError, ErrorCode, RestorePolicy
 from coldsnap.contracts import capsule as mt
 from coldsnap.contracts.parse import first_error, strict_json
 
-POLICY_PATH = "/etc/coldsnap/policy.json"
 NAMESPACE_ANNOTATIONS = ("io.kubernetes.cri.sandbox-namespace", "io.kubernetes.pod.namespace")
-
-
-def policy_path() -> Path:
-    return settings().policy_file
 
 
 def load_policy() -> RestorePolicy:
     """The restore policy; the defaults when there is no policy file. A policy that does not parse refuses every
     restore (ENVIRONMENT), rather than being read as no policy."""
-    path = policy_path()
+    path = settings().policy_file
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
@@ -144,11 +139,9 @@ def check(capsule: LoadedCapsule, store: CapsuleStore, container: dict[str, str]
         field = "pulled" if prov.origin == "pull" else "local"
         return TrustVerdict(f"capsule {label} ({where}) is not signed by a trusted key (policy {field}: signed; "
                             f"keys tried: {', '.join(rules) or 'none'})", None, prov)
-    if container is not None:
-        refusal = _container_refusal(policy, capsule, capsule_names, container, image_digest)
-        if refusal:
-            return TrustVerdict(refusal, signed_by, prov)
-    return TrustVerdict(None, signed_by, prov)
+    refusal = None if container is None else _container_refusal(policy, capsule, capsule_names, container,
+                                                                  image_digest)
+    return TrustVerdict(refusal, signed_by, prov)
 
 
 def _container_refusal(policy: RestorePolicy, capsule: LoadedCapsule, capsule_names: list[str],

@@ -4,12 +4,10 @@ The CUDA runtime decompresses a library's fatbin into plain anonymous memory and
 kernels from it later): NCCL's kernels take 200 MiB in every tensor-parallel rank on the H200. CRIU would dump
 those pages and write each one back at restore, in every process, although the same bytes sit in every rank and
 every capture of the same libraries. So an engine calls stash_code() in its release hook (the process quiet,
-nothing running on the GPU): each piece of memory holding CUDA code (code_ranges: one of malloc's mmapped chunks
-that holds a GPU ELF image, or a mapping that starts with CUDA code) is written once to DIR/sha256-HEX.cubin and
-that file is mapped over it, private and at the same address, so the process sees the same bytes. CRIU then
-records a file mapping without dirty pages, and a restore maps the file from the page cache instead of copying
-pages. The capture carries the files in the capsule (hoststate.extra_files); staging puts a missing one back,
-checked against its name (hoststate.put_back_file).
+nothing running on the GPU), which writes each piece of CUDA code (code_ranges) once to DIR/sha256-HEX.cubin and
+maps that file over it, private and at the same address. CRIU then records a file mapping without dirty pages,
+and a restore maps the file from the page cache instead of copying pages. The capture carries the files in the
+capsule (hoststate.extra_files); staging puts a missing one back, checked against its name (hoststate.put_back_file).
 
 Only stdlib: it runs inside engines."""
 

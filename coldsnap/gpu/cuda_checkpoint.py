@@ -4,22 +4,21 @@ We call the driver ourselves instead of shelling out to NVIDIA's `cuda-checkpoin
 our machines, and calling the API directly gives typed errors and per-step timings. The calls act on *another*
 process (pid); the caller only needs libcuda and cuInit(0), no CUDA context of its own.
 
-Struct layouts follow cuda.h (every struct is zeroed whole before use: reserved fields must be 0):
-  CUcheckpointLockArgs    {unsigned timeoutMs; unsigned reserved0; cuuint64_t reserved1[7]}          64 bytes
-  CUcheckpointGpuPair     {CUuuid oldUuid; CUuuid newUuid}                                           32 bytes
-  CUcheckpointRestoreArgs {CUcheckpointGpuPair *gpuPairs; unsigned gpuPairsCount;
-                           char reserved[52 - sizeof(void *)]; cuuint64_t reserved1}                 64 bytes
-Checkpoint and unlock take optional args that are all reserved: we pass NULL (measured to work on r580).
+The structs below follow cuda.h field for field (CUcheckpointLockArgs 64 bytes, CUcheckpointGpuPair 32,
+CUcheckpointRestoreArgs 64) and are zeroed whole before use: reserved fields must be 0. Checkpoint and unlock take
+optional args that are all reserved: we pass NULL (measured to work on r580).
 """
 
 from __future__ import annotations
 
 import ctypes
 import threading
+from contextlib import suppress
 from typing import Any, Iterable, Sequence
 
 from coldsnap.contracts import ColdSnapError, ErrorCode
-from coldsnap.gpu.libcuda import error_name, library_candidates  # noqa: F401 - re-exported
+from coldsnap.gpu.libcuda import error_name, library_candidates
+from coldsnap.gpu.nvml import cuda_version_text
 
 # CUprocessState
 STATES = {0: "running", 1: "locked", 2: "checkpointed", 3: "failed"}
@@ -76,11 +75,9 @@ def parse_gpu_uuid(value: str | bytes) -> bytes:
     text = value.strip()
     if text.upper().startswith("GPU-"):
         text = text[4:]
-    digits = text.replace("-", "")
-    try:
-        raw = bytes.fromhex(digits)
-    except ValueError:
-        raw = b""
+    raw = b""
+    with suppress(ValueError):
+        raw = bytes.fromhex(text.replace("-", ""))
     if len(raw) != 16:
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"not a GPU UUID: {value!r} (expected GPU-xxxxxxxx-xxxx-…)")
     return raw
@@ -97,10 +94,6 @@ def build_restore_args(gpu_pairs: Sequence[tuple[str | bytes, str | bytes]]):
     args.gpuPairs = ctypes.cast(pairs, ctypes.POINTER(CUcheckpointGpuPair))
     args.gpuPairsCount = len(gpu_pairs)
     return args, pairs
-
-
-def _cuda_version_text(v: int) -> str:
-    return f"{v // 1000}.{(v % 1000) // 10}"
 
 
 class CudaCheckpointAPI:
@@ -152,7 +145,6 @@ class CudaCheckpointAPI:
             self._init_done = True
 
     def _declare(self) -> None:
-        lib = self._lib
         c_int_p = ctypes.POINTER(ctypes.c_int)
         sigs = {
             "cuInit": [ctypes.c_uint],
@@ -166,7 +158,7 @@ class CudaCheckpointAPI:
             "cuCheckpointProcessUnlock": [ctypes.c_int, ctypes.c_void_p],
         }
         for name, argtypes in sigs.items():
-            fn = getattr(lib, name, None)
+            fn = getattr(self._lib, name, None)
             if fn is not None:
                 fn.argtypes = argtypes
                 fn.restype = ctypes.c_int
@@ -207,7 +199,7 @@ class CudaCheckpointAPI:
         return v.value
 
     def driver_version_text(self) -> str:
-        return _cuda_version_text(self.driver_version())
+        return cuda_version_text(self.driver_version())
 
     def state(self, pid: int) -> str:
         """'running' | 'locked' | 'checkpointed' | 'failed'."""
@@ -255,8 +247,8 @@ class CudaCheckpointAPI:
             raise ColdSnapError(
                 ErrorCode.INCOMPATIBLE,
                 f"cuCheckpointProcessRestore(pid {pid}): restoring onto other GPUs (UUID remapping) needs a driver "
-                f"with CUDA {_cuda_version_text(REMAP_MIN_DRIVER)}+ (r575+); this driver is CUDA "
-                f"{_cuda_version_text(version)}",
+                f"with CUDA {cuda_version_text(REMAP_MIN_DRIVER)}+ (r575+); this driver is CUDA "
+                f"{cuda_version_text(version)}",
             )
         args, keep = build_restore_args(pairs)
         hint = f" [with {len(pairs)} GPU UUID remapping pair(s); the driver may not support remapping these GPUs]"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import glob
+from contextlib import suppress
 from typing import Any
 
 from coldsnap.base.paths import settings
@@ -56,12 +57,10 @@ def library_candidates() -> list[str]:
 def error_name(code: int, lib: Any = None) -> str:
     """CUDA_ERROR_… for a CUresult, asking the driver first (cuGetErrorName), then our table."""
     if lib is not None:
-        try:
+        with suppress(Exception):  # naming an error must never raise another
             s = ctypes.c_char_p()
             if lib.cuGetErrorName(int(code), ctypes.byref(s)) == 0 and s.value:
                 return s.value.decode(errors="replace")
-        except Exception:  # noqa: BLE001 - naming an error must never raise another
-            pass
     return _KNOWN_ERRORS.get(int(code), f"CUDA_ERROR_{int(code)}")
 
 

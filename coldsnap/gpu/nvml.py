@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import suppress
 from dataclasses import dataclass, field
 
 from coldsnap.contracts import GpuInfo
@@ -38,10 +39,8 @@ def discover() -> NvmlReport:
     report = NvmlReport()
     try:
         report.driver_version = _text(pynvml.nvmlSystemGetDriverVersion())
-        try:
+        with suppress(Exception):  # old NVML: leave it unknown
             report.cuda_version = cuda_version_text(int(pynvml.nvmlSystemGetCudaDriverVersion()))
-        except Exception:  # noqa: BLE001 - old NVML: leave it unknown
-            pass
         for i in range(pynvml.nvmlDeviceGetCount()):
             h = pynvml.nvmlDeviceGetHandleByIndex(i)
             major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(h)
@@ -58,10 +57,8 @@ def discover() -> NvmlReport:
     except Exception as e:  # noqa: BLE001
         report.error = f"NVML query failed: {e}"
     finally:
-        try:
+        with suppress(Exception):
             pynvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001
-            pass
     return report
 
 
@@ -78,11 +75,10 @@ def gpu_links(pynvml) -> list[str]:
     out = []
     for i in range(n):
         for j in range(i + 1, n):
-            try:
+            nvlink = False
+            with suppress(Exception):  # old NVML or no NVLink
                 nvlink = pynvml.nvmlDeviceGetP2PStatus(handles[i], handles[j], pynvml.NVML_P2P_CAPS_INDEX_NVLINK) \
                     == pynvml.NVML_P2P_STATUS_OK
-            except Exception:  # noqa: BLE001 - old NVML or no NVLink
-                nvlink = False
             if nvlink:
                 out.append(f"{i}-{j}:NV{_active_links(pynvml, handles[i])}")
                 continue
@@ -97,19 +93,9 @@ def gpu_links(pynvml) -> list[str]:
 def _active_links(pynvml, handle) -> int:
     count = 0
     for link in range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)):
-        try:
+        with suppress(Exception):  # no such link
             count += pynvml.nvmlDeviceGetNvLinkState(handle, link) == pynvml.NVML_FEATURE_ENABLED
-        except Exception:  # noqa: BLE001 - no such link
-            continue
     return count
-
-
-def driver_version() -> str | None:
-    return discover().driver_version
-
-
-def gpus() -> list[GpuInfo]:
-    return discover().gpus
 
 
 def _query(ask, unknown):
@@ -125,10 +111,8 @@ def _query(ask, unknown):
     except Exception:  # noqa: BLE001
         return unknown
     finally:
-        try:
+        with suppress(Exception):
             pynvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001
-            pass
 
 
 def _processes(pynvml):

@@ -1,16 +1,10 @@
 """Weights onto the GPU while the engine is still being restored.
 
-A recovery-mode restore reloads the weights from their file once the engine's CUDA state is back: ~0.6 s for 11 GB
-that would otherwise follow CRIU's restore and the driver's, one after the other. The prefetcher, a process of its
-own started when the restore begins, reads the file's data section from the page cache (parallel reads into pinned
-buffers, copies on a stream per thread) into GPU memory it can export, while CRIU and the driver work. The engine's
-resume then connects to the prefetcher's UNIX socket, receives the memory as a file descriptor (SCM_RIGHTS), maps it,
-and copies its parameters out device to device (milliseconds). Anything wrong on either side (no GPU memory to spare,
-another file, a timeout) is an error message on the socket, and the engine reloads from the file as before.
-
-A tensor-parallel rank needs only its part of the file: its capture records that part as a plan (pieces of the data
-section, some of them a part of every row), and the prefetcher on that rank's GPU loads only those, packed. Each GPU
-then holds and moves its share, not the whole model.
+The prefetcher, started when a restore begins, reads the weights file's data section (or a tensor-parallel rank's
+plan: pieces of it, packed) into GPU memory it can export, while CRIU and the driver work. The engine's resume
+receives that memory over the prefetcher's UNIX socket as a file descriptor (SCM_RIGHTS), maps it and copies its
+parameters out device to device; anything wrong is an error on the socket, and the engine reloads from the file
+(docs/gpu.md, "Weight prefetch").
 
 Run as `python -m coldsnap.gpu.prefetch --file F --gpu GPU-UUID --socket PATH`: it listens at once, serves one
 engine, prints one JSON line (what it moved, how fast) and exits; a watchdog ends it 30 s after --timeout at the
@@ -31,9 +25,11 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from typing import Callable
 
 from coldsnap.base.files import pread_full
+from coldsnap.gpu import vmm
 
 CHUNK = 16 << 20  # bytes per read and per copy; two per thread
 
@@ -157,29 +153,25 @@ def split_jobs(jobs: list, threads: int) -> list[list]:
 def _copy_async(driver, d, src: int, job: tuple[int, int, int, int, int], ptr: int, stream) -> None:
     """Queue one job's copy from host memory at src (its read range) to the GPU: one range, or a part of each row
     as a 2D copy (d: a CUDA_MEMCPY2D this job may use until its copy is done)."""
-    from coldsnap.gpu.vmm import MEMORYTYPE_DEVICE, MEMORYTYPE_HOST
-
     _, pitch, width, rows, dst = job
     if rows == 1:
         driver.call("cuMemcpyHtoDAsync_v2", ptr + dst, src, width, stream)
         return
     ctypes.memset(ctypes.byref(d), 0, ctypes.sizeof(d))
-    d.srcMemoryType, d.srcHost, d.srcPitch = MEMORYTYPE_HOST, src, pitch
-    d.dstMemoryType, d.dstDevice, d.dstPitch = MEMORYTYPE_DEVICE, ptr + dst, width
+    d.srcMemoryType, d.srcHost, d.srcPitch = vmm.MEMORYTYPE_HOST, src, pitch
+    d.dstMemoryType, d.dstDevice, d.dstPitch = vmm.MEMORYTYPE_DEVICE, ptr + dst, width
     d.WidthInBytes, d.Height = width, rows
     driver.call("cuMemcpy2DAsync_v2", ctypes.byref(d), stream)
 
 
 def _on_threads(driver, device: int, groups: list[list], run) -> None:
     """run(jobs, stream) on a thread per group, each with the device's primary context current and its own stream."""
-    from coldsnap.gpu.vmm import STREAM_NON_BLOCKING
-
     ctx = driver.use_primary_context(device)
 
     def thread(jobs: list) -> None:
         driver.call("cuCtxSetCurrent", ctx)
         stream = ctypes.c_void_p()
-        driver.call("cuStreamCreate", ctypes.byref(stream), STREAM_NON_BLOCKING)
+        driver.call("cuStreamCreate", ctypes.byref(stream), vmm.STREAM_NON_BLOCKING)
         try:
             run(jobs, stream)
             driver.call("cuStreamSynchronize", stream)
@@ -195,14 +187,12 @@ def fill_buffered(driver, device: int, ptr: int, fd: int, base: int, pieces: lis
     """GPU memory at ptr := the pieces of the file's data section at base, packed (packed_layout): `threads`
     threads, each a run of copy_jobs, each reading into two pinned buffers in turn and copying on its own stream (a
     read overlaps the previous copy). Each byte crosses host memory three times: read, written, read by the DMA."""
-    from coldsnap.gpu.vmm import CUDA_MEMCPY2D, EVENT_DISABLE_TIMING
-
     def run(jobs: list, stream) -> None:
-        events, bufs, descs = [ctypes.c_void_p() for _ in range(2)], [], [CUDA_MEMCPY2D(), CUDA_MEMCPY2D()]
+        events, bufs, descs = [ctypes.c_void_p() for _ in range(2)], [], [vmm.CUDA_MEMCPY2D(), vmm.CUDA_MEMCPY2D()]
         addrs: list[int] = []  # of bufs
         try:
             for e in events:
-                driver.call("cuEventCreate", ctypes.byref(e), EVENT_DISABLE_TIMING)
+                driver.call("cuEventCreate", ctypes.byref(e), vmm.EVENT_DISABLE_TIMING)
             for _ in range(2):
                 p = ctypes.c_void_p()
                 driver.call("cuMemHostAlloc", ctypes.byref(p), CHUNK, 0)
@@ -270,15 +260,12 @@ def fill_mapped(driver, device: int, ptr: int, fd: int, base: int, pieces: list[
     """The same result as fill_buffered, with the GPU reading the page cache itself, so each byte crosses host
     memory once: the file is mapped read-only, `threads` threads register the windows of it that the pieces touch
     with the driver (which pins the pages where they are), in file order, and the copies of each job go out on one
-    stream as soon as the window under it is in. A copy from a registered mapping runs at the PCIe rate (55 GB/s
-    on the H200 machine, the first one too), but registering runs at 33–43 GB/s whatever the threads, and
-    copies barely overlap it, so there the whole is no faster than fill_buffered.
+    stream as soon as the window under it is in. On the H200 machine the copies run at the PCIe rate (55 GB/s) but
+    registering at 33–43 GB/s whatever the threads, barely overlapped: no faster than fill_buffered.
     Returns (what it measured, release): release() unregisters and unmaps, once the copies are done, and returns
     the seconds that took. copy: bytes per copy (default: a window). Raises NotResident when the page cache holds
     too little of the file (parallel reads do better from disk) and CudaError when the driver can't register a
     file's pages; either way nothing is held."""
-    from coldsnap.gpu.vmm import CUDA_MEMCPY2D, HOSTREGISTER_READ_ONLY, STREAM_NON_BLOCKING, CudaError
-
     jobs = cut_at_windows(copy_jobs(pieces, min(copy or window, window)), base, window)
     spans = [(base + j[0], base + j[0] + read_bytes(j)) for j in jobs]  # file bytes each job reads
     mapping = FileMapping(fd)
@@ -313,7 +300,7 @@ def fill_mapped(driver, device: int, ptr: int, fd: int, base: int, pieces: list[
             lo = w * window
             try:
                 driver.call("cuMemHostRegister_v2", ctypes.c_void_p(mapping.addr + lo),
-                            min(window, mapping.length - lo), HOSTREGISTER_READ_ONLY)
+                            min(window, mapping.length - lo), vmm.HOSTREGISTER_READ_ONLY)
             except BaseException as e:  # noqa: BLE001
                 fail(e)
                 return
@@ -331,10 +318,10 @@ def fill_mapped(driver, device: int, ptr: int, fd: int, base: int, pieces: list[
         return round(time.monotonic() - t, 4)
 
     stream, workers = ctypes.c_void_p(), []
-    descs = [CUDA_MEMCPY2D() for j in jobs if j[3] > 1]  # each 2D copy's own, alive until the stream is done
+    descs = [vmm.CUDA_MEMCPY2D() for j in jobs if j[3] > 1]  # each 2D copy's own, alive until the stream is done
     try:
         ctx = driver.use_primary_context(device)  # current on this thread; register() makes it current on its own
-        driver.call("cuStreamCreate", ctypes.byref(stream), STREAM_NON_BLOCKING)
+        driver.call("cuStreamCreate", ctypes.byref(stream), vmm.STREAM_NON_BLOCKING)
         workers = [threading.Thread(target=register, name="coldsnap-prefetch-register", daemon=True)
                    for _ in range(max(1, min(threads, len(wanted))))]
         for t in workers:
@@ -346,7 +333,7 @@ def fill_mapped(driver, device: int, ptr: int, fd: int, base: int, pieces: list[
             _copy_async(driver, descs.pop() if job[3] > 1 else None, mapping.addr + a, job, ptr, stream)
         driver.call("cuStreamSynchronize", stream)
     except BaseException:
-        fail(CudaError("abandoned"))
+        fail(vmm.CudaError("abandoned"))
         for t in workers:
             t.join()
         if stream.value:
@@ -374,8 +361,6 @@ def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float
     why). On the H200 machine the mapped fill is no faster: see docs/benchmarks.md.
     hold: once served, keep the memory and the context until stdin closes: freeing them (and tearing the context
     down) while the engine captures its CUDA graphs and answers its first request slowed both down."""
-    from coldsnap.gpu.vmm import CudaError, Driver, ExportableBuffer
-
     t0 = time.monotonic()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(sock_path)
@@ -389,27 +374,27 @@ def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float
     fds: list[int] = []
     try:
         try:
-            driver = Driver()
+            driver = vmm.Driver()
             device = driver.device_by_uuid(bytes.fromhex(gpu_uuid.removeprefix("GPU-").replace("-", "")))
             driver.use_primary_context(device)
             report["cuda_init_s"] = round(time.monotonic() - t0, 4)
             base, length = data_section(path)
             if pieces is not None:
                 check_pieces(pieces, length)
-            size = packed_layout(pieces or whole_section(length))[1]
-            buf = ExportableBuffer(driver, device, size)
+            plan = pieces or whole_section(length)
+            size = packed_layout(plan)[1]
+            buf = vmm.ExportableBuffer(driver, device, size)
             fd = os.open(path, os.O_RDONLY)
             try:
                 t1 = time.monotonic()
                 report["mode"] = mode
                 if mode == "mapped":
                     try:
-                        report["mapped"], release = fill_mapped(driver, device, buf.ptr, fd, base,
-                                                                pieces or whole_section(length), threads)
-                    except (CudaError, NotResident, OSError) as e:  # e.g. a cold page cache: parallel reads
+                        report["mapped"], release = fill_mapped(driver, device, buf.ptr, fd, base, plan, threads)
+                    except (vmm.CudaError, NotResident, OSError) as e:  # e.g. a cold page cache: parallel reads
                         report.update(mode="buffered", mapped_error=str(e))
                 if report["mode"] == "buffered":
-                    fill_buffered(driver, device, buf.ptr, fd, base, pieces or whole_section(length), threads)
+                    fill_buffered(driver, device, buf.ptr, fd, base, plan, threads)
                 load_s = time.monotonic() - t1
             finally:
                 os.close(fd)
@@ -447,10 +432,8 @@ def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float
         if buf is not None:
             buf.close()
         listener.close()
-        try:
+        with suppress(FileNotFoundError):
             os.unlink(sock_path)
-        except FileNotFoundError:
-            pass
 
 
 class Session:

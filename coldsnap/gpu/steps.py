@@ -4,8 +4,15 @@ A thin seam over coldsnap.gpu so flows stay readable and CPU-only hosts never lo
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import threading
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Callable
+from uuid import uuid4
 
 from coldsnap.base.paths import settings
 
@@ -94,7 +101,6 @@ class Prefetch:
 def _prefetch_refusal(profile, supported: bool) -> str | None:
     """Why this restore gets no prefetch (None: it does). supported: the engine takes prefetched weights and this
     restore reloads them from a file."""
-
     weights = profile.model.weights if profile.model else []
     if not settings().prefetch:
         return "COLDSNAP_PREFETCH=0"
@@ -115,12 +121,6 @@ def start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir) -
     has room for a second copy of what it loads for a moment, and COLDSNAP_PREFETCH is not 0. A tensor-parallel
     capsule's plan (profile.prefetch_plans) has each GPU load only its rank's part. Never raises: no prefetch is
     only slower."""
-    import json
-    import os
-    import subprocess
-    import sys
-    import uuid
-
     from coldsnap.base.files import atomic_write
     from coldsnap.gpu.nvml import free_bytes
     from coldsnap.gpu.prefetch import MODES, gpu_key, packed_layout
@@ -146,7 +146,7 @@ def start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir) -
         return Prefetch(skipped=f"COLDSNAP_PREFETCH_MODE={mode!r} is not one of {', '.join(MODES)}")
     p = Prefetch()
     for gpu, pieces in targets:
-        name = f"{run_dir}/{uuid.uuid4().hex[:12]}"
+        name = f"{run_dir}/{uuid4().hex[:12]}"
         sock = name + ".sock"
         if len(sock.encode()) > 100:
             return _abandon(p, "the socket path would be too long")
@@ -169,8 +169,6 @@ def start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir) -
 def start_prefetch_soon(profile, supported: bool, gpu_map: dict[str, str], run_dir) -> Callable[[], Prefetch]:
     """start_prefetch on a thread of its own, so the restore does not wait for its NVML queries and process starts
     (~10 ms); the answer, called, waits for it and returns the Prefetch."""
-    import threading
-
     box: dict[str, Prefetch] = {}
 
     def start() -> None:
@@ -200,23 +198,15 @@ def _abandon(p: Prefetch, why: str) -> Prefetch:
 
 def _remove_files(sock: str) -> None:
     """A prefetcher's socket and its plan, if they are still there."""
-    import os
-
     for path in (sock, sock.removesuffix(".sock") + ".plan.json"):
-        try:
+        with suppress(FileNotFoundError):
             os.unlink(path)
-        except FileNotFoundError:
-            pass
 
 
 def finish_prefetch(p: Prefetch, wait_s: float = 10.0) -> dict:
     """Reap the prefetchers: what they reported (one GPU: its report; several: by GPU UUID). One that served an
     engine has removed its socket and frees its copy once its stdin closes, here; one whose socket is still there
     would wait for an engine that is not coming, and is killed."""
-    import json
-    import os
-    import subprocess
-
     if not p.procs:
         return {"skipped": p.skipped}
     reports = {}

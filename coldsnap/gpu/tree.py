@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
@@ -42,23 +43,16 @@ def read_cmdline(pid: int) -> str:
         return ""
     text = raw.rstrip(b"\0").replace(b"\0", b" ").decode(errors="replace")
     if not text:  # kernel threads and zombies have no cmdline
-        try:
-            with open(f"/proc/{pid}/comm") as f:
-                text = f"[{f.read().strip()}]"
-        except OSError:
-            pass
+        with suppress(OSError), open(f"/proc/{pid}/comm") as f:
+            text = f"[{f.read().strip()}]"
     return text
-
-
-def _is_nvidia_mapping(line: str) -> bool:
-    # address perms offset dev inode [path]; the path may contain spaces and end in " (deleted)".
-    parts = line.split(maxsplit=5)
-    return len(parts) == 6 and parts[5].startswith("/dev/nvidia")
 
 
 def maps_nvidia(lines: Iterable[str]) -> bool:
     """Whether a /proc/<pid>/maps text maps any /dev/nvidia* device (nvidiactl, nvidia0, nvidia-uvm, …)."""
-    return any(_is_nvidia_mapping(line) for line in lines)
+    # address perms offset dev inode [path]; the path may contain spaces and end in " (deleted)".
+    fields = (line.split(maxsplit=5) for line in lines)
+    return any(len(parts) == 6 and parts[5].startswith("/dev/nvidia") for parts in fields)
 
 
 # ---- discovery ----------------------------------------------------------------------------------------------
@@ -203,17 +197,15 @@ def checkpoint_tree(
         report.message = NO_CUDA
         return report
     report.pids = found
-    touched: list[int] = []  # every pid a step was attempted on: the rollback set
     try:
-        touched.extend(found)
         _each(report, "lock", found, lambda pid: api.lock(pid, lock_timeout_ms))
         _each(report, "checkpoint", found, api.checkpoint)
     except ColdSnapError as e:
-        problems = _roll_back(api, touched)
+        problems = _roll_back(api, found)  # every pid a step was attempted on
         after = (
             f"rollback left problems: {'; '.join(problems)}"
             if problems
-            else f"rolled back: {len(touched)} process(es) running again"
+            else f"rolled back: {len(found)} process(es) running again"
         )
         raise ColdSnapError(e.code, f"{e.message} ({after})") from e
     report.message = f"checkpointed {len(found)} CUDA process(es)"
@@ -241,8 +233,6 @@ def restore_tree(
         raise ColdSnapError(ErrorCode.GPU_FAILED, f"pid {failed[0]}: CUDA process state is 'failed'; cannot restore it")
     _each(report, "restore", [p for p in pids if states[p] == "checkpointed"], lambda pid: api.restore(pid, gpu_pairs))
     _each(report, "unlock", [p for p in pids if states[p] in ("checkpointed", "locked")], api.unlock)
-    report.seconds.setdefault("restore", 0.0)
-    report.seconds.setdefault("unlock", 0.0)
     report.message = f"restored {len(pids)} CUDA process(es)"
     return report
 
@@ -253,9 +243,7 @@ def checkpointed_pids(root_pid: int, *, api: CudaCheckpointAPI | None = None,
     api = api or CudaCheckpointAPI()
     found = []
     for pid in process_tree(root_pid, children):
-        try:
+        with suppress(ColdSnapError):  # not a CUDA client
             if api.state(pid) == "checkpointed":
                 found.append(pid)
-        except ColdSnapError:
-            continue  # not a CUDA client
     return found

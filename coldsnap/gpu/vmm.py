@@ -3,16 +3,8 @@ to another: one side creates an allocation exportable as a POSIX file descriptor
 descriptor (passed over a UNIX socket) and maps the same physical memory. Used to fill the weights of a restoring
 engine on the GPU while CRIU and the driver are still restoring it (coldsnap.gpu.prefetch).
 
-Struct layouts follow cuda.h (zeroed whole before use: reserved fields must be 0):
-  CUmemLocation       {int type; int id}                                                           8 bytes
-  CUmemAllocationProp {int type; int requestedHandleTypes; CUmemLocation location;
-                       void *win32HandleMetaData; {uchar compressionType; uchar gpuDirectRDMACapable;
-                       ushort usage; uchar reserved[4]} allocFlags}                                32 bytes
-  CUmemAccessDesc     {CUmemLocation location; int flags}                                          12 bytes
-  CUDA_MEMCPY2D       {size_t srcXInBytes, srcY; int srcMemoryType; void *srcHost; CUdeviceptr srcDevice;
-                       CUarray srcArray; size_t srcPitch; size_t dstXInBytes, dstY; int dstMemoryType;
-                       void *dstHost; CUdeviceptr dstDevice; CUarray dstArray; size_t dstPitch;
-                       size_t WidthInBytes, Height}                                                128 bytes
+The structs below follow cuda.h field for field (CUmemLocation 8 bytes, CUmemAllocationProp 32, CUmemAccessDesc 12,
+CUDA_MEMCPY2D 128) and are zeroed whole before use: reserved fields must be 0.
 """
 
 from __future__ import annotations
