@@ -183,10 +183,10 @@ def _drop(path: Path) -> None:
 
 
 def run(out_dir, size_mib: int = 2048, repeats: int = 3) -> dict:
-    """Create a capsule whose weights payload is one random size_mib file (pinned piece by piece, as a capture pins
+    """Create a capsule whose weights are one random size_mib file (pinned piece by piece, as a capture pins
     large weights), push/pull it `repeats` times, compare with curl."""
     from coldsnap.base.digests import CHUNK_BYTES, pinned_digests
-    from coldsnap.capsule.payload import write_payload
+    from coldsnap.capsule.payload import put_weights
     from coldsnap.capsule.store import CapsuleStore, Descriptor
     from coldsnap.contracts import CapsuleProfile, HostProfile, Model, NetworkPlan, WeightFile
     from coldsnap.contracts import capsule as mt
@@ -204,7 +204,7 @@ def run(out_dir, size_mib: int = 2048, repeats: int = 3) -> dict:
     whole, chunks = pinned_digests(weights_file)
     wf = WeightFile(path=str(weights_file), sha256=whole, size=weights_file.stat().st_size,
                     chunk_bytes=CHUNK_BYTES if chunks else None, chunks=chunks)
-    payload = write_payload(src, [wf])
+    weights = put_weights(src, [wf])
     images = work / "images.bin"
     images.write_bytes(os.urandom(1 << 20))
     profile = CapsuleProfile(
@@ -214,8 +214,8 @@ def run(out_dir, size_mib: int = 2048, repeats: int = 3) -> dict:
         expected_text="t", model=Model(id="bench", revision="r", weights=[wf]),
         network=NetworkPlan(netns="coldsnap-b", host_veth="csh0", workload_veth="eth0", host_address="169.254.237.1",
                             workload_address="169.254.237.2", port=8000))
-    digest = src.write_capsule(profile, [src.put_file(images, mt.LAYER_CRIU, move=True)],
-                               {"io.coldsnap.engine": "reference", mt.ANNOTATION_PAYLOAD: payload}, tag="bench")
+    digest = src.write_capsule(profile, [src.put_file(images, mt.LAYER_CRIU, move=True), *weights],
+                               {"io.coldsnap.engine": "reference"}, tag="bench")
     layer = Descriptor(mt.LAYER_WEIGHTS, "sha256:" + whole, wf.size)  # the weights blob: what the rows move
     blob = src.blob_path(layer.digest)
     result: dict = {"size_bytes": layer.size, "layer_digest": layer.digest, "manifest_digest": digest,

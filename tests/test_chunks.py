@@ -70,21 +70,21 @@ def test_a_restore_checks_weights_by_their_pieces(weights):
 
 
 def test_a_capture_packs_weights_checked_by_their_pieces(weights, tmp_path):
-    """write_payload checks the store's link of a weights file by its pins (in parallel, not one sha256 stream),
+    """put_weights checks the store's link of a weights file by its pins (in parallel, not one sha256 stream),
     and a file changed since it was pinned is refused with nothing left in the store."""
-    from coldsnap.capsule.payload import write_payload
+    from coldsnap.capsule.payload import put_weights
     from coldsnap.capsule.store import CapsuleStore
 
     store = CapsuleStore(tmp_path / "store").init()
     whole, chunks = digests.pinned_digests(weights, MIB)
     wf = WeightFile(path=str(weights), sha256=whole, size=weights.stat().st_size, chunk_bytes=MIB, chunks=chunks)
-    write_payload(store, [wf])
+    put_weights(store, [wf])
     assert store.has_blob("sha256:" + whole)
     store.blob_path("sha256:" + whole).unlink()
     with open(weights, "r+b") as f:  # changed after it was pinned
         f.write(b"\x00" if f.read(1) != b"\x00" else b"\x01")
     with pytest.raises(ColdSnapError) as e:
-        write_payload(store, [wf])
+        put_weights(store, [wf])
     assert "changed since it was pinned" in e.value.message and not store.has_blob("sha256:" + whole)
     assert not [p for p in (tmp_path / "store").rglob("*.payload")]
 

@@ -22,7 +22,9 @@ import pytest
 from conftest import CRIU_PREFIX, needs_root_criu
 
 from coldsnap.contracts import CaptureRequest, ColdSnapError, ErrorCode, Policy, RestoreRequest
-from coldsnap.engines import get_adapter, seccomp, tinymodel
+from coldsnap.engines import get_adapter, seccomp
+from coldsnap.engines.venv_engine import describe_model_dir
+from coldsnap_reference import tinymodel
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE_MODEL = "/var/lib/coldsnap/fixtures/tiny-llama"
@@ -369,10 +371,10 @@ def test_tiny_model_is_made_locally_and_deterministically(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     digests = []
     for d in ("a", "b"):
-        r = subprocess.run([python, "-m", "coldsnap.engines.tinymodel", str(tmp_path / d)], env=env,
+        r = subprocess.run([python, "-m", "coldsnap_reference.tinymodel", str(tmp_path / d)], env=env,
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr
-        digests.append(tinymodel.describe_model_dir(tmp_path / d, tinymodel.MODEL_ID))
+        digests.append(describe_model_dir(tmp_path / d, tinymodel.MODEL_ID))
     assert digests[0].revision == digests[1].revision
     assert [w.sha256 for w in digests[0].weights] == [w.sha256 for w in digests[1].weights]
     cfg = json.loads((tmp_path / "a" / "config.json").read_text())
@@ -410,7 +412,7 @@ def test_a_llama_of_real_shape_is_written_shard_by_shard(tmp_path):
     its index, and lm_head rows past the tokenizer's vocabulary zero (greedy decoding picks only spellable tokens)."""
     python = ensure_engine("vllm", VLLM_VENV)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    r = subprocess.run([python, "-m", "coldsnap.engines.tinymodel", str(tmp_path / "m"), "--shape", "1b"], env=env,
+    r = subprocess.run([python, "-m", "coldsnap_reference.tinymodel", str(tmp_path / "m"), "--shape", "1b"], env=env,
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())

@@ -5,7 +5,7 @@ vLLM's own snapshot CI holds a restore), with the GPU state in the capsule check
 of a restored workload.
 
 Needs the GPU machine: the CUDA checkpoint API, vLLM's CUDA build (packaging/device/vllm_carry.py, installed where
-$COLDSNAP_VLLM_CUDA_SITE says) and a model ($COLDSNAP_TEST_VLLM_MODEL, e.g. `python -m coldsnap.engines.tinymodel
+$COLDSNAP_VLLM_CUDA_SITE says) and a model ($COLDSNAP_TEST_VLLM_MODEL, e.g. `python -m coldsnap_reference.tinymodel
 DIR --shape 1b`). packaging/device/vllm-gpu.sh does all three and runs this file. Elsewhere (CI) every case skips
 and says why."""
 
@@ -49,7 +49,7 @@ def needs_vllm_on_cuda() -> None:
     if not Path(SITE, "vllm", "__init__.py").exists():
         pytest.skip(f"no vLLM CUDA build in {SITE} ($COLDSNAP_VLLM_CUDA_SITE): packaging/device/vllm_carry.py")
     if not Path(MODEL, "config.json").exists():
-        pytest.skip(f"no model at {MODEL} ($COLDSNAP_TEST_VLLM_MODEL): python -m coldsnap.engines.tinymodel "
+        pytest.skip(f"no model at {MODEL} ($COLDSNAP_TEST_VLLM_MODEL): python -m coldsnap_reference.tinymodel "
                     f"{MODEL} --shape 1b")
 
 

@@ -8,13 +8,14 @@ import json
 import os
 
 import pytest
+from old_capsules import write_payload
 from registry_fixture import ensure_registry, registry  # noqa: F401  (pytest fixture)
 from test_registry import no_ambient_credentials, profile, random_layer, registry_blob_file  # noqa: F401
 
 from coldsnap.base import digests
 from coldsnap.capsule import CapsuleStore, pieces
 from coldsnap.capsule import registry as reg_mod
-from coldsnap.capsule.payload import materialize, write_payload
+from coldsnap.capsule.payload import materialize
 from coldsnap.capsule.registry import pull, push
 from coldsnap.contracts import ColdSnapError, ErrorCode, Model, WeightFile
 from coldsnap.contracts import capsule as mt

@@ -444,7 +444,8 @@ def test_gc_removes_cuda_code_files_nothing_uses(src, tmp_path):
 
 
 def test_store_hygiene(registry, src, dst, tmp_path):  # noqa: F811
-    from coldsnap.capsule.payload import write_payload
+    from old_capsules import write_payload
+
     from coldsnap.capsule.store import Descriptor
     from coldsnap.contracts import WeightFile
 

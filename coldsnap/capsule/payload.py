@@ -5,7 +5,7 @@ mode). Every capsule of the same weights names the same blobs, so a second capsu
 or digest copies its weights with it.
 
 Capsules written before kept them in a payload artifact of their own, named by the `io.coldsnap.payload`
-annotation: those still stage (materialize) and pull."""
+annotation (tests/old_capsules.py writes one): those still stage (materialize) and pull."""
 
 from __future__ import annotations
 
@@ -20,8 +20,6 @@ from coldsnap.capsule.pinned import mismatch
 from coldsnap.capsule.store import CapsuleStore, Descriptor, LoadedCapsule, reuse
 from coldsnap.contracts import ColdSnapError, ErrorCode, WeightFile
 from coldsnap.contracts import capsule as mt
-
-EMPTY_CONFIG = b"{}"
 
 
 def put_weights(store: CapsuleStore, weights: list[WeightFile],
@@ -56,18 +54,6 @@ def put_weights(store: CapsuleStore, weights: list[WeightFile],
                                       {mt.ANNOTATION_TITLE: Path(wf.path).name, mt.ANNOTATION_PATH: wf.path,
                                        mt.ANNOTATION_MODE: mode})))
     return layers
-
-
-def write_payload(store: CapsuleStore, weights: list[WeightFile],
-                  keep: Callable[[Descriptor], Descriptor] = lambda d: d, scratch: Path | None = None) -> str:
-    """The earlier format: the weights as a payload artifact of their own; returns its manifest digest (not
-    indexed: capsules name it in their `io.coldsnap.payload` annotation)."""
-    layers = put_weights(store, weights, keep, scratch)
-    config = keep(store.put_bytes(EMPTY_CONFIG, "application/vnd.oci.empty.v1+json"))
-    manifest = {"schemaVersion": 2, "mediaType": mt.MANIFEST_MEDIA_TYPE, "artifactType": mt.PAYLOAD_ARTIFACT_TYPE,
-                "config": config.to_json(), "layers": [d.to_json() for d in layers]}
-    return keep(store.put_bytes(json.dumps(manifest, indent=1, sort_keys=True).encode(),
-                                mt.MANIFEST_MEDIA_TYPE)).digest
 
 
 def weight_layers(store: CapsuleStore, capsule: LoadedCapsule) -> list[Descriptor]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from coldsnap.base.paths import settings
 from coldsnap.contracts import ColdSnapError, ErrorCode, Mount
-from coldsnap.engines import tinymodel
+from coldsnap_reference import tinymodel
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,7 +50,7 @@ def as_bool(value) -> bool:
     return bool(value)
 
 
-TINY = "tiny"  # model=tiny: ColdSnap's generated tiny Llama (engines.tinymodel), made on first use
+TINY = "tiny"  # model=tiny: ColdSnap's generated tiny Llama (coldsnap_reference.tinymodel), made on first use
 
 
 def resolve_model(opts: dict, python: Path) -> tuple[Path, str]:
@@ -168,4 +168,24 @@ def model_pinned_later(model_dir: Path, served: str, given=None) -> dict:
         return {"model_id": served}
     files = [str(p) for p in sorted(model_dir.resolve().iterdir()) if p.is_file() and not p.name.startswith(".")]
     return {"model_id": served, "pin_ahead": files,
-            "describe_model": lambda: tinymodel.describe_model_dir(model_dir, served)}
+            "describe_model": lambda: describe_model_dir(model_dir, served)}
+
+
+def describe_model_dir(directory: str | os.PathLike, model_id: str):
+    """The model contract of a Hugging Face style directory: every *.safetensors file with its sha256, and a
+    revision that is the digest of every file the engine reads (weights, config, tokenizer)."""
+    import hashlib
+
+    from coldsnap.base.digests import CHUNK_BYTES, pinned_digests
+    from coldsnap.contracts import Model, WeightFile
+
+    d = Path(directory).resolve()
+    files = sorted(p for p in d.iterdir() if p.is_file() and not p.name.startswith("."))
+    weights, h = [], hashlib.sha256()
+    for p in files:
+        digest, chunks = pinned_digests(str(p))
+        h.update(f"{p.name}\0{digest}\n".encode())
+        if p.suffix == ".safetensors":
+            weights.append(WeightFile(path=str(p), sha256=digest, size=p.stat().st_size,
+                                      chunk_bytes=CHUNK_BYTES if chunks else None, chunks=chunks))
+    return Model(id=model_id, revision=f"sha256:{h.hexdigest()}", weights=weights)

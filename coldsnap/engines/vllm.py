@@ -144,7 +144,7 @@ class VllmAdapter(EngineAdapter):
         model_dir = Path(str(model_opt)) if model_opt else None
         if model_dir is None or not model_dir.is_absolute() or not (model_dir / "config.json").exists():
             raise ColdSnapError(ErrorCode.INVALID_REQUEST, "vLLM on CUDA needs --engine-opt model=DIR (an absolute "
-                                "Hugging Face model directory; python -m coldsnap.engines.tinymodel DIR --shape 1b "
+                                "Hugging Face model directory; python -m coldsnap_reference.tinymodel DIR --shape 1b "
                                 "writes one)")
         served = str(opts.pop("served_model_name", None) or model_dir.name)
         max_len = opts.pop("max_model_len", None) or min(context_length(model_dir) or 4096, 4096)

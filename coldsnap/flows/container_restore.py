@@ -133,7 +133,7 @@ def restore_at_create(runc: str, parsed: RuncArgv, spec: dict) -> CreateOutcome:
         return CreateOutcome("fail", f"coldsnap-runtime: cannot update {parsed.bundle}/config.json: {e}")
 
     tl = Timeline()
-    capsule = None
+    capsule = arriving = None
     attempted = False
     try:
         if parsed.command == "run" and not parsed.detach:
@@ -142,14 +142,17 @@ def restore_at_create(runc: str, parsed: RuncArgv, spec: dict) -> CreateOutcome:
         ref = creq.request.capsule
         if is_registry_reference(ref):  # a node whose store lacks it pulls it here (the request stays as written)
             with tl.span("pull"):
-                ref = fetch(creq.request, lambda _: None)[0].capsule
+                pulled, _, arriving = fetch(creq.request, lambda _: None)
+                ref = pulled.capsule
         with tl.span("admit"):
             capsule = load_capsule(ref, creq.request.policy.allow_unpinned)
             verdict = admit_capsule(capsule, creq.request.policy, "criu-runc", creq.image_digest, spec)
         if not verdict.admitted:
             raise verdict.refusal()
         with tl.span("stage"):
-            staged = stage(capsule)
+            staged = stage(capsule, arriving.wait if arriving else None)
+            if staged.weights_later is not None:  # the images unpacked while the weights arrived
+                staged.weights_later()
             # what the images would give the processes, held to this container's spec before anything runs
             beyond = exceeds_spec(image_creds(staged.images), spec)
             if beyond:
@@ -158,7 +161,13 @@ def restore_at_create(runc: str, parsed: RuncArgv, spec: dict) -> CreateOutcome:
         attempted = True
         restored = _restore(runc, parsed, staged, spec, creq, tl)
     except Exception as e:  # noqa: BLE001 - whatever went wrong, the container must still come up (or say why)
-        cause = e if isinstance(e, ColdSnapError) else ColdSnapError(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
+        error: Exception = e
+        if arriving is not None:
+            arriving.settle()  # the pull ends first; a refused one is the cause
+            if isinstance(refused := arriving.failed(), ColdSnapError):
+                error = refused
+        cause = error if isinstance(error, ColdSnapError) else ColdSnapError(ErrorCode.INTERNAL,
+                                                                             f"{type(error).__name__}: {error}")
         return _fall_back(runc, parsed, creq, tl, capsule, cause, attempted, netns_path(spec))
 
     profile = capsule.profile

@@ -1,14 +1,12 @@
 """fetch: a restore that names a registry reference (HOST[:PORT]/REPO@sha256:…) pulls the capsule first, unless
-the store has it. The capsule's own blobs come first (profile, CRIU images, manifest, signatures); a restore
-(streamed) then admits, stages and restores it with CRIU while its weights stream in, and waits for them only when
-its engine takes them, so a first restore on a node waits for the larger of the two, not both. A prepare unpacks
-the images on a thread while the weights arrive and returns when all is here. The capsule is listed in the store
-only once every blob is in and verified."""
+the store has it. The capsule's own blobs come first (profile, CRIU images, manifest, signatures); the restore then
+admits and stages it, and restores it with CRIU, while its weights stream in, and waits for them only when its
+engine takes them, so a first restore on a node waits for the larger of the two, not both. The capsule is listed in
+the store only once every blob is in and verified."""
 
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 
 from coldsnap.base.paths import settings
@@ -67,55 +65,28 @@ class Arriving:
         self.thread.join()
 
 
-def fetch(request: RestoreRequest, progress: Progress, stream: bool = False
-          ) -> tuple[RestoreRequest, dict, Arriving | None]:
+def fetch(request: RestoreRequest, progress: Progress) -> tuple[RestoreRequest, dict, Arriving | None]:
     """The request with its capsule named by digest in the local store, pulled when it is not there; what the pull
-    did (the receipt's `pull`); and, with stream, the weights still arriving: fetch returns as soon as the capsule's
-    own blobs, manifest and signatures are in (it admits and its images stage and restore meanwhile), and the
-    restore waits for the weights (Arriving.wait) only when its engine needs them. Without stream the images
-    unpack on a thread while the weights arrive, and fetch returns when all is here."""
+    did (the receipt's `pull`); and the weights still arriving, if they are: fetch returns as soon as the capsule's
+    own blobs, manifest and signatures are in, so that it admits and its images stage (and a restore runs CRIU)
+    while its weights stream in. Whoever needs the weights waits for them (Arriving.wait)."""
     from coldsnap.capsule.registry import pull
-    from coldsnap.flows.staging import unpack_ahead
 
     store = CapsuleStore(settings().store)
     ref = request.capsule
     if (digest := local_digest(store, ref)) is not None:
         return request.model_copy(update={"capsule": digest}), {"from": ref, "pulled": False}, None
-    ahead: dict = {}
     here = threading.Event()
-
-    def unpack(digest: str, manifest: dict) -> None:
-        start = time.monotonic()
-        try:
-            unpack_ahead(store, digest, manifest)
-            ahead["unpacked_s"] = round(time.monotonic() - start, 4)
-        except Exception as e:  # noqa: BLE001 - staging unpacks again and reports it with its own error
-            ahead["unpack_error"] = f"{type(e).__name__}: {e}"[:200]
+    outcome: dict = {}
 
     def on_blobs(digest: str, manifest: dict) -> None:
-        ahead["digest"] = digest
-        if stream:
-            progress(f"capsule {digest[:19]}… is here; restoring it while its weights arrive")
-            here.set()
-            return
-        progress(f"capsule {digest[:19]}… is here; unpacking its images while the weights arrive")
-        ahead["thread"] = threading.Thread(target=unpack, args=(digest, manifest), name="unpack-ahead", daemon=True)
-        ahead["thread"].start()
-
-    shown = [0.0]
-
-    def bytes_progress(blob: str, done: int, total: int) -> None:
-        now = time.monotonic()
-        if done == total or now - shown[0] >= 2.0:
-            shown[0] = now
-            progress(f"pulling {blob[:19]}…: {done / 2**20:.0f} of {total / 2**20:.0f} MiB")
-
-    outcome: dict = {}
+        outcome["digest"] = digest
+        progress(f"capsule {digest[:19]}… is here; going on while its weights arrive")
+        here.set()
 
     def run() -> None:
         insecure = request.insecure_registry or ref.split("/", 1)[0] in insecure_registries()
-        # a display that draws transfers (the CLI's bars on a terminal) gets the bytes; else a sentence every 2 s
-        transfer = getattr(progress, "transfer", None) or bytes_progress
+        transfer = getattr(progress, "transfer", None)  # a display that shows transfers (the CLI's) gets the bytes
         try:
             outcome["result"] = pull(store, ref, insecure=insecure, allow_unpinned=request.policy.allow_unpinned,
                                      progress=transfer, on_blobs=on_blobs)
@@ -128,16 +99,11 @@ def fetch(request: RestoreRequest, progress: Progress, stream: bool = False
     puller = threading.Thread(target=run, name="pull", daemon=True)
     puller.start()
     here.wait()
-    if stream and "digest" in ahead and puller.is_alive():
-        facts = {"from": ref, "pulled": True, "digest": ahead["digest"], "streamed": True}
-        return request.model_copy(update={"capsule": ahead["digest"]}), facts, Arriving(puller, outcome, facts)
-    puller.join()
-    if "thread" in ahead:
-        ahead.pop("thread").join()
-    if "error" in outcome:
-        raise outcome["error"]
-    result = outcome["result"]
-    ahead.pop("digest", None)
-    facts = {"from": ref, "pulled": True, "digest": str(result), "bytes": result.bytes_transferred,
-             "seconds": result.seconds, **ahead}
-    return request.model_copy(update={"capsule": str(result)}), facts, None
+    facts = {"from": ref, "pulled": True}
+    arriving = Arriving(puller, outcome, facts)
+    if "digest" in outcome and puller.is_alive():
+        facts.update(digest=outcome["digest"], streamed=True)
+        return request.model_copy(update={"capsule": outcome["digest"]}), facts, arriving
+    arriving.wait()  # it ended: nothing to stream (the weights are in the images), or it failed
+    facts["digest"] = str(outcome["result"])
+    return request.model_copy(update={"capsule": facts["digest"]}), facts, None

@@ -47,8 +47,8 @@ def restore(request: RestoreRequest, progress: Progress = quiet) -> Receipt:
         pulled: dict = {}
         arriving = None
         if is_registry_reference(request.capsule):
-            with tl.span("pull"):  # a restore streams: until the capsule's own blobs are in, its weights behind
-                request, pulled, arriving = fetch(request, progress, stream=op == "restore")
+            with tl.span("pull"):  # until the capsule's own blobs are in: its weights follow
+                request, pulled, arriving = fetch(request, progress)
             if arriving is not None:
                 held.callback(arriving.settle)  # the pull ends before the restore does, however it ends
         with tl.span("admit"):
@@ -79,6 +79,8 @@ def restore(request: RestoreRequest, progress: Progress = quiet) -> Receipt:
                 raise
         progress(f"staged {capsule.digest[:19]}… (all digests verified)")
         if op == "prepare":
+            if staged.weights_later is not None:
+                staged.weights_later()  # a prepare leaves nothing to arrive
             result = RestoreFacts(capsule=capsule.digest, staged=str(staged.images.parent), admission="admitted")
         else:
             try:

@@ -91,19 +91,6 @@ def _timed(parts: dict[str, float], name: str) -> Iterator[None]:
         parts[name] = round(time.monotonic() - start, 6)
 
 
-def unpack_ahead(store: CapsuleStore, digest: str, manifest: dict) -> None:
-    """Unpack a capsule's images into the staging area before the capsule is listed or admitted: a restore that
-    pulls does this while the weights payload streams in (coldsnap.flows.fetch). unpack_layer takes hostile layers
-    (no escaping paths, no links, bounded expansion), the blobs are verified against the pinned manifest, and
-    nothing staged runs before stage() has admitted and verified the capsule."""
-    layers = {d.get("mediaType"): d.get("digest") for d in manifest.get("layers") or [] if isinstance(d, dict)}
-    criu = layers.get(mt.LAYER_CRIU)
-    if not criu:
-        return
-    private_dir(staged_area.root())
-    _unpack_layers(store, digest, criu, layers.get(mt.LAYER_FILES), staged_area.path_of(digest))
-
-
 def _unpack(store: CapsuleStore, capsule: LoadedCapsule, root: Path) -> None:
     criu, files = capsule.layer(mt.LAYER_CRIU), capsule.layer(mt.LAYER_FILES)
     if criu is None:

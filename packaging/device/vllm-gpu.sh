@@ -23,8 +23,8 @@ if has install; then
 fi
 [ -f packaging/device/env.sh ] && [ -d .whl ] && source packaging/device/env.sh
 if has models; then
-  python3 -m coldsnap.engines.tinymodel /tmp/llama-1b --shape 1b > "$OUT/models.log" 2>&1; say "1b rc=$?"
-  if has bench; then python3 -m coldsnap.engines.tinymodel /tmp/llama-8b --shape 8b >> "$OUT/models.log" 2>&1
+  python3 -m coldsnap_reference.tinymodel /tmp/llama-1b --shape 1b > "$OUT/models.log" 2>&1; say "1b rc=$?"
+  if has bench; then python3 -m coldsnap_reference.tinymodel /tmp/llama-8b --shape 8b >> "$OUT/models.log" 2>&1
     say "8b rc=$?"; fi
 fi
 if has probe; then

@@ -2,7 +2,7 @@
 on generated text. Real engines (vLLM, SGLang) load it like any Hugging Face model directory; greedy output is
 deterministic, so a restore can be checked token for token against the server it was captured from.
 
-    python -m coldsnap.engines.tinymodel DIR [--seed N] [--shape tiny|1b|8b]
+    python -m coldsnap_reference.tinymodel DIR [--seed N] [--shape tiny|1b|8b]
 
 --shape 1b and 8b write Llama-shaped models of real size in bf16 (1.0 GB; 16.1 GB, the shape of Llama 3 8B) for
 the GPU tests and benches: tensors generated (on the GPU when there is one) and written shard by shard as
@@ -202,7 +202,7 @@ def is_complete(directory: str | os.PathLike, seed: int | None = None, shape: st
 
 def ensure(directory: str | os.PathLike, python: str, seed: int = 0, timeout: float = 600) -> Path:
     """Make the model in `directory` with another interpreter (an engine venv's, which has transformers) unless it
-    is complete already. ColdSnap's own package is put on that interpreter's path for this one command only."""
+    is complete already. This repository's packages are put on that interpreter's path for this one command only."""
     import subprocess
 
     from coldsnap.contracts import ColdSnapError, ErrorCode
@@ -210,10 +210,10 @@ def ensure(directory: str | os.PathLike, python: str, seed: int = 0, timeout: fl
     dest = Path(directory)
     if is_complete(dest, seed):
         return dest
-    root = str(Path(__file__).resolve().parents[2])
+    root = str(Path(__file__).resolve().parents[1])
     python_path = os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))
     env = {**os.environ, "PYTHONPATH": python_path, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    r = subprocess.run([python, "-m", "coldsnap.engines.tinymodel", str(dest), "--seed", str(seed)], env=env,
+    r = subprocess.run([python, "-m", "coldsnap_reference.tinymodel", str(dest), "--seed", str(seed)], env=env,
                        capture_output=True, text=True, timeout=timeout)
     if r.returncode != 0 or not is_complete(dest, seed):
         raise ColdSnapError(ErrorCode.ENVIRONMENT, f"could not make the tiny model in {dest} with {python}: "
@@ -221,28 +221,8 @@ def ensure(directory: str | os.PathLike, python: str, seed: int = 0, timeout: fl
     return dest
 
 
-def describe_model_dir(directory: str | os.PathLike, model_id: str):
-    """The model contract of a Hugging Face style directory: every *.safetensors file with its sha256, and a
-    revision that is the digest of every file the engine reads (weights, config, tokenizer)."""
-    import hashlib
-
-    from coldsnap.base.digests import CHUNK_BYTES, pinned_digests
-    from coldsnap.contracts import Model, WeightFile
-
-    d = Path(directory).resolve()
-    files = sorted(p for p in d.iterdir() if p.is_file() and not p.name.startswith("."))
-    weights, h = [], hashlib.sha256()
-    for p in files:
-        digest, chunks = pinned_digests(str(p))
-        h.update(f"{p.name}\0{digest}\n".encode())
-        if p.suffix == ".safetensors":
-            weights.append(WeightFile(path=str(p), sha256=digest, size=p.stat().st_size,
-                                      chunk_bytes=CHUNK_BYTES if chunks else None, chunks=chunks))
-    return Model(id=model_id, revision=f"sha256:{h.hexdigest()}", weights=weights)
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m coldsnap.engines.tinymodel", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m coldsnap_reference.tinymodel", description=__doc__.split("\n\n")[0])
     ap.add_argument("directory")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--force", action="store_true", help="rebuild even when the directory is complete")
