@@ -480,7 +480,7 @@ def test_store_hygiene(registry, src, dst, tmp_path):  # noqa: F811
         pull(dst, f"{registry}/coldsnap/hygiene-payload@{with_payload2}", insecure=True,
              on_blobs=lambda d, m: seen.append(sorted(p.name for p in dst.blobs.iterdir())))
     assert e.value.code == ErrorCode.CAPSULE_CORRUPT
-    assert len(seen) == 1 and len(seen[0]) == 2  # the profile and the layer were in before the weights came
+    assert len(seen) == 1 and len(seen[0]) == 3  # profile, layer and manifest were in before the weights came
     assert store_files(dst) == ([], []) and dst.index() == []
     # (c) a tag that names a plain OCI image index (as copy tools rewrite ColdSnap's): one capsule among its
     # manifests is the capsule it names; two are answered for what they are

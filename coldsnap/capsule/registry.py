@@ -296,20 +296,6 @@ def _upload_blob(client: _Client, path: Path, desc: Descriptor, progress: Transf
     return done
 
 
-def _push_index(client: _Client, store: CapsuleStore, tag: str, digest: str, size: int, payload: str) -> str:
-    """Tag an index of the capsule and its weights payload; returns the index digest."""
-    payload_raw, _ = _read_local_manifest(store, payload)
-    body = json.dumps({
-        "schemaVersion": 2, "mediaType": mt.INDEX_MEDIA_TYPE, "artifactType": mt.INDEX_ARTIFACT_TYPE,
-        "manifests": [
-            {"mediaType": mt.MANIFEST_MEDIA_TYPE, "digest": digest, "size": size, "artifactType": mt.ARTIFACT_TYPE},
-            {"mediaType": mt.MANIFEST_MEDIA_TYPE, "digest": payload, "size": len(payload_raw),
-             "artifactType": mt.PAYLOAD_ARTIFACT_TYPE}]}, separators=(",", ":")).encode()
-    client.request("PUT", f"{client.base}/manifests/{tag}", ok=(201,), what=f"tagging {tag}", data=body,
-                   headers={"Content-Type": mt.INDEX_MEDIA_TYPE})
-    return "sha256:" + hashlib.sha256(body).hexdigest()
-
-
 def push(store: CapsuleStore, digest: str, ref: str, insecure: bool = False,
          progress: TransferProgress | None = None) -> dict:
     """Push the local capsule `digest` (config, layers, then its manifest bytes unchanged) to `ref`."""
@@ -348,20 +334,17 @@ def push(store: CapsuleStore, digest: str, ref: str, insecure: bool = False,
             continue
         sent += _upload_blob(client, store.blob_path(d.digest), d, progress)
         uploaded.append(d.digest)
-    # With a payload, the tag names an index of capsule and payload (mt.INDEX_ARTIFACT_TYPE); the capsule itself
-    # is pushed by digest.
-    r = client.request("PUT", f"{client.base}/manifests/{digest if payload else remote.tag or digest}", ok=(201,),
+    r = client.request("PUT", f"{client.base}/manifests/{remote.tag or digest}", ok=(201,),
                        what=f"pushing manifest {digest}", data=raw,
                        headers={"Content-Type": manifest.get("mediaType", mt.MANIFEST_MEDIA_TYPE)})
     echoed = r.headers.get("Docker-Content-Digest")
     if echoed and echoed != digest:
         raise _registry_error(f"registry {remote.host} stored the manifest as {echoed}, not {digest}: it rewrote "
                               "the manifest")
-    index_digest = _push_index(client, store, remote.tag, digest, len(raw), payload) if payload and remote.tag else None
     # a weights payload (pushed by digest beside its capsule) carries no signatures of its own
     is_payload = manifest.get("artifactType") == mt.PAYLOAD_ARTIFACT_TYPE
     signatures = referrers.push(client, store, digest, len(raw)) if not is_payload else 0
-    return {"digest": digest, "signatures": signatures, "index": index_digest, "ref": f"{remote.tagged}@{digest}",
+    return {"digest": digest, "signatures": signatures, "ref": f"{remote.tagged}@{digest}",
             "bytes_transferred": sent + sum((r or {}).get("bytes_transferred", 0)
                                             for r in (payload_result, template_result)),
             "manifest_bytes": len(raw), "blobs_uploaded": uploaded, "blobs_present": present,

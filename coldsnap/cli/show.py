@@ -54,34 +54,35 @@ class Shown:
     def __call__(self, message: str) -> None:
         if self.quiet:
             return
-        if self.console is None:
-            print(f"coldsnap: {message}", file=self.stream, flush=True)
-            return
-        bars = self._bars()
-        bars.console.print(f"coldsnap: {message}")
-        if self.step is not None:
-            bars.remove_task(self.step)
-        self.step = bars.add_task(message, total=None, kind="step")
+        if self.console is not None:  # the step under way, drawn with its elapsed time
+            bars = self._bars()
+            if self.step is not None:
+                bars.remove_task(self.step)
+            self.step = bars.add_task(message, total=None)
+        self._line(message)
 
     def transfer(self, blob: str, done: int, total: int) -> None:
         if self.quiet or blob in self.finished:  # a repeated final report adds no line
             return
         if blob not in self.blobs:
-            task = self._bars().add_task(f"{blob[:19]}…", total=total, kind="blob") if self.console else TaskID(0)
+            task = self._bars().add_task(f"{blob[:19]}…", total=total) if self.console else TaskID(0)
             self.blobs[blob] = (task, time.monotonic())
         task, started = self.blobs[blob]
         if self.bars is not None:
             self.bars.update(task, completed=done)
         if done >= total:
-            took = max(time.monotonic() - started, 1e-6)
-            line = f"moved {blob[:19]}…: {total / 2**20:.1f} MiB in {took:.1f} s ({total / took / 1e6:.0f} MB/s)"
             if self.bars is not None:
                 self.bars.remove_task(task)
-                self.bars.console.print(f"coldsnap: {line}")
-            else:
-                print(f"coldsnap: {line}", file=self.stream, flush=True)
+            took = max(time.monotonic() - started, 1e-6)
+            self._line(f"moved {blob[:19]}…: {total / 2**20:.1f} MiB in {took:.1f} s ({total / took / 1e6:.0f} MB/s)")
             self.blobs.pop(blob)
             self.finished.add(blob)
+
+    def _line(self, text: str) -> None:
+        if self.bars is not None:  # above the bars, which redraw below it
+            self.bars.console.print(f"coldsnap: {text}")
+        else:
+            print(f"coldsnap: {text}", file=self.stream, flush=True)
 
     def close(self) -> None:
         if self.bars is not None:

@@ -17,10 +17,6 @@ from coldsnap.contracts.base import Strict
 Account = dict[str, Any]
 
 
-class Facts(Strict):
-    """The base of the per-operation results: strict (a misspelt field is an error, not a silent key)."""
-
-
 class ZeroPages(Strict):
     bytes_before: int
     bytes_after: int
@@ -29,7 +25,7 @@ class ZeroPages(Strict):
     seconds: float
 
 
-class CaptureFacts(Facts):
+class CaptureFacts(Strict):
     capsule: str = Field(description="The capsule's digest.")
     capsule_bytes: int
     signed_by: str = Field(description="The fingerprint of the key that signed it (this host's).")
@@ -78,7 +74,7 @@ class InsteadOf(Strict):
     refused: str
 
 
-class RestoreFacts(Facts):
+class RestoreFacts(Strict):
     """restore, prepare (staged, admission), a fallback (fallback_reason, started) and a container restore
     (container, address, runc_restore)."""
     capsule: str | None = None
@@ -111,7 +107,7 @@ class RestoreFacts(Facts):
     network_lock_note: str | None = None
 
 
-class SleepFacts(Facts):
+class SleepFacts(Strict):
     workload: str
     mode: str
     cuda_processes: int
@@ -119,7 +115,7 @@ class SleepFacts(Facts):
     engine_release: Account
 
 
-class WakeFacts(Facts):
+class WakeFacts(Strict):
     workload: str
     time_to_first_token_s: float
     validated_text: str
@@ -130,5 +126,5 @@ class WakeFacts(Facts):
 Operation = Literal["capture", "restore", "prepare", "sleep", "wake"]
 Result = CaptureFacts | RestoreFacts | SleepFacts | WakeFacts
 
-RESULTS: dict[str, type[Facts]] = {"capture": CaptureFacts, "restore": RestoreFacts, "prepare": RestoreFacts,
+RESULTS: dict[str, type[Strict]] = {"capture": CaptureFacts, "restore": RestoreFacts, "prepare": RestoreFacts,
                                    "sleep": SleepFacts, "wake": WakeFacts}

@@ -4,6 +4,7 @@ and write a capsule. Any failure stops the workload and leaves no capsule, proce
 from __future__ import annotations
 
 import shutil
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -120,7 +121,7 @@ class _Capturing:
     def __exit__(self, kind, e, tb) -> None:
         try:
             if isinstance(e, ColdSnapError) and self.cold is not None and e.code == ErrorCode.WORKLOAD_FAILED \
-                    and not alive(self.cold.state.pid):
+                    and _dies(self.cold.state.pid):
                 # its log goes with its run directory below: say now why it died
                 why = last_words(self.cold.state.log)
                 raise ColdSnapError(e.code, f"{e.message}; the engine died" + (f" ({why})" if why else "")) from None
@@ -154,6 +155,15 @@ class _Capturing:
     def launch_record(self):
         return self.request.launch.model_copy(update={"command": self.launch.argv, "env": self.launch.env,
                                                       "workdir": self.launch.cwd})
+
+
+def _dies(pid: int, within: float = 2.0) -> bool:
+    """Whether the engine is dead or dying: a killed process resets its connections while the kernel tears it down,
+    so a request can fail a moment before /proc says it is gone."""
+    deadline = time.monotonic() + within
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return not alive(pid)
 
 
 def _start(c: _Capturing, tl: Timeline, progress: Progress, template: bool) -> None:
