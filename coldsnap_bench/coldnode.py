@@ -302,7 +302,6 @@ def _first_restore(node: Path, ref: str, expected: str, one_command: bool = True
                 # the weights' bytes included
                 "pulled_bytes": (facts.get("bytes") if one_command else pulled.get("bytes_transferred")) or 0,
                 "streamed": bool(facts.get("streamed")),
-                "weights_arrive_s": (result.get("hydrate") or {}).get("weights_arrive_s"),
                 "validated": result["validated_text"] == expected and receipt["state"] == "succeeded"}
     finally:
         _cli(env, "stop", result["workload"])
@@ -313,12 +312,11 @@ def _restore_spans(receipt: dict) -> dict[str, float]:
     took = {x["name"]: x["duration_s"] for x in receipt["spans"]}
     parts = clock_parts(took, Receipt.model_validate(receipt, strict=False).facts(RestoreFacts))
     staging = receipt["result"].get("stage_parts") or {}
-    # streamed: the weights were waited for (and placed) inside hydrate, after CRIU and the driver
-    arrive = (receipt["result"].get("hydrate") or {}).get("weights_arrive_s") or 0.0
     return {"admit": took.get("admit", 0.0), "verify": staging.get("verify", 0.0),
-            "weights": arrive or staging.get("weights", 0.0), "unpack": staging.get("unpack", 0.0),
+            # streamed: the weights' tail arriving after staging, then their check and placing
+            "weights": staging.get("arrive", 0.0) + staging.get("weights", 0.0), "unpack": staging.get("unpack", 0.0),
             "network": parts["network"], "criu-restore": parts["criu-restore"],
-            "cuda driver": parts["cuda driver"], "engine resume": max(parts["engine resume"] - arrive, 0.0),
+            "cuda driver": parts["cuda driver"], "engine resume": parts["engine resume"],
             # the validate span ends after the whole completion; its first token is what the clock stops at
             "validate": parts["first token"]}
 

@@ -20,7 +20,7 @@ def test_cold_node_bench_pulls_onto_fresh_nodes_and_restores(tmp_path):
     for run in data["runs"]:
         assert run["validated"] and run["pulled_bytes"] >= data["capsule"]["bytes"]  # everything came over the wire
         assert run["spans"]["pull"] > 0 and run["spans"]["criu-restore"] > 0
-        assert run["streamed"] and run["weights_arrive_s"] is not None  # restored while the weights came in
+        assert run["streamed"]  # admitted and staged while the weights came in
         assert run["spans"]["verify"] > 0 and run["spans"]["weights"] > 0 and run["spans"]["unpack"] > 0
         assert abs(sum(run["spans"].values()) - run["total_s"]) < 0.01  # the spans account for the whole clock
         assert run["total_s"] > run["restore_ttft_s"]  # the pull and staging are inside this clock

@@ -70,7 +70,7 @@ def test_pull_into_an_empty_store_restores_and_shares_weights(registry, tmp_path
     assert got2.bytes_transferred > 0
 
 
-def test_a_restore_of_a_registry_reference_restores_while_its_weights_stream_in(
+def test_a_restore_of_a_registry_reference_admits_and_stages_while_its_weights_stream_in(
         registry, tmp_path, monkeypatch):  # noqa: F811
     needs_root_criu()
     from coldsnap.contracts import ColdSnapError, ErrorCode
@@ -94,8 +94,9 @@ def test_a_restore_of_a_registry_reference_restores_while_its_weights_stream_in(
     pulled = r.result.pull
     assert pulled["pulled"] and pulled["streamed"] and pulled["digest"] == cap.capsule
     assert pulled["bytes"] > os.path.getsize(weights.path)  # counted once the stream ended
-    assert any("restoring it while its weights arrive" in m for m in said)
-    assert r.result.hydrate.weights_arrive_s is not None  # the engine waited for them after CRIU, not before it
+    assert any("admitting and staging it while its weights arrive" in m for m in said)
+    assert [s.name for s in r.spans][2:4] == ["stage", "weights"]  # staged while they arrived, placed before CRIU
+    assert {"arrive", "weights", "verify", "unpack"} <= set(r.result.stage_parts)
     assert os.path.exists(weights.path)  # the stream brought the weights, checked against their pins
     assert any(m["digest"] == cap.capsule for m in CapsuleStore(settings().store).index())  # listed once whole
     stop_workload(load_state(r.result.workload))

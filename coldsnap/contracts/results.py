@@ -56,9 +56,6 @@ class CaptureFacts(Strict):
 class Hydrate(Strict):
     cuda_restore_s: dict[str, float] | None = Field(default=None, description="The driver's seconds per step.")
     cuda_restore_per_pid_s: dict[str, dict[str, float]] | None = None
-    weights_arrive_s: float | None = Field(
-        default=None, description="A streamed pull: how long the engine waited for its weights after CRIU and the "
-        "driver had restored the tree (0 when they were in already), their check and placing included.")
     engine_resume: Account | None = None
     prefetch: Account | None = None
 

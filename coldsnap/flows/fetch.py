@@ -1,8 +1,8 @@
 """fetch: a restore that names a registry reference (HOST[:PORT]/REPO@sha256:…) pulls the capsule first, unless
 the store has it. The capsule's own blobs come first (profile, CRIU images, manifest, signatures); the restore then
-admits and stages it, and restores it with CRIU, while its weights stream in, and waits for them only when its
-engine takes them, so a first restore on a node waits for the larger of the two, not both. The capsule is listed in
-the store only once every blob is in and verified."""
+admits it and stages its images while its weights stream in, so a first restore on a node waits for the larger of
+the two, not both. CRIU restores once the weights are in place: the restored processes hold the weight files open.
+The capsule is listed in the store only once every blob is in and verified."""
 
 from __future__ import annotations
 
@@ -68,8 +68,8 @@ class Arriving:
 def fetch(request: RestoreRequest, progress: Progress) -> tuple[RestoreRequest, dict, Arriving | None]:
     """The request with its capsule named by digest in the local store, pulled when it is not there; what the pull
     did (the receipt's `pull`); and the weights still arriving, if they are: fetch returns as soon as the capsule's
-    own blobs, manifest and signatures are in, so that it admits and its images stage (and a restore runs CRIU)
-    while its weights stream in. Whoever needs the weights waits for them (Arriving.wait)."""
+    own blobs, manifest and signatures are in, so that it admits and its images stage while its weights stream in.
+    Whoever needs the weights waits for them (Arriving.wait)."""
     from coldsnap.capsule.registry import pull
 
     store = CapsuleStore(settings().store)
@@ -81,7 +81,7 @@ def fetch(request: RestoreRequest, progress: Progress) -> tuple[RestoreRequest, 
 
     def on_blobs(digest: str, manifest: dict) -> None:
         outcome["digest"] = digest
-        progress(f"capsule {digest[:19]}… is here; going on while its weights arrive")
+        progress(f"capsule {digest[:19]}… is here; admitting and staging it while its weights arrive")
         here.set()
 
     def run() -> None:

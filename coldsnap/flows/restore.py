@@ -77,10 +77,11 @@ def restore(request: RestoreRequest, progress: Progress = quiet) -> Receipt:
                 if arriving is not None and (cause := arriving.failed()) is not None:
                     raise cause from None  # the stream's refusal took the blobs staging was reading
                 raise
+        if staged.weights_later is not None:  # admitted and staged while they arrived; CRIU needs them in place
+            with tl.span("weights"):
+                staged.weights_later()
         progress(f"staged {capsule.digest[:19]}… (all digests verified)")
         if op == "prepare":
-            if staged.weights_later is not None:
-                staged.weights_later()  # a prepare leaves nothing to arrive
             result = RestoreFacts(capsule=capsule.digest, staged=str(staged.images.parent), admission="admitted")
         else:
             try:
@@ -131,11 +132,9 @@ def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timel
     journal = Journal.begin("restore", workload=name, capsule=staged.capsule.digest)
     t0 = time.monotonic()  # the restore clock: staging is excluded, as for a vanilla start
     # The weights go onto the GPU meanwhile, when they can (a process of its own; the engine takes them at resume).
-    # Weights still streaming in are loaded by the engine itself once here (the prefetcher reads whole files).
     prefetch_started = gpu_steps.start_prefetch_soon(
-        profile, adapter.supports_prefetch and reloads_weights(staged.capsule) and staged.weights_later is None,
-        request.gpu_map, private_dir(settings().run / "prefetch"))
-    weights_arrive_s = None
+        profile, adapter.supports_prefetch and reloads_weights(staged.capsule), request.gpu_map,
+        private_dir(settings().run / "prefetch"))
     try:
         with tl.span("network"):
             # A network of its own, whatever the capture's was: the engine listens on 0.0.0.0, its own connections
@@ -161,10 +160,6 @@ def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timel
         criu_account = criu_stats(work, "restore")
         with tl.span("hydrate"):
             gpu = gpu_steps.restore_after_criu(pid, gpu_pairs=list(request.gpu_map.items()) or None)
-            if staged.weights_later is not None:  # streamed: CRIU and the driver ran while they arrived
-                started = time.monotonic()
-                staged.weights_later()
-                weights_arrive_s = round(time.monotonic() - started, 4)
             prefetch = prefetch_started()
             engine = adapter.after_restore(plan.workload_address, plan.port, profile.kv_discarded,
                                            profile.weights_mode, prefetched=prefetch.for_engine())
@@ -194,7 +189,7 @@ def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timel
             time_to_first_token_s=round(ttft, 4), validated_text=res.text, cuda_processes=len(gpu.pids),
             first_token_monotonic_s=round(res.first_token_s, 6), criu_options=options.cli_flags(),
             hydrate=Hydrate(cuda_restore_s=gpu.seconds, cuda_restore_per_pid_s=gpu.per_pid if len(gpu.pids) > 1
-                            else None, weights_arrive_s=weights_arrive_s, engine_resume=engine, prefetch=prefetched),
+                            else None, engine_resume=engine, prefetch=prefetched),
             criu_stats=criu_account, lazy_pages={"all_in_s": pages_in_s} if lazy else None,
             weights_mode=profile.weights_mode, ranks=ranks)
     finally:

@@ -34,7 +34,7 @@ class StagedForRestore:
     images: Path
     files: Path | None
     parts: dict[str, float] = field(default_factory=dict)  # seconds of verify, weights, unpack: inside "stage"
-    # The weights still arriving (a streamed pull): wait for them and put them in place, when the engine needs them.
+    # The weights still arriving (a streamed pull): wait for them and put them in place, before CRIU restores.
     weights_later: Callable[[], None] | None = None
 
 
@@ -42,8 +42,7 @@ def stage(capsule: LoadedCapsule, weights_arrive: Callable[[], None] | None = No
     """Verify every blob digest, check pinned weights, unpack CRIU images (cached per capsule digest), put back
     the CUDA code files the capsule's processes map. Each part is timed (StagedForRestore.parts, which receipts carry as
     `stage_parts`), so a receipt says which of them a first restore on a node waited for. weights_arrive (a streamed
-    pull): the weights are still moving; their part is left to StagedForRestore.weights_later, which waits for
-    them."""
+    pull): the weights are still moving; their part (the wait included) is left to StagedForRestore.weights_later."""
     parts: dict[str, float] = {}
     store = CapsuleStore(settings().store)
     with _timed(parts, "verify"):
@@ -64,7 +63,8 @@ def stage(capsule: LoadedCapsule, weights_arrive: Callable[[], None] | None = No
             put_weights_in_place()
         else:
             def later() -> None:
-                weights_arrive()
+                with _timed(parts, "arrive"):
+                    weights_arrive()
                 put_weights_in_place()
     private_dir(staged_area.root())
     root = staged_area.path_of(capsule.digest)
