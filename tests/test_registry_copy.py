@@ -71,6 +71,15 @@ def unreachable_blobs(store: CapsuleStore) -> set[str]:
     return {"sha256:" + p.name for p in store.blobs.iterdir()} - seen
 
 
+def origin_host(tmp_path, monkeypatch) -> None:
+    """The capturing host: real CRIU, a home and run dir of the test's own, a restore policy file."""
+    needs_root_criu()
+    monkeypatch.setenv("COLDSNAP_CRIU_PREFIX", CRIU_PREFIX)
+    monkeypatch.setenv("COLDSNAP_RUN", str(tmp_path / "run"))
+    monkeypatch.setenv("COLDSNAP_HOME", str(tmp_path / "origin"))
+    monkeypatch.setenv("COLDSNAP_POLICY_FILE", str(tmp_path / "policy.json"))
+
+
 def _restores_on_a_fresh_host(registry, cap, ref, tmp_path, monkeypatch):  # noqa: F811
     """ref pulls into an empty store, weights file gone, with its weights and signature; the capsule restores."""
     weights = cap.profile.model.weights[0]
@@ -92,13 +101,9 @@ def _restores_on_a_fresh_host(registry, cap, ref, tmp_path, monkeypatch):  # noq
             os.replace(weights.path + ".gone", weights.path)
 
 
-def test_skopeo_copy_all_carries_capsule_payload_and_signature(registry, skopeo, tmp_path,  # noqa: F811
+def test_skopeo_copy_all_carries_capsule_weights_and_signature(registry, skopeo, tmp_path,  # noqa: F811
                                                                monkeypatch):
-    needs_root_criu()
-    monkeypatch.setenv("COLDSNAP_CRIU_PREFIX", CRIU_PREFIX)
-    monkeypatch.setenv("COLDSNAP_RUN", str(tmp_path / "run"))
-    monkeypatch.setenv("COLDSNAP_HOME", str(tmp_path / "origin"))
-    monkeypatch.setenv("COLDSNAP_POLICY_FILE", str(tmp_path / "policy.json"))
+    origin_host(tmp_path, monkeypatch)
     cap = fast_capture("pyt-skopeo", "skopeo")
     pushed = push(CapsuleStore(settings().store), cap.capsule, f"{registry}/coldsnap/src:v2", insecure=True)
     assert pushed["signatures"] == 1
@@ -110,12 +115,8 @@ def test_skopeo_copy_all_carries_capsule_payload_and_signature(registry, skopeo,
     _restores_on_a_fresh_host(registry, cap, f"{registry}/coldsnap/scopy:v2", tmp_path, monkeypatch)
 
 
-def test_oras_cp_r_carries_capsule_payload_and_signature(registry, oras, tmp_path, monkeypatch):  # noqa: F811
-    needs_root_criu()
-    monkeypatch.setenv("COLDSNAP_CRIU_PREFIX", CRIU_PREFIX)
-    monkeypatch.setenv("COLDSNAP_RUN", str(tmp_path / "run"))
-    monkeypatch.setenv("COLDSNAP_HOME", str(tmp_path / "origin"))
-    monkeypatch.setenv("COLDSNAP_POLICY_FILE", str(tmp_path / "policy.json"))
+def test_oras_cp_r_carries_capsule_weights_and_signature(registry, oras, tmp_path, monkeypatch):  # noqa: F811
+    origin_host(tmp_path, monkeypatch)
     cap = fast_capture("pyt-copy", "copy")
     origin = CapsuleStore(settings().store)
     pushed = push(origin, cap.capsule, f"{registry}/coldsnap/src:v1", insecure=True)
@@ -136,11 +137,7 @@ def test_oras_cp_r_carries_capsule_payload_and_signature(registry, oras, tmp_pat
 def test_a_copy_by_the_capsule_digest_is_whole(registry, oras, skopeo, tmp_path, monkeypatch):  # noqa: F811
     """`oras cp -r R/a@<capsule digest> R/b:v1` and `skopeo copy` of the digest (no index involved): the weights
     come with the capsule; each copy pulls whole, and the oras copy (signature included) restores on a fresh host."""
-    needs_root_criu()
-    monkeypatch.setenv("COLDSNAP_CRIU_PREFIX", CRIU_PREFIX)
-    monkeypatch.setenv("COLDSNAP_RUN", str(tmp_path / "run"))
-    monkeypatch.setenv("COLDSNAP_HOME", str(tmp_path / "origin"))
-    monkeypatch.setenv("COLDSNAP_POLICY_FILE", str(tmp_path / "policy.json"))
+    origin_host(tmp_path, monkeypatch)
     cap = fast_capture("pyt-bydigest", "bydigest")
     push(CapsuleStore(settings().store), cap.capsule, f"{registry}/coldsnap/dsrc:v1", insecure=True)
     r = subprocess.run([str(oras), "cp", "-r", "--from-plain-http", "--to-plain-http",
