@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import CRIU_PREFIX, needs_root_criu
+import test_registry_restore as registry_restore
 from registry_fixture import registry  # noqa: F401  (fixture)
 from test_registry_restore import fast_capture
 
@@ -72,11 +72,8 @@ def unreachable_blobs(store: CapsuleStore) -> set[str]:
 
 
 def origin_host(tmp_path, monkeypatch) -> None:
-    """The capturing host: real CRIU, a home and run dir of the test's own, a restore policy file."""
-    needs_root_criu()
-    monkeypatch.setenv("COLDSNAP_CRIU_PREFIX", CRIU_PREFIX)
-    monkeypatch.setenv("COLDSNAP_RUN", str(tmp_path / "run"))
-    monkeypatch.setenv("COLDSNAP_HOME", str(tmp_path / "origin"))
+    """The capturing host (test_registry_restore's), with a restore policy file."""
+    registry_restore.origin_host(tmp_path, monkeypatch)
     monkeypatch.setenv("COLDSNAP_POLICY_FILE", str(tmp_path / "policy.json"))
 
 

@@ -22,6 +22,14 @@ from coldsnap.workload.state import load_state
 pytestmark = pytest.mark.slow
 
 
+def origin_host(tmp_path, monkeypatch) -> None:
+    """The capturing host: real CRIU, and a home and run dir of the test's own."""
+    needs_root_criu()
+    monkeypatch.setenv("COLDSNAP_CRIU_PREFIX", CRIU_PREFIX)
+    monkeypatch.setenv("COLDSNAP_RUN", str(tmp_path / "run"))
+    monkeypatch.setenv("COLDSNAP_HOME", str(tmp_path / "origin"))
+
+
 def fast_capture(name, tag):
     req = CaptureRequest(operation="capture", engine={"name": "reference", "options": {"compile": False}},
                          lifecycle={"name": name}, tag=tag)
@@ -29,10 +37,7 @@ def fast_capture(name, tag):
 
 
 def test_pull_into_an_empty_store_restores_and_shares_weights(registry, tmp_path, monkeypatch):  # noqa: F811
-    needs_root_criu()
-    monkeypatch.setenv("COLDSNAP_CRIU_PREFIX", CRIU_PREFIX)
-    monkeypatch.setenv("COLDSNAP_RUN", str(tmp_path / "run"))
-    monkeypatch.setenv("COLDSNAP_HOME", str(tmp_path / "origin"))
+    origin_host(tmp_path, monkeypatch)
     first = fast_capture("pyt-reg", "one")
     second = fast_capture("pyt-reg", "two")
     assert first.capsule != second.capsule
@@ -72,12 +77,9 @@ def test_pull_into_an_empty_store_restores_and_shares_weights(registry, tmp_path
 
 def test_a_restore_of_a_registry_reference_admits_and_stages_while_its_weights_stream_in(
         registry, tmp_path, monkeypatch):  # noqa: F811
-    needs_root_criu()
     from coldsnap.contracts import ColdSnapError, ErrorCode
 
-    monkeypatch.setenv("COLDSNAP_CRIU_PREFIX", CRIU_PREFIX)
-    monkeypatch.setenv("COLDSNAP_RUN", str(tmp_path / "run"))
-    monkeypatch.setenv("COLDSNAP_HOME", str(tmp_path / "origin"))
+    origin_host(tmp_path, monkeypatch)
     cap = fast_capture("pyt-reg-ref", "one")
     weights = cap.profile.model.weights[0]
     push(CapsuleStore(settings().store), cap.capsule, f"{registry}/coldsnap/byref:one", insecure=True)
@@ -114,17 +116,15 @@ def test_a_restore_of_a_registry_reference_admits_and_stages_while_its_weights_s
 
 def test_a_streamed_restore_whose_weights_fail_their_pin_fails_and_lists_nothing(registry, tmp_path,  # noqa: F811
                                                                                  monkeypatch):
-    """A weights blob altered in the registry: the restore, already under way with CRIU, fails with exit 4 (no cold
-    start: the capsule is what is wrong), its workload is gone, and the store lists nothing and keeps no blob."""
-    needs_root_criu()
+    """A weights blob altered in the registry: the restore, already admitted and staged while the weights came,
+    fails with exit 4 before CRIU (no cold start: the capsule is what is wrong), starts no workload, and the store
+    lists nothing and keeps no blob."""
     from test_registry import registry_blob_file
 
     from coldsnap.contracts import ColdSnapError, ErrorCode
     from coldsnap.workload.state import list_states
 
-    monkeypatch.setenv("COLDSNAP_CRIU_PREFIX", CRIU_PREFIX)
-    monkeypatch.setenv("COLDSNAP_RUN", str(tmp_path / "run"))
-    monkeypatch.setenv("COLDSNAP_HOME", str(tmp_path / "origin"))
+    origin_host(tmp_path, monkeypatch)
     cap = fast_capture("pyt-reg-bad", "bad")
     weights = cap.profile.model.weights[0]
     push(CapsuleStore(settings().store), cap.capsule, f"{registry}/coldsnap/badweights:one", insecure=True)
