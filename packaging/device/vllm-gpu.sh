@@ -3,11 +3,13 @@
 # are over one call's 64 MiB):
 #   here:      python3 packaging/device/vllm_carry.py        # .carry/vllm-gpu (40 MiB), from PyPI, reproducible
 #              packaging/device/prepare.sh                   # .whl and .carry/criu
-#   call 1:    carry [".carry/vllm-gpu"]            command: STEPS=install packaging/device/vllm-gpu.sh
-#   call 2:    carry [".whl", ".carry/criu"]        command: STEPS="models probe tests bench" packaging/device/vllm-gpu.sh
+#   call 1:    carry [".carry/vllm-gpu", ".whl"]    command: STEPS="install models probe" packaging/device/vllm-gpu.sh
+#   call 2:    carry [".carry/criu"]                command: STEPS=tests packaging/device/vllm-gpu.sh
+#   call 3:    carry [".carry/criu"]                command: STEPS=bench packaging/device/vllm-gpu.sh
 # STEPS (in this order, any subset):
 #   install  the carry into /tmp/vllm-site (kept while the machine stays warm)
-#   models   /tmp/llama-1b (1.0 GB, tests) and, for bench, /tmp/llama-8b (16.1 GB, Llama 3 8B's shape)
+#   models   /tmp/llama-1b (1.0 GB, tests), then /tmp/llama-8b (16.1 GB, Llama 3 8B's shape, for bench) in the
+#            background while the next steps run (bench waits for it)
 #   probe    packaging/device/vllm-sleep-probe.py: sleep levels 1 and 2 around the driver's checkpoint, by hand
 #   tests    tests/test_engine_vllm_gpu.py (capture/restore native and recovery, sleep/wake), results in $OUT
 #   bench    coldsnap bench --engine vllm --device cuda on the 8B shape (SAMPLES, default 5), into $OUT
@@ -24,19 +26,21 @@ fi
 [ -f packaging/device/env.sh ] && [ -d .whl ] && source packaging/device/env.sh
 if has models; then
   python3 -m coldsnap_reference.tinymodel /tmp/llama-1b --shape 1b > "$OUT/models.log" 2>&1; say "1b rc=$?"
-  if has bench; then python3 -m coldsnap_reference.tinymodel /tmp/llama-8b --shape 8b >> "$OUT/models.log" 2>&1
-    say "8b rc=$?"; fi
+  # a session of its own: it outlives this call while the machine stays warm
+  setsid bash -c 'python3 -m coldsnap_reference.tinymodel /tmp/llama-8b --shape 8b > /tmp/llama-8b.log 2>&1;
+                  echo "rc=$?" >> /tmp/llama-8b.log' < /dev/null > /dev/null 2>&1 &
 fi
 if has probe; then
-  PYTHONPATH=$COLDSNAP_VLLM_CUDA_SITE timeout 400 python3 packaging/device/vllm-sleep-probe.py /tmp/llama-1b "$OUT" \
-      --deadline-s 300 > "$OUT/probe.log" 2>&1; say "probe rc=$?"; tail -5 "$OUT/probe.log"
+  PYTHONPATH=$COLDSNAP_VLLM_CUDA_SITE timeout 300 python3 packaging/device/vllm-sleep-probe.py /tmp/llama-1b "$OUT" \
+      --deadline-s 240 > "$OUT/probe.log" 2>&1; say "probe rc=$?"; tail -5 "$OUT/probe.log"
 fi
 if has tests; then
-  timeout 1500 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_engine_vllm_gpu.py -rs -s \
+  timeout "${TESTS_S:-560}" python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_engine_vllm_gpu.py -rs -s \
       > "$OUT/tests.log" 2>&1; say "tests rc=$?"; tail -15 "$OUT/tests.log"
 fi
 if has bench; then
-  timeout 2400 python3 -m coldsnap.cli.main bench --engine vllm --device cuda --weights-mode recovery \
+  while ! grep -q '^rc=' /tmp/llama-8b.log 2>/dev/null; do sleep 2; done; say "8b model: $(tail -1 /tmp/llama-8b.log)"
+  timeout "${BENCH_S:-560}" python3 -m coldsnap.cli.main bench --engine vllm --device cuda --weights-mode recovery \
       --engine-opt model=/tmp/llama-8b --engine-opt site="$COLDSNAP_VLLM_CUDA_SITE" --samples "${SAMPLES:-5}" \
       --out "$OUT" > "$OUT/bench.log" 2>&1; say "bench rc=$?"; tail -8 "$OUT/bench.log"
 fi
