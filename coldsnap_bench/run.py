@@ -113,12 +113,13 @@ def run_bench(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
     capsule_bytes = cap.receipt.facts(CaptureFacts).capsule_bytes
 
     nv = opts.vanilla_samples or n
-    vanilla, validated_vanilla = [], 0
+    vanilla, validated_vanilla, vanilla_phases = [], 0, []
     for i in range(nv):
         if opts.drop_caches:
             drop_page_cache()
         try:
             ttft = _vanilla_once(name, req, launch, expected)
+            vanilla_phases.append(adapter.startup_timings(_engine_log(name)))
         except ColdSnapError as e:
             if e.code != ErrorCode.VALIDATION_FAILED:
                 raise
@@ -135,7 +136,7 @@ def run_bench(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
 
     # Restores run as a user's would, falling back to a cold start when they must: a fallback is counted and its
     # time kept apart (it is not a restore), a restore that served another text is not validated.
-    restored, validated_restore, fell_back, parts = [], 0, [], []
+    restored, validated_restore, fell_back, parts, resumes = [], 0, [], [], []
     for i in range(n):
         if opts.drop_caches:
             drop_page_cache()
@@ -148,6 +149,7 @@ def run_bench(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
             continue
         restored.append(res.time_to_first_token_s)
         parts.append(clock_parts({s.name: s.duration_s for s in r.spans}, res))
+        resumes.append((res.hydrate.engine_resume if res.hydrate else None) or {})
         validated_restore += int(res.validated_text == expected)
         progress(f"restore {i + 1}/{n}: first token {res.time_to_first_token_s:.3f} s")
     template = _template_samples(cap, n, opts.drop_caches, progress) if opts.template else None
@@ -181,6 +183,10 @@ def run_bench(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
         "clock": "issue of start/restore -> first non-empty streamed token; staging excluded and reported apart",
         "vanilla": v, "restore": rr, "ratio_median": ratio,
         "restore_parts": parts,  # per restore: where its clock went (CLOCK_PARTS)
+        # where the time goes inside: the engine's own log of each vanilla start, its resume steps in each restore
+        "vanilla_phases_median_s": _medians(vanilla_phases),
+        "engine_resume_median_s": _medians(resumes),
+        "engine_resume": resumes,
         "vanilla_samples": nv,
         "validations": {"vanilla": f"{validated_vanilla}/{nv}", "restore": f"{validated_restore}/{n}"},
         "fell_back": len(fell_back), "fell_back_samples_s": [round(x, 4) for x in fell_back],
@@ -228,6 +234,22 @@ def _template_samples(cap, n: int, drop_caches: bool, progress) -> dict:
     return {"capsule": digest, **_stats(times), "validated": f"{validated}/{n}",
             "span_medians_s": {k: round(statistics.median(v), 4) for k, v in spans.items() if v},
             "device_work_medians_s": {k: round(statistics.median(v), 4) for k, v in phases.items()}}
+
+
+def _engine_log(name: str) -> str:
+    from coldsnap.workload.state import run_dir
+
+    try:
+        return (run_dir(name) / "engine.log").read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def _medians(samples: list[dict]) -> dict[str, float]:
+    """The median of each numeric key across samples (a key missing from some: over those that have it)."""
+    keys = {k for s in samples for k, v in s.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {k: round(statistics.median([s[k] for s in samples if isinstance(s.get(k), (int, float))]), 4)
+            for k in sorted(keys)}
 
 
 def drop_page_cache() -> None:

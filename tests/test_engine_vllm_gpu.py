@@ -130,7 +130,12 @@ def test_vllm_on_cuda_captures_small_and_restores_token_identical(env, vanilla, 
         assert r.returncode == 0, r.stderr[-3000:]
         res = json.loads(r.stdout)["result"]
         try:
-            assert res["hydrate"]["engine_resume"], res["hydrate"]  # woken: the sleep mode's steps, timed
+            resume = res["hydrate"]["engine_resume"]
+            assert resume, res["hydrate"]  # woken: the sleep mode's steps, timed
+            if mode == "recovery":  # reloaded by ColdSnap's worker extension, not vLLM's fallback loader
+                assert "reload_fallback" not in resume, resume
+                assert resume["reload"]["bytes"] >= sum(p.stat().st_size for p in Path(MODEL).glob("*.safetensors")) \
+                    - (1 << 20) * 10, resume
             assert_same(greedy(res["url"], vanilla["model"]), vanilla["answers"], f"{mode} restore {i + 1}")
             assert res["time_to_first_token_s"] < vanilla["cold_ttft_s"]
         finally:

@@ -108,6 +108,11 @@ class EngineAdapter:
     def after_capture_left_running(self, host: str, port: int, kv_discarded: bool, weights_mode: str) -> dict:
         return self.after_restore(host, port, kv_discarded, weights_mode)
 
+    def startup_timings(self, log: str) -> dict[str, float]:
+        """Where a cold start's time went, as the engine's own log says (seconds by phase); {} when it says
+        nothing. For benches: what a restore skips."""
+        return {}
+
 
 def option_flags(opts: dict) -> list[str]:
     """Engine options as command-line flags: key_name → --key-name VALUE; True → --key-name; False → --no-key-name."""

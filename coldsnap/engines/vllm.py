@@ -25,7 +25,10 @@ recovery mode) the weights:
     allocations' virtual addresses kept, so CUDA graphs captured at start still point at them); /wake_up after the
     restore maps them again and copies the weights back;
   - recovery: /sleep?level=2 (weights dropped too); after the restore /wake_up?tags=weights, the weights reloaded
-    in place from the pinned safetensors (collective_rpc reload_weights), then /wake_up?tags=kv_cache.
+    in place from the pinned safetensors, then /wake_up?tags=kv_cache. The reload goes through ColdSnap's worker
+    extension (coldsnap.gpu.vllm_worker, loaded with --worker-extension-cls): each file onto the GPU through the
+    prefetcher's parallel pinned reads, then vLLM's own weight loaders from there; should it fail, vLLM's
+    reload_weights reads the files itself (slower, same result), and the receipt says why.
 The CUDA interpreter is the GPU machine's python3 (torch 2.11, CUDA 13), with vLLM on PYTHONPATH (option `site` or
 $COLDSNAP_VLLM_CUDA_SITE); the model is a Hugging Face directory (option `model`).
 
@@ -49,12 +52,15 @@ CUDA only:
 from __future__ import annotations
 
 import http.client
+import os
+import re
 import shutil
 import time
 from pathlib import Path
 
+import coldsnap
 from coldsnap.base.paths import settings
-from coldsnap.contracts import CaptureRequest, ColdSnapError, EngineRelease, ErrorCode
+from coldsnap.contracts import CaptureRequest, ColdSnapError, EngineRelease, ErrorCode, Mount
 from coldsnap.engines.base import EngineAdapter, PreparedLaunch, option_flags, post_json
 from coldsnap.engines.venv_engine import (
     as_bool,
@@ -72,6 +78,18 @@ DEFAULT_CUDA_SITE = "/tmp/vllm-site"
 KEEP_ALIVE_S = 7 * 24 * 3600
 # sleep level by weights mode: 1 keeps the weights in host memory (they travel in the dump), 2 drops them
 SLEEP_LEVEL = {"native": 1, "recovery": 2}
+# ColdSnap's reload inside vLLM's worker (coldsnap.gpu.vllm_worker; named here, not imported: it needs torch)
+WORKER_EXTENSION = "coldsnap.gpu.vllm_worker.ColdSnapWorker"
+RELOAD_METHOD = "coldsnap_reload_weights"
+# vLLM's own startup log lines (0.2x), by phase: what a vanilla start spends and a restore skips
+STARTUP_LOG = {
+    "load_weights_s": r"Loading weights took ([\d.]+) seconds",
+    "model_loading_s": r"Model loading took [\d.]+ GiB (?:memory )?and ([\d.]+) seconds",
+    "dynamo_transform_s": r"Dynamo bytecode transform time: ([\d.]+) s",
+    "torch_compile_s": r"torch\.compile took ([\d.]+) s in total",
+    "cuda_graphs_s": r"Graph capturing finished in ([\d.]+) secs",
+    "init_engine_s": r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s",
+}
 
 
 def is_cuda(request: CaptureRequest) -> bool:
@@ -150,16 +168,18 @@ class VllmAdapter(EngineAdapter):
         max_len = opts.pop("max_model_len", None) or min(context_length(model_dir) or 4096, 4096)
         seed = int(opts.pop("seed", 0))
         devices = [d.split(":", 1)[1] for d in request.launch.devices if ":" in d]
+        extension = extension_path()
         argv = request.launch.command or [
             *seccomp_prefix(),
             python, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir), "--served-model-name", served,
             "--host", "0.0.0.0", "--port", str(request.launch.port), "--max-model-len", str(int(max_len)),
             "--seed", str(seed), "--enable-sleep-mode", "--disable-uvicorn-access-log",
+            "--worker-extension-cls", WORKER_EXTENSION,
             *option_flags(opts),
         ]
         env = {
             **base_env(),
-            "PYTHONPATH": str(site),
+            "PYTHONPATH": f"{site}{os.pathsep}{extension}",
             "VLLM_SERVER_DEV_MODE": "1",  # /sleep and /wake_up, inside the workload's own network namespace
             "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(KEEP_ALIVE_S),
             "VLLM_NO_USAGE_STATS": "1",
@@ -169,7 +189,8 @@ class VllmAdapter(EngineAdapter):
             **request.launch.env,
         }
         return PreparedLaunch(argv=argv, env=env, weights_mode=mode, model=request.model, cwd=request.launch.workdir,
-                              mounts=host_mounts(Path(python), model_dir),
+                              mounts=[*host_mounts(Path(python), model_dir),
+                                      Mount(source=str(extension), target=str(extension), readonly=True)],
                               **model_pinned_later(model_dir, served, request.model),
                               engine_version=_site_version(site))
 
@@ -195,13 +216,44 @@ class VllmAdapter(EngineAdapter):
             post_json(host, port, path, body, timeout=1800)
             steps[name] = round(time.monotonic() - t, 3)
 
+        out: dict = {}
         if SLEEP_LEVEL.get(weights_mode, 1) == 2:
             step("wake_weights_s", "/wake_up?tags=weights")
-            step("reload_weights_s", "/collective_rpc", {"method": "reload_weights"})
+            t = time.monotonic()
+            try:
+                reply = post_json(host, port, "/collective_rpc", {"method": RELOAD_METHOD, "args": ["{}"]},
+                                  timeout=1800)
+                out["reload"] = (reply.get("results") or [None])[0]
+            except (OSError, ValueError, ColdSnapError) as e:  # no extension in this server, or it failed
+                out["reload_fallback"] = f"ColdSnap's reload failed ({str(e)[:300]}): vLLM's reload_weights instead"
+                post_json(host, port, "/collective_rpc", {"method": "reload_weights"}, timeout=1800)
+            steps["reload_weights_s"] = round(time.monotonic() - t, 3)
             step("wake_kv_cache_s", "/wake_up?tags=kv_cache")
         else:
             step("wake_s", "/wake_up")
-        return steps
+        return {**steps, **out}
+
+    def startup_timings(self, log: str) -> dict[str, float]:
+        out = {}
+        for phase, pattern in STARTUP_LOG.items():
+            found = re.findall(pattern, log)
+            if found:
+                out[phase] = float(found[-1])
+        return out
+
+
+def extension_path() -> Path:
+    """A directory holding only a link to ColdSnap's package, for the engine's PYTHONPATH: vLLM's worker imports
+    its extension (coldsnap.gpu.vllm_worker) from there and sees nothing else of ColdSnap's environment."""
+    d = settings().home / "engine-python"
+    link, target = d / "coldsnap", Path(coldsnap.__file__).resolve().parent
+    if not (link.is_symlink() and link.resolve() == target):
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f".coldsnap.{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(target)
+        tmp.replace(link)  # atomically: a concurrent start sees the old link or the new one
+    return d
 
 
 def _site_version(site: Path) -> str | None:

@@ -5,6 +5,10 @@
 # dependencies for CPython 3.12, the versions in .venv — and, with WITH_REGISTRY=1, .carry/registry (Debian's
 # docker-registry, for `bench --cold-node`). Both paths are ignored by git (.git/info/exclude); pass them
 # as the device tool's carry: [".whl", ".carry"].
+#
+# FOR=vllm: what packaging/device/vllm-gpu.sh needs beside .carry/vllm-gpu (vllm_carry.py), in one call's 64 MiB:
+# .whl without the registry client's wheels, and the CRIU prefix as one archive, .carry/gpu/criu.tar.xz (5 MiB
+# instead of 18); carry [".carry/vllm-gpu", ".whl", ".carry/gpu"].
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PREFIX=${COLDSNAP_CRIU_PREFIX:-/var/lib/coldsnap/criu}
@@ -27,17 +31,23 @@ else
 fi
 PY=.venv/bin/python
 pins=$($PY - <<'PY'
+import os
 from importlib.metadata import version
 print(" ".join(f"{n}=={version(n)}" for n in
                ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "pyroute2", "zstandard",
                 "cryptography", "cffi", "pycparser",
                 # the registry client (push/pull: the cold-node bench), with what it needs
-                "oras", "requests", "urllib3", "idna", "certifi", "charset-normalizer", "jsonschema",
-                "jsonschema-specifications", "referencing", "rpds-py", "attrs")))
+                *(() if os.environ.get("FOR") == "vllm" else
+                  ("oras", "requests", "urllib3", "idna", "certifi", "charset-normalizer", "jsonschema",
+                   "jsonschema-specifications", "referencing", "rpds-py", "attrs")))))
 PY
 )
-mkdir -p .whl
+rm -rf .whl && mkdir -p .whl  # only the wheels asked for this time
 $PY -m pip download -q --only-binary=:all: --no-deps --python-version 3.12 --implementation cp --abi cp312 \
     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform any -d .whl $pins
 for ex in .whl .carry; do grep -qx "$ex" .git/info/exclude 2>/dev/null || echo "$ex" >> .git/info/exclude; done
+if [ "${FOR:-}" = vllm ]; then
+  mkdir -p .carry/gpu && tar -C .carry -cJf .carry/gpu/criu.tar.xz criu
+  rm -rf .carry/runc  # GPU containers are not part of this run
+fi
 echo "prepared .carry/criu ($(du -sh .carry | cut -f1)) and .whl ($(ls .whl | wc -l) wheels: $pins)"

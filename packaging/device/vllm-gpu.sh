@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# vLLM's CUDA build through ColdSnap on the GPU machine (device tool), in two calls made back to back (together they
-# are over one call's 64 MiB):
+# vLLM's CUDA build through ColdSnap on the GPU machine (device tool). Each call carries everything (62 MiB of the
+# 64 a call may carry), so that a machine lost between calls costs a reinstall, not the run:
 #   here:      python3 packaging/device/vllm_carry.py        # .carry/vllm-gpu (40 MiB), from PyPI, reproducible
-#              packaging/device/prepare.sh                   # .whl and .carry/criu
-#   call 1:    carry [".carry/vllm-gpu", ".whl"]    command: STEPS="install models probe" packaging/device/vllm-gpu.sh
-#   call 2:    carry [".carry/criu"]                command: STEPS=tests packaging/device/vllm-gpu.sh
-#   call 3:    carry [".carry/criu"]                command: STEPS=bench packaging/device/vllm-gpu.sh
+#              FOR=vllm packaging/device/prepare.sh          # .whl (no registry client) and .carry/gpu/criu.tar.xz
+#   carry [".carry/vllm-gpu", ".whl", ".carry/gpu"], then, back to back:
+#   call 1:    STEPS="install models tests" bash packaging/device/vllm-gpu.sh
+#   call 2:    STEPS="install models bench" bash packaging/device/vllm-gpu.sh   (install and models: done unless lost)
 # STEPS (in this order, any subset):
 #   install  the carry into /tmp/vllm-site (kept while the machine stays warm)
 #   models   /tmp/llama-1b (1.0 GB, tests), then /tmp/llama-8b (16.1 GB, Llama 3 8B's shape, for bench) in the
@@ -20,14 +20,21 @@ STEPS=${STEPS:-"install models probe tests"}
 has() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
 t0=$(date +%s); say() { echo "[vllm-gpu +$(( $(date +%s) - t0 ))s] $*"; }
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
+[ -d .carry/criu ] || { [ -f .carry/gpu/criu.tar.xz ] && tar -C .carry -xJf .carry/gpu/criu.tar.xz; }
 if has install; then
-  bash .carry/vllm-gpu/install.sh "$COLDSNAP_VLLM_CUDA_SITE" > "$OUT/install.log" 2>&1; say "install rc=$?"
+  stamp=$(sha256sum .carry/vllm-gpu/vllm-carry.tar.xz | cut -c1-16)
+  if [ "$(cat "$COLDSNAP_VLLM_CUDA_SITE/.carry-stamp" 2>/dev/null)" = "$stamp" ]; then
+    say "install: kept from an earlier call"
+  else
+    bash .carry/vllm-gpu/install.sh "$COLDSNAP_VLLM_CUDA_SITE" > "$OUT/install.log" 2>&1; rc=$?; say "install rc=$rc"
+    [ $rc = 0 ] && echo "$stamp" > "$COLDSNAP_VLLM_CUDA_SITE/.carry-stamp"
+  fi
 fi
 [ -f packaging/device/env.sh ] && [ -d .whl ] && source packaging/device/env.sh
-if has models; then
+if has models && ! grep -q '^rc=0' /tmp/llama-8b.log 2>/dev/null; then
   python3 -m coldsnap_reference.tinymodel /tmp/llama-1b --shape 1b > "$OUT/models.log" 2>&1; say "1b rc=$?"
   # a session of its own: it outlives this call while the machine stays warm
-  setsid bash -c 'python3 -m coldsnap_reference.tinymodel /tmp/llama-8b --shape 8b > /tmp/llama-8b.log 2>&1;
+  pgrep -f "tinymodel /tmp/llama-8b" > /dev/null || setsid bash -c 'python3 -m coldsnap_reference.tinymodel /tmp/llama-8b --shape 8b > /tmp/llama-8b.log 2>&1;
                   echo "rc=$?" >> /tmp/llama-8b.log' < /dev/null > /dev/null 2>&1 &
 fi
 if has probe; then
