@@ -345,6 +345,10 @@ def side_by_side(data: dict) -> str:
     if t and t.get("samples_s"):
         lines.append(f"template restore: first token {t['median_s']:.3f} s median ({t['validated']} validated; "
                      f"spans {t['span_medians_s']}; its device work {t.get('device_work_medians_s')})")
+    if data.get("vanilla_phases_median_s"):
+        lines.append(f"vanilla, the engine's own log (medians): {data['vanilla_phases_median_s']}")
+    if data.get("engine_resume_median_s"):
+        lines.append(f"restore, the engine's resume steps (medians): {data['engine_resume_median_s']}")
     lines.append(f"{data['engine']} on {data['device']}, weights {data['weights_mode']}: restore reaches the first "
                  f"token {data['ratio_median']}x sooner; capsule {data['capsule']['bytes'] / 2**20:.0f} MiB, "
                  f"staging {data['capsule']['staging_s']:.2f} s (excluded)")
