@@ -132,8 +132,11 @@ def test_vllm_on_cuda_captures_small_and_restores_token_identical(env, vanilla, 
         try:
             resume = res["hydrate"]["engine_resume"]
             assert resume, res["hydrate"]  # woken: the sleep mode's steps, timed
-            if mode == "recovery":  # reloaded by ColdSnap's worker extension, not vLLM's fallback loader
-                assert "reload_fallback" not in resume, resume
+            if mode == "recovery":  # reloaded by ColdSnap's worker extension, not vLLM's fallback loader, from
+                assert "reload_fallback" not in resume, resume  # the copies prefetched during the restore
+                files = len(list(Path(MODEL).glob("*.safetensors")))
+                assert resume["reload"]["prefetched"] == files and "errors" not in resume["reload"], \
+                    (resume, res["hydrate"].get("prefetch"))
                 assert resume["reload"]["bytes"] >= sum(p.stat().st_size for p in Path(MODEL).glob("*.safetensors")) \
                     - (1 << 20) * 10, resume
             assert_same(greedy(res["url"], vanilla["model"]), vanilla["answers"], f"{mode} restore {i + 1}")

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace as NS
 
 import pytest
@@ -304,6 +305,56 @@ def test_the_engine_gets_a_socket_for_one_gpu_and_a_map_for_ranks():
     assert Prefetch().for_engine() is None
     assert Prefetch(sockets={"GPU-a": "/s/a"}).for_engine() == "/s/a"
     assert Prefetch(sockets={"GPU-a": "/s/a", "GPU-b": "/s/b"}).for_engine() == {"GPU-a": "/s/a", "GPU-b": "/s/b"}
+    assert Prefetch(sockets={"/m/1.safetensors": "/s/a"}, by_file=True).for_engine() == {"/m/1.safetensors": "/s/a"}
+
+
+def test_an_engine_that_takes_its_weights_by_file_gets_a_prefetcher_for_each(monkeypatch, tmp_path):
+    """vLLM's weights are several safetensors files: one prefetcher each on the workload's one GPU (each with its
+    share of the readers), the room for all of them checked at once, all reaped with their sockets."""
+    from coldsnap.gpu.steps import _prefetch_refusal, finish_prefetch, start_prefetch
+
+    files = [ensure_weights(tmp_path / f"w{i}.safetensors", TINY) for i in range(3)]
+    profile = _profile(model=NS(weights=[NS(path=f, size=4 << 30) for f in files]))
+    assert "not one file" in _prefetch_refusal(profile, True)  # an engine that takes one file
+    assert _prefetch_refusal(profile, True, by_file=True) is None
+    assert "several ranks" in _prefetch_refusal(_profile(model=profile.model, distributed=NS(world_size=2),
+                                                         gpus_used=["GPU-a", "GPU-b"]), True, by_file=True)
+    monkeypatch.setattr("coldsnap.gpu.nvml.free_bytes", lambda gpu: 30 << 30)  # < 2 x 12 GiB + 8 GiB
+    assert "not enough free memory on GPU-b" in start_prefetch(profile, True, {"GPU-a": "GPU-b"}, tmp_path,
+                                                               by_file=True).skipped
+    monkeypatch.setattr("coldsnap.gpu.nvml.free_bytes", lambda gpu: 64 << 30)
+    p = start_prefetch(profile, True, {"GPU-a": "GPU-b"}, tmp_path, by_file=True)
+    assert p.skipped is None and p.by_file and list(p.sockets) == files
+    assert all(a.args[a.args.index("--gpu") + 1] == "GPU-b" and a.args[a.args.index("--threads") + 1] == "2"
+               for a in p.procs)  # 8 readers among 3 files
+    assert [a.args[a.args.index("--file") + 1] for a in p.procs] == files
+    deadline = time.monotonic() + 30
+    while not all(os.path.exists(sock) for sock in p.sockets.values()):
+        assert time.monotonic() < deadline, "the prefetchers did not listen"
+        time.sleep(0.02)
+    report = finish_prefetch(p)
+    assert set(report["per_file"]) == set(files) and list(tmp_path.glob("*.sock")) == []
+
+
+def test_the_vllm_worker_extension_reads_the_files_vllm_loads(tmp_path):
+    """The extension runs in vLLM's process (GPU only); here, what it can be checked for without one: which files
+    a model directory's weights are, and each file's data section and tensors."""
+    from coldsnap.gpu.vllm_worker import read_header, weight_files
+
+    one = ensure_weights(tmp_path / "a" / "model.safetensors", TINY)
+    assert weight_files(tmp_path / "a") == [Path(one)]
+    d = tmp_path / "b"
+    d.mkdir()
+    for name in ("model-00002-of-00002.safetensors", "model-00001-of-00002.safetensors", "stray.safetensors"):
+        ensure_weights(d / name, TINY)
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "x": "model-00002-of-00002.safetensors", "y": "model-00001-of-00002.safetensors"}}))
+    assert [p.name for p in weight_files(d)] == ["model-00001-of-00002.safetensors",
+                                                 "model-00002-of-00002.safetensors"]  # the index's, not the stray
+    base, header = read_header(Path(one))
+    assert (base, os.path.getsize(one) - base) == data_section(one) and "__metadata__" not in header
+    assert all(0 <= t["data_offsets"][0] <= t["data_offsets"][1] <= os.path.getsize(one) - base
+               for t in header.values())
 
 
 def test_a_prefetcher_no_engine_took_is_killed_and_its_socket_removed(tmp_path):

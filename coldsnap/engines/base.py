@@ -38,6 +38,7 @@ class EngineAdapter:
     name = "base"
     supports_recovery = False
     supports_prefetch = False  # after_restore(prefetched=…): takes weights a coldsnap.gpu.prefetch loaded
+    prefetch_by_file = False  # …one prefetcher per weights file ({file: socket}), on one GPU
     # template_launch: a start that stops before the device (the criu-template snapshot driver)
     supports_template = False
 
@@ -102,7 +103,8 @@ class EngineAdapter:
     def after_restore(self, host: str, port: int, kv_discarded: bool, weights_mode: str,
                       prefetched: str | dict[str, str] | None = None) -> dict:
         """Bring back what before_capture released. prefetched (engines with supports_prefetch): the socket of a
-        coldsnap.gpu.prefetch that loaded the weights onto the GPU during the restore, or {GPU UUID: socket}."""
+        coldsnap.gpu.prefetch that loaded the weights onto the GPU during the restore, or {GPU UUID: socket}, or
+        (prefetch_by_file) {weights file: socket}."""
         return {}
 
     def after_capture_left_running(self, host: str, port: int, kv_discarded: bool, weights_mode: str) -> dict:

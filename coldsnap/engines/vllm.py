@@ -26,9 +26,10 @@ recovery mode) the weights:
     restore maps them again and copies the weights back;
   - recovery: /sleep?level=2 (weights dropped too); after the restore /wake_up?tags=weights, the weights reloaded
     in place from the pinned safetensors, then /wake_up?tags=kv_cache. The reload goes through ColdSnap's worker
-    extension (coldsnap.gpu.vllm_worker, loaded with --worker-extension-cls): each file onto the GPU through the
-    prefetcher's parallel pinned reads, then vLLM's own weight loaders from there; should it fail, vLLM's
-    reload_weights reads the files itself (slower, same result), and the receipt says why.
+    extension (coldsnap.gpu.vllm_worker, loaded with --worker-extension-cls): each file's copy that a prefetcher
+    put on the GPU while CRIU and the driver restored (else the file read there and then, the same way), then
+    vLLM's own weight loaders from there; should that fail, vLLM's reload_weights reads the files itself (slower,
+    same result), and the receipt says why.
 The CUDA interpreter is the GPU machine's python3 (torch 2.11, CUDA 13), with vLLM on PYTHONPATH (option `site` or
 $COLDSNAP_VLLM_CUDA_SITE); the model is a Hugging Face directory (option `model`).
 
@@ -52,6 +53,7 @@ CUDA only:
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import re
 import shutil
@@ -111,6 +113,9 @@ def has_sleep_mode(host: str, port: int) -> bool:
 class VllmAdapter(EngineAdapter):
     name = "vllm"
     supports_recovery = False  # on CPU: see the module docstring (no sleep mode); on CUDA prepare allows it
+    # recovery on CUDA: a prefetcher per weights file loads it onto the GPU during the restore; the worker
+    # extension takes each from there (a CPU restore has no CUDA process, and so no prefetch)
+    supports_prefetch = prefetch_by_file = True
 
     def prepare(self, request: CaptureRequest) -> PreparedLaunch:
         if is_cuda(request):
@@ -221,8 +226,9 @@ class VllmAdapter(EngineAdapter):
             step("wake_weights_s", "/wake_up?tags=weights")
             t = time.monotonic()
             try:
-                reply = post_json(host, port, "/collective_rpc", {"method": RELOAD_METHOD, "args": ["{}"]},
-                                  timeout=1800)
+                options = {"prefetched": prefetched if isinstance(prefetched, dict) else {}}
+                reply = post_json(host, port, "/collective_rpc",
+                                  {"method": RELOAD_METHOD, "args": [json.dumps(options)]}, timeout=1800)
                 out["reload"] = (reply.get("results") or [None])[0]
             except (OSError, ValueError, ColdSnapError) as e:  # no extension in this server, or it failed
                 out["reload_fallback"] = f"ColdSnap's reload failed ({str(e)[:300]}): vLLM's reload_weights instead"

@@ -134,7 +134,7 @@ def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timel
     # The weights go onto the GPU meanwhile, when they can (a process of its own; the engine takes them at resume).
     prefetch_started = gpu_steps.start_prefetch_soon(
         profile, adapter.supports_prefetch and reloads_weights(staged.capsule), request.gpu_map,
-        private_dir(settings().run / "prefetch"))
+        private_dir(settings().run / "prefetch"), by_file=adapter.prefetch_by_file)
     try:
         with tl.span("network"):
             # A network of its own, whatever the capture's was: the engine listens on 0.0.0.0, its own connections

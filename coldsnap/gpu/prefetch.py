@@ -420,6 +420,13 @@ def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float
                 report["mapped"]["unregister_s"], release = release(), None
             report["served"] = True
             conn.recv(1)  # the engine closes once it has mapped the memory; ours can go then
+            if not hold:  # let go of it before the engine hears the connection close (Session.release waits)
+                for fd in fds:
+                    os.close(fd)
+                fds = []
+                if buf is not None:
+                    buf.close()
+                    buf = None
         report["total_s"] = round(time.monotonic() - t0, 4)
         if hold:
             sys.stdin.buffer.read()
@@ -465,6 +472,17 @@ class Session:
 
     def close(self) -> None:
         self.sock.close()
+
+    def release(self) -> None:
+        """Done with the memory (unmapped): tell the prefetcher, and wait until it has freed its copy (one run
+        without --hold frees it before closing), so that GPU memory is there for what the engine maps next."""
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+            self.sock.recv(1)
+        except OSError:
+            pass  # gone already: nothing of it holds the memory
+        finally:
+            self.sock.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -85,22 +85,25 @@ def restore_after_criu(root_pid: int, gpu_pairs=None) -> GpuCheckpoint:
 @dataclass
 class Prefetch:
     """Prefetchers loading the weights onto the workload's GPUs while the restore goes on (one per GPU: each
-    tensor-parallel rank takes its shard from the copy on its own GPU), or why there are none."""
+    tensor-parallel rank takes its shard from the copy on its own GPU; or, by_file, one per weights file of a
+    one-GPU workload whose weights are several files), or why there are none."""
 
-    sockets: dict[str, str] = field(default_factory=dict)  # GPU UUID → the prefetcher's socket
+    sockets: dict[str, str] = field(default_factory=dict)  # GPU UUID (by_file: file path) → the prefetcher's socket
     procs: list = field(default_factory=list)  # their subprocess.Popen, in the same order
     skipped: str | None = None
+    by_file: bool = False
 
     def for_engine(self):
-        """What the engine's resume is given: the socket (one GPU), {GPU UUID: socket} (ranks), or None."""
-        if len(self.sockets) == 1:
+        """What the engine's resume is given: the socket (one GPU), {GPU UUID: socket} (ranks), {file: socket}
+        (by_file), or None."""
+        if len(self.sockets) == 1 and not self.by_file:
             return next(iter(self.sockets.values()))
         return dict(self.sockets) or None
 
 
-def _prefetch_refusal(profile, supported: bool) -> str | None:
+def _prefetch_refusal(profile, supported: bool, by_file: bool = False) -> str | None:
     """Why this restore gets no prefetch (None: it does). supported: the engine takes prefetched weights and this
-    restore reloads them from a file."""
+    restore reloads them from a file; by_file: it takes them file by file (one rank, any number of files)."""
     weights = profile.model.weights if profile.model else []
     if not settings().prefetch:
         return "COLDSNAP_PREFETCH=0"
@@ -111,29 +114,38 @@ def _prefetch_refusal(profile, supported: bool) -> str | None:
     ranks = profile.distributed.world_size if profile.distributed else 1
     if len(profile.gpus_used) != ranks:
         return f"{len(profile.gpus_used)} GPU(s) used by {ranks} rank(s): not one GPU a rank"
+    if by_file:
+        return None if ranks == 1 and weights else "several ranks, or no weights files: not prefetched by file"
     if len(weights) != 1:
         return "the weights are not one file"
     return None
 
 
-def start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir) -> Prefetch:
+def start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir, by_file: bool = False) -> Prefetch:
     """Start a prefetcher on each GPU of the workload when the restore will reload weights from one file, each GPU
     has room for a second copy of what it loads for a moment, and COLDSNAP_PREFETCH is not 0. A tensor-parallel
-    capsule's plan (profile.prefetch_plans) has each GPU load only its rank's part. Never raises: no prefetch is
-    only slower."""
+    capsule's plan (profile.prefetch_plans) has each GPU load only its rank's part. by_file (an engine that takes
+    its weights file by file, on one GPU): a prefetcher for each weights file, the readers shared among them.
+    Never raises: no prefetch is only slower."""
     from coldsnap.base.files import atomic_write
     from coldsnap.gpu.nvml import free_bytes
     from coldsnap.gpu.prefetch import MODES, gpu_key, packed_layout
 
-    why = _prefetch_refusal(profile, supported)
+    why = _prefetch_refusal(profile, supported, by_file)
     if why:
         return Prefetch(skipped=why)
-    weights = profile.model.weights[0]
+    files = profile.model.weights
     plans = {gpu_key(g): pieces for g, pieces in profile.prefetch_plans.items()}
-    # (GPU now, the pieces of the file its rank holds, or None: all of it)
-    targets = [(gpu_map.get(u, u), plans.get(gpu_key(u))) for u in profile.gpus_used]
-    for gpu, pieces in targets:
-        size = packed_layout(pieces)[1] if pieces else weights.size
+    # (key, GPU now, the file, the pieces of it its rank holds or None: all of it)
+    if by_file:
+        gpu = gpu_map.get(profile.gpus_used[0], profile.gpus_used[0])
+        targets = [(w.path, gpu, w, None) for w in files]
+    else:
+        targets = [(gpu_map.get(u, u), gpu_map.get(u, u), files[0], plans.get(gpu_key(u))) for u in profile.gpus_used]
+    room: dict[str, int] = {}  # bytes each GPU loads
+    for _, gpu, w, pieces in targets:
+        room[gpu] = room.get(gpu, 0) + (packed_layout(pieces)[1] if pieces else w.size)
+    for gpu, size in room.items():
         free = free_bytes(gpu)
         if free is None or free < 2 * size + (8 << 30):
             return Prefetch(skipped=f"not enough free memory on {gpu} for a second copy of the weights")
@@ -144,21 +156,25 @@ def start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir) -
     mode = settings().prefetch_mode  # how the weights reach the GPU (prefetch.MODES)
     if mode not in MODES:
         return Prefetch(skipped=f"COLDSNAP_PREFETCH_MODE={mode!r} is not one of {', '.join(MODES)}")
-    p = Prefetch()
-    for gpu, pieces in targets:
+    hold = ["--hold"]  # the copy kept until the restore is done (freeing it slowed the first request down)
+    if by_file:  # the readers shared among the files' prefetchers; each copy freed once taken, for the engine maps
+        threads = str(max(1, int(threads) // len(targets)))  # its KV cache next, where the copies were
+        hold = []
+    p = Prefetch(by_file=by_file)
+    for key, gpu, weights, pieces in targets:
         name = f"{run_dir}/{uuid4().hex[:12]}"
         sock = name + ".sock"
         if len(sock.encode()) > 100:
             return _abandon(p, "the socket path would be too long")
-        p.sockets[gpu] = sock  # from here on its files are removed whatever happens
+        p.sockets[key] = sock  # from here on its files are removed whatever happens
         try:
-            plan = []
+            plan: list[str] = []
             if pieces:
                 atomic_write(name + ".plan.json", json.dumps(pieces).encode())
                 plan = ["--plan", name + ".plan.json"]
             p.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "coldsnap.gpu.prefetch", "--file", weights.path, "--gpu", gpu,
-                 "--socket", sock, "--hold", "--threads", threads,
+                 "--socket", sock, *hold, "--threads", threads,
                  "--mode", mode, *plan], env=env, stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True))
         except OSError as e:
@@ -166,14 +182,15 @@ def start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir) -
     return p
 
 
-def start_prefetch_soon(profile, supported: bool, gpu_map: dict[str, str], run_dir) -> Callable[[], Prefetch]:
+def start_prefetch_soon(profile, supported: bool, gpu_map: dict[str, str], run_dir,
+                        by_file: bool = False) -> Callable[[], Prefetch]:
     """start_prefetch on a thread of its own, so the restore does not wait for its NVML queries and process starts
     (~10 ms); the answer, called, waits for it and returns the Prefetch."""
     box: dict[str, Prefetch] = {}
 
     def start() -> None:
         try:
-            box["p"] = start_prefetch(profile, supported, gpu_map, run_dir)
+            box["p"] = start_prefetch(profile, supported, gpu_map, run_dir, by_file)
         except Exception as e:  # noqa: BLE001 - no prefetch is only slower; say why in the receipt
             box["p"] = Prefetch(skipped=f"starting the prefetchers failed: {e}")
 
@@ -210,7 +227,7 @@ def finish_prefetch(p: Prefetch, wait_s: float = 10.0) -> dict:
     if not p.procs:
         return {"skipped": p.skipped}
     reports = {}
-    for (gpu, sock), proc in zip(p.sockets.items(), p.procs):
+    for (key, sock), proc in zip(p.sockets.items(), p.procs):
         if os.path.exists(sock):
             proc.kill()
         try:
@@ -221,11 +238,13 @@ def finish_prefetch(p: Prefetch, wait_s: float = 10.0) -> dict:
         _remove_files(sock)
         lines = [line for line in out.decode(errors="replace").splitlines() if line.startswith("{")]
         if lines:
-            reports[gpu] = json.loads(lines[-1])
+            reports[key] = json.loads(lines[-1])
         else:
             tail = err.decode(errors="replace").strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
-            reports[gpu] = {"error": f"the prefetcher reported nothing: {tail[0][:300]}"}
-    return next(iter(reports.values())) if len(reports) == 1 else {"per_gpu": reports}
+            reports[key] = {"error": f"the prefetcher reported nothing: {tail[0][:300]}"}
+    if len(reports) == 1 and not p.by_file:
+        return next(iter(reports.values()))
+    return {"per_file" if p.by_file else "per_gpu": reports}
 
 
 def memory_held(root_pid: int) -> dict[str, int]:

@@ -1,16 +1,18 @@
-"""Runs inside vLLM's GPU worker (its `--worker-extension-cls`): the weights of a recovery restore reloaded through
-the prefetcher's parallel pinned-buffer reads instead of vLLM's own loader.
+"""Runs inside vLLM's GPU worker (its `--worker-extension-cls`): the weights of a recovery restore reloaded from
+copies already on the GPU instead of through vLLM's own loader.
 
 vLLM's `reload_weights` reads each safetensors tensor into pageable host memory on one thread and copies it to the
-GPU from there. Here each file's data section goes onto the GPU first, as coldsnap.gpu.prefetch fills its memory
-(`fill_buffered`: threads reading into pinned buffers, each copying on its own stream), then the tensors are handed
-to vLLM's `reload_weights` as views of that GPU copy: its weight loaders (fused QKV, gate/up, layerwise reload) run
-unchanged and copy device to device into the parameters the restored CUDA graphs point at. One file at a time, so
-the extra GPU memory is one shard's size.
+GPU from there. Here each file's data section is on the GPU first: taken from the prefetcher that loaded it during
+the restore (coldsnap.gpu.prefetch, one per file: its memory handed over on a UNIX socket and mapped here), or,
+where there is none or it failed, filled here the prefetcher's way (`fill_buffered`: threads reading into pinned
+buffers, each copying on its own stream). The tensors go to vLLM's `reload_weights` as views of those copies: its
+weight loaders (fused QKV, gate/up, layerwise reload) run unchanged and copy device to device into the parameters
+the restored CUDA graphs point at. Every copy stays mapped until the reload returns (the layerwise reload may hold a
+layer's tensors across files).
 
 Imported by the engine's own interpreter (torch, vLLM): stdlib, torch and ColdSnap's GPU part only, nothing that
 needs ColdSnap's own dependencies. The restore calls it over vLLM's dev endpoint:
-POST /collective_rpc {"method": "coldsnap_reload_weights", "args": ["<json: {\"threads\": N}>"]}.
+POST /collective_rpc {"method": "coldsnap_reload_weights", "args": ["{\"prefetched\": {FILE: SOCKET}}"]}.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ import json
 import os
 import struct
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Iterator
 
-from coldsnap.gpu.prefetch import fill_buffered, whole_section
-from coldsnap.gpu.vmm import Driver
+from coldsnap.gpu.prefetch import PrefetchError, Session, fill_buffered, whole_section
+from coldsnap.gpu.vmm import CudaError, Driver, imported
 
 EXTENSION = f"{__name__}.ColdSnapWorker"  # what --worker-extension-cls names
 METHOD = "coldsnap_reload_weights"
@@ -49,23 +52,66 @@ def read_header(path: Path) -> tuple[int, dict[str, Any]]:
     return 8 + n, header
 
 
-def tensors_on_gpu(files: list[Path], device: int, threads: int, stats: dict[str, float]) -> Iterator[tuple]:
-    """(name, CUDA tensor) for every tensor of the files, each file's data section copied onto the GPU in one go
-    first; a file's copy is released once its tensors have been taken. stats gets bytes and seconds spent filling."""
+class _DeviceRegion:
+    """A device byte range as a __cuda_array_interface__ exporter, for torch.as_tensor (no copy)."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
+
+
+def prefetched_section(held: ExitStack, driver: Driver, path: Path, base: int, length: int, device: int, sock: str):
+    """The file's data section as the prefetcher put it on this GPU, mapped here until `held` closes; raises
+    PrefetchError or CudaError when it can't be used."""
+    import torch
+
+    session = Session(sock, str(path))
+    held.callback(session.release)  # after the unmap below (last in, first out): then the prefetcher frees its copy
+    message = session.message
+    if message.get("offset") != base or int(message.get("bytes", -1)) != length or "plan" in message:
+        os.close(session.fd)
+        raise PrefetchError(f"the prefetcher loaded another part of {path.name} than its data section")
+    ptr = held.enter_context(imported(driver, session.fd, int(message["alloc_bytes"]), device))
+    return torch.as_tensor(_DeviceRegion(ptr, length), device=torch.device("cuda", device))
+
+
+def filled_section(driver: Driver, path: Path, base: int, length: int, device: int, threads: int):
+    """The file's data section read onto this GPU now, in torch memory (freed with its last view)."""
+    import torch
+
+    section = torch.empty(length, dtype=torch.uint8, device=torch.device("cuda", device))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fill_buffered(driver, device, section.data_ptr(), fd, base, whole_section(length), threads)
+    finally:
+        os.close(fd)
+    return section
+
+
+def tensors_on_gpu(files: list[Path], device: int, threads: int, prefetched: dict[str, str], held: ExitStack,
+                   stats: dict[str, Any]) -> Iterator[tuple]:
+    """(name, CUDA tensor) for every tensor of the files, each file's data section on the GPU in one piece first:
+    the prefetched copy where there is one (mapped until `held` closes), else read here. stats: bytes, seconds
+    waiting for or filling the copies, and how each file came."""
     import torch
 
     driver = Driver()
+    driver.use_primary_context(device)  # torch's: the imported memory is mapped in it
     for path in files:
         base, header = read_header(path)
         length = path.stat().st_size - base
         t = time.perf_counter()
-        section = torch.empty(length, dtype=torch.uint8, device=torch.device("cuda", device))
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            fill_buffered(driver, device, section.data_ptr(), fd, base, whole_section(length), threads)
-        finally:
-            os.close(fd)
-        stats["fill_s"] += time.perf_counter() - t
+        section = None
+        sock = prefetched.get(str(path.resolve()))
+        if sock:
+            try:
+                section = prefetched_section(held, driver, path, base, length, device, sock)
+                stats["prefetched"] += 1
+            except (PrefetchError, CudaError, OSError, ValueError) as e:
+                stats["errors"].append(f"{path.name}: {e}"[:300])
+        if section is None:
+            section = filled_section(driver, path, base, length, device, threads)
+            stats["filled"] += 1
+        stats["copies_s"] += time.perf_counter() - t
         stats["bytes"] += length
         for name, info in header.items():
             start, end = info["data_offsets"]
@@ -86,11 +132,15 @@ class ColdSnapWorker:
         files = weight_files(self.model_config.model)  # type: ignore[attr-defined]
         if not files:
             raise FileNotFoundError(f"no safetensors files in {self.model_config.model}")  # type: ignore[attr-defined]
-        stats: dict[str, float] = {"fill_s": 0.0, "bytes": 0}
-        weights = tensors_on_gpu(files, device, int(opts.get("threads", 8)), stats)
-        self.model_runner.reload_weights(weights_iterator=weights)  # type: ignore[attr-defined]
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()  # the last shard's copy: room for the KV cache woken next
+        prefetched = {str(Path(k).resolve()): v for k, v in (opts.get("prefetched") or {}).items()}
+        stats: dict[str, Any] = {"copies_s": 0.0, "bytes": 0, "prefetched": 0, "filled": 0, "errors": []}
+        with ExitStack() as held:
+            weights = tensors_on_gpu(files, device, int(opts.get("threads", 8)), prefetched, held, stats)
+            self.model_runner.reload_weights(weights_iterator=weights)  # type: ignore[attr-defined]
+            torch.cuda.synchronize(device)  # every copy out of the mapped memory done before it is unmapped
+        torch.cuda.empty_cache()  # the copies filled here: room for the KV cache woken next
         total = time.perf_counter() - t0
-        return {"files": len(files), "bytes": int(stats["bytes"]), "fill_s": round(stats["fill_s"], 3),
-                "total_s": round(total, 3), "gb_per_s": round(stats["bytes"] / total / 1e9, 2)}
+        return {"files": len(files), "bytes": int(stats["bytes"]), "prefetched": stats["prefetched"],
+                "filled": stats["filled"], "copies_s": round(stats["copies_s"], 3), "total_s": round(total, 3),
+                "gb_per_s": round(stats["bytes"] / total / 1e9, 2), **({"errors": stats["errors"]}
+                                                                       if stats["errors"] else {})}
