@@ -11,7 +11,8 @@
 #   models   /tmp/llama-1b (1.0 GB, tests), then /tmp/llama-8b (16.1 GB, Llama 3 8B's shape, for bench) in the
 #            background while the next steps run (bench waits for it)
 #   probe    packaging/device/vllm-sleep-probe.py: sleep levels 1 and 2 around the driver's checkpoint, by hand
-#   tests    tests/test_engine_vllm_gpu.py (capture/restore native and recovery, sleep/wake), results in $OUT
+#   tests    tests/test_engine_vllm_gpu.py (capture/restore native and recovery, sleep/wake; TESTS_K: pytest -k),
+#            results in $OUT
 #   bench    coldsnap bench --engine vllm --device cuda on the 8B shape (SAMPLES, default 5), into $OUT
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -43,6 +44,7 @@ if has probe; then
 fi
 if has tests; then
   timeout "${TESTS_S:-560}" python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_engine_vllm_gpu.py -rs -s \
+      ${TESTS_K:+-k "$TESTS_K"} \
       > "$OUT/tests.log" 2>&1; say "tests rc=$?"; tail -15 "$OUT/tests.log"
 fi
 if has bench; then
