@@ -13,7 +13,8 @@
 #   probe    packaging/device/vllm-sleep-probe.py: sleep levels 1 and 2 around the driver's checkpoint, by hand
 #   tests    tests/test_engine_vllm_gpu.py (capture/restore native and recovery, sleep/wake; TESTS_K: pytest -k),
 #            results in $OUT
-#   bench    coldsnap bench --engine vllm --device cuda on the 8B shape (SAMPLES, default 5), into $OUT
+#   bench    coldsnap bench --engine vllm --device cuda on the 8B shape (SAMPLES, default 5; VANILLA: fewer vanilla
+#            samples when device time is short), into $OUT
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export COLDSNAP_VLLM_CUDA_SITE=/tmp/vllm-site COLDSNAP_TEST_VLLM_MODEL=/tmp/llama-1b
@@ -52,6 +53,6 @@ fi
 if has bench; then
   while ! grep -q '^rc=' /tmp/llama-8b.log 2>/dev/null; do sleep 2; done; say "8b model: $(tail -1 /tmp/llama-8b.log)"
   timeout "${BENCH_S:-560}" python3 -m coldsnap.cli.main bench --engine vllm --device cuda --weights-mode recovery \
-      --engine-opt model=/tmp/llama-8b --engine-opt site="$COLDSNAP_VLLM_CUDA_SITE" --samples "${SAMPLES:-5}" \
+      --engine-opt model=/tmp/llama-8b --engine-opt site="$COLDSNAP_VLLM_CUDA_SITE" --samples "${SAMPLES:-5}" ${VANILLA:+--vanilla-samples "$VANILLA"} \
       --out "$OUT" > "$OUT/bench.log" 2>&1; say "bench rc=$?"; tail -8 "$OUT/bench.log"
 fi
