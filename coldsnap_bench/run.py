@@ -151,7 +151,8 @@ def run_bench(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
         parts.append(clock_parts({s.name: s.duration_s for s in r.spans}, res))
         resumes.append((res.hydrate.engine_resume if res.hydrate else None) or {})
         validated_restore += int(res.validated_text == expected)
-        progress(f"restore {i + 1}/{n}: first token {res.time_to_first_token_s:.3f} s")
+        progress(f"restore {i + 1}/{n}: first token {res.time_to_first_token_s:.3f} s"
+                 + (f"; the engine's resume {json.dumps(resumes[-1])}" if resumes[-1] else ""))
     template = _template_samples(cap, n, opts.drop_caches, progress) if opts.template else None
     if not vanilla or not restored:
         raise ColdSnapError(ErrorCode.VALIDATION_FAILED, f"nothing to compare: {validated_vanilla}/{nv} vanilla "
