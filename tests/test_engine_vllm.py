@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 import pytest
 from conftest import CRIU_PREFIX, needs_root_criu
 
+import coldsnap
 from coldsnap.contracts import CaptureRequest, ColdSnapError, ErrorCode, Policy, RestoreRequest
 from coldsnap.engines import get_adapter, seccomp
 from coldsnap.engines.venv_engine import describe_model_dir
@@ -175,7 +176,13 @@ def test_vllm_cuda_launch_turns_sleep_mode_on_and_allows_recovery(tmp_path, cold
     assert argv[argv.index("serve") + 1] == str(model) and "--enable-sleep-mode" in argv
     assert "--enforce-eager" not in argv  # its defaults: torch.compile and CUDA graphs
     env = launch.env
-    assert env["PYTHONPATH"] == str(site) and env["VLLM_SERVER_DEV_MODE"] == "1"
+    # ColdSnap's worker extension, importable from a directory that holds only a link to ColdSnap's package
+    assert argv[argv.index("--worker-extension-cls") + 1] == "coldsnap.gpu.vllm_worker.ColdSnapWorker"
+    engine_site, extension = env["PYTHONPATH"].split(os.pathsep)
+    assert engine_site == str(site) and env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert [p.name for p in Path(extension).iterdir()] == ["coldsnap"]
+    assert (Path(extension) / "coldsnap").resolve() == Path(coldsnap.__file__).resolve().parent
+    assert any(m.source == extension and m.readonly for m in launch.mounts)  # a container sees it too
     assert env["CUDA_VISIBLE_DEVICES"] == "1" and env["TORCHINDUCTOR_COMPILE_THREADS"] == "1"
     assert launch.weights_mode == "recovery" and launch.engine_version == "0.26.0"
     with pytest.raises(ColdSnapError) as missing:
@@ -187,9 +194,9 @@ def test_vllm_cuda_launch_turns_sleep_mode_on_and_allows_recovery(tmp_path, cold
 class SleepModeStandIn:
     """A stand-in for vLLM's dev endpoints (/is_sleeping, /sleep, /wake_up, /collective_rpc), which only its CUDA
     build serves: it records what the adapter asked, in order. The real server answers them on the GPU machine
-    (tests/test_engine_vllm_gpu.py)."""
+    (tests/test_engine_vllm_gpu.py). extension: whether ColdSnap's worker extension answers its collective_rpc."""
 
-    def __init__(self, sleep_mode: bool = True):
+    def __init__(self, sleep_mode: bool = True, extension: bool = True):
         import http.server
         import threading
 
@@ -201,10 +208,13 @@ class SleepModeStandIn:
                 body = self.rfile.read(length).decode() if length else ""
                 calls.append((self.command, self.path, body))
                 ok = sleep_mode or not self.path.startswith("/is_sleeping")
-                self.send_response(200 if ok else 404)
-                self.send_header("Content-Length", "2")
+                reply = b"{}"
+                if self.path == "/collective_rpc" and json.loads(body)["method"] == "coldsnap_reload_weights":
+                    ok, reply = extension, b'{"results": [{"bytes": 16, "prefetched": 1}]}'
+                self.send_response(200 if ok else 500)
+                self.send_header("Content-Length", str(len(reply)))
                 self.end_headers()
-                self.wfile.write(b"{}")
+                self.wfile.write(reply)
 
             do_GET = do_POST = answer
 
@@ -229,10 +239,30 @@ def test_vllm_sleeps_before_the_checkpoint_and_wakes_after_the_restore(mode, wok
     released = adapter.before_capture("127.0.0.1", server.port, True, mode)
     level = {"native": 1, "recovery": 2}[mode]
     assert released.sleep_level == level and server.paths() == [f"/sleep?level={level}"]
-    resumed = adapter.after_restore("127.0.0.1", server.port, bool(released), mode)
-    assert server.paths()[1:] == woken and len(resumed) == len(woken)
-    if mode == "recovery":
-        assert json.loads(server.calls[-2][2]) == {"method": "reload_weights"}
+    prefetched = {"/models/m/model-00001-of-00002.safetensors": "/run/p/a.sock"}
+    resumed = adapter.after_restore("127.0.0.1", server.port, bool(released), mode, prefetched=prefetched)
+    assert server.paths()[1:] == woken
+    if mode == "recovery":  # ColdSnap's reload, given the prefetchers' sockets, in vLLM's worker
+        rpc = json.loads(server.calls[-2][2])
+        assert rpc["method"] == "coldsnap_reload_weights" and json.loads(rpc["args"][0]) == {"prefetched": prefetched}
+        assert resumed["reload"] == {"bytes": 16, "prefetched": 1} and "reload_fallback" not in resumed
+        assert {"wake_weights_s", "reload_weights_s", "wake_kv_cache_s"} <= set(resumed)
+    else:
+        assert set(resumed) == {"wake_s"}
+    server.server.shutdown()
+
+
+def test_vllm_reloads_through_its_own_loader_when_coldsnaps_reload_fails():
+    """A server without ColdSnap's worker extension (or one where it failed): vLLM's reload_weights instead, and
+    the receipt says why."""
+    server = SleepModeStandIn(extension=False)
+    adapter = get_adapter("vllm")
+    adapter.before_capture("127.0.0.1", server.port, True, "recovery")
+    resumed = adapter.after_restore("127.0.0.1", server.port, True, "recovery")
+    assert server.paths()[1:] == ["/wake_up?tags=weights", "/collective_rpc", "/collective_rpc",
+                                  "/wake_up?tags=kv_cache"]
+    assert json.loads(server.calls[-2][2]) == {"method": "reload_weights"}
+    assert "HTTP 500" in resumed["reload_fallback"] and "reload" not in resumed
     server.server.shutdown()
 
 

@@ -151,3 +151,98 @@ def test_a_streamed_restore_whose_weights_fail_their_pin_fails_and_lists_nothing
     finally:
         blob.write_bytes(original)
         os.replace(weights.path + ".gone", weights.path)
+
+
+class Throttle:
+    """A TCP proxy in front of the registry sending its answers at about `rate` bytes/s: slow enough for a test to
+    catch a pull in the middle of its weights."""
+
+    def __init__(self, upstream: str, rate: int) -> None:
+        import socket
+        import threading
+
+        host, port = upstream.rsplit(":", 1)
+        self.upstream, self.rate = (host, int(port)), rate
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.upstream)
+            threading.Thread(target=self._pipe, args=(client, server, None), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, self.rate), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src, dst, rate) -> None:
+        import time
+
+        try:
+            while data := src.recv(64 << 10):
+                dst.sendall(data)
+                if rate:
+                    time.sleep(len(data) / rate)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                s.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_restore_killed_while_its_weights_stream_lists_nothing_and_the_next_one_works(
+        registry, tmp_path, monkeypatch):  # noqa: F811
+    """`coldsnap restore` of a registry reference SIGKILLed in the middle of its weights: the store lists neither
+    the capsule nor the weights blob, no workload is left; the next restore completes the pull and validates."""
+    import signal
+    import sys
+    import time
+
+    from coldsnap.workload.state import list_states
+
+    origin_host(tmp_path, monkeypatch)
+    cap = fast_capture("pyt-reg-kill", "kill")
+    weights = cap.profile.model.weights[0]
+    push(CapsuleStore(settings().store), cap.capsule, f"{registry}/coldsnap/killed:one", insecure=True)
+    shutil.move(str(settings().store), str(tmp_path / "origin-store"))  # a fresh host: no blobs, no weights
+    os.rename(weights.path, weights.path + ".gone")
+    monkeypatch.setenv("COLDSNAP_STORE", str(tmp_path / "fresh-store"))
+    slow = Throttle(registry, rate=max(weights.size // 8, 1 << 20))  # the weights take ~8 s
+    try:
+        ref = f"{slow.address}/coldsnap/killed@{cap.capsule}"
+        proc = subprocess.Popen([sys.executable, "-m", "coldsnap.cli.main", "restore", "--capsule", ref, "--insecure",
+                                 "--no-fallback", "--json"], env=dict(os.environ), start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        part = tmp_path / "fresh-store" / "tmp" / f"{weights.sha256}.partial"
+        deadline = time.monotonic() + 120
+        while not (part.exists() and part.stat().st_size > 0):  # the weights are on their way
+            assert proc.poll() is None and time.monotonic() < deadline, "the restore ended before its weights came"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        assert part.stat().st_size < weights.size  # killed mid-stream
+        fresh = CapsuleStore(settings().store)
+        assert fresh.index() == [] and not fresh.has_blob("sha256:" + weights.sha256)
+        assert not os.path.exists(weights.path) and not [w for w in list_states() if w.name == "pyt-reg-kill"]
+
+        r = restore(RestoreRequest(operation="restore", capsule=ref, insecure_registry=True,
+                                   policy=Policy(fallback_to_cold=False)))
+        try:
+            assert r.state == "succeeded" and r.result.validated_text == cap.profile.expected_text
+            assert r.result.pull["pulled"] and fresh.has_blob("sha256:" + weights.sha256) and not part.exists()
+            assert any(m["digest"] == cap.capsule for m in fresh.index())
+        finally:
+            stop_workload(load_state(r.result.workload))
+    finally:
+        slow.close()
+        if os.path.exists(weights.path + ".gone"):
+            os.replace(weights.path + ".gone", weights.path)
