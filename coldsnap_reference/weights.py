@@ -28,22 +28,9 @@ if TYPE_CHECKING:
 from coldsnap.base.files import atomic_file, atomic_write, pread_full
 
 # Imported now, not at resume: a restored engine's resume is on the clock (they are light: ctypes and sockets).
-from coldsnap.gpu.prefetch import PrefetchError, Session, packed_layout, plan_digest
-from coldsnap.gpu.vmm import Driver, imported
+from coldsnap.gpu.prefetch import DTYPES, PrefetchError, Session, packed_layout, plan_digest, read_header
+from coldsnap.gpu.vmm import DeviceRegion, Driver, imported
 from coldsnap_reference.shapes import ModelConfig, local_shape, param_specs
-
-_DTYPES = {
-    "F64": ("float64", 8),
-    "F32": ("float32", 4),
-    "F16": ("float16", 2),
-    "BF16": ("bfloat16", 2),
-    "I64": ("int64", 8),
-    "I32": ("int32", 4),
-    "I16": ("int16", 2),
-    "I8": ("int8", 1),
-    "U8": ("uint8", 1),
-    "BOOL": ("bool", 1),
-}
 
 ALIGN = 64  # bytes: where the data section and each tensor of a generated file start
 
@@ -127,19 +114,6 @@ def write_weights(path: str | os.PathLike, config: ModelConfig, seed: int = 0) -
     return size
 
 
-def read_header(path: str | os.PathLike) -> tuple[int, dict[str, Any]]:
-    """(offset of the data section, header) of a safetensors file."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ValueError(f"{path}: not a safetensors file (too short)")
-        (n,) = struct.unpack("<Q", raw)
-        if n > 100 << 20:
-            raise ValueError(f"{path}: implausible safetensors header length {n}")
-        header = json.loads(f.read(n))
-    return 8 + n, header
-
-
 def check_shapes(path: str | os.PathLike, config: ModelConfig) -> None:
     _, header = read_header(path)
     for name, shape, _ in param_specs(config):
@@ -189,7 +163,7 @@ def save_tensors(path: str | os.PathLike, tensors: dict[str, "torch.Tensor"], me
     The bytes are the tensors as they are in memory, so load_into() puts back exactly what was saved."""
     import torch
 
-    names = {v[0]: k for k, v in _DTYPES.items()}
+    names = {v[0]: k for k, v in DTYPES.items()}
     header: dict[str, Any] = {"__metadata__": dict(metadata)}
     offset = 0
     for name in sorted(tensors):
@@ -241,7 +215,7 @@ def load_weights(path: str | os.PathLike, device: str = "cpu", mode: str = "mmap
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        dtype_name, itemsize = _DTYPES[info["dtype"]]
+        dtype_name, itemsize = DTYPES[info["dtype"]]
         dtype = getattr(torch, dtype_name)
         start, end = info["data_offsets"]
         shape = tuple(info["shape"])
@@ -324,7 +298,7 @@ def load_into(path: str | os.PathLike, params: dict[str, "torch.Tensor"], shards
             info = header[name]
             start, end = info["data_offsets"]
             shape = tuple(info["shape"])
-            itemsize = _DTYPES[info["dtype"]][1]
+            itemsize = DTYPES[info["dtype"]][1]
             shard = (shards or {}).get(name)
             want = int(np.prod(local_shape(shape, shard), dtype=np.int64)) * itemsize
             if want != dst.numel() * dst.element_size():
@@ -345,7 +319,7 @@ def load_into(path: str | os.PathLike, params: dict[str, "torch.Tensor"], shards
                 if mm is None:
                     mm = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
                     src = torch.frombuffer(mm, dtype=torch.uint8)
-                full = src[base + start: base + end].view(getattr(torch, _DTYPES[info["dtype"]][0])).view(shape)
+                full = src[base + start: base + end].view(getattr(torch, DTYPES[info["dtype"]][0])).view(shape)
                 part = _slice(full, shard)
                 row = want // shape[0]
                 rows = max(1, chunk // row)
@@ -377,7 +351,7 @@ def tensor_piece(info: dict[str, Any], shard) -> tuple[int, int, int, int]:
     start, end = info["data_offsets"]
     if shard is None:
         return (start, end - start, 1, end - start)
-    shape, itemsize = info["shape"], _DTYPES[info["dtype"]][1]
+    shape, itemsize = info["shape"], DTYPES[info["dtype"]][1]
     inner = int(np.prod(shape[shard.dim + 1:], dtype=np.int64)) * itemsize  # bytes of one index along dim d
     rows = int(np.prod(shape[:shard.dim], dtype=np.int64))
     return (start + shard.start * inner, (shard.stop - shard.start) * inner, rows, shape[shard.dim] * inner)
@@ -402,15 +376,8 @@ def packed_parts(whole, header: dict[str, Any], names: list[str], shards: dict[s
     for name, (_, width, rows, _), at in zip(names, pieces, packed_layout(pieces)[0]):
         info = header[name]
         shape = local_shape(tuple(info["shape"]), (shards or {}).get(name))
-        out[name] = whole[at:at + width * rows].view(getattr(torch, _DTYPES[info["dtype"]][0])).view(shape)
+        out[name] = whole[at:at + width * rows].view(getattr(torch, DTYPES[info["dtype"]][0])).view(shape)
     return out
-
-
-class _DeviceRegion:
-    """A device byte range as a __cuda_array_interface__ exporter, for torch.as_tensor (no copy)."""
-
-    def __init__(self, ptr: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
 
 
 def load_prefetched(path: str | os.PathLike, params: dict[str, "torch.Tensor"], sock_path: str,
@@ -447,7 +414,7 @@ def load_prefetched(path: str | os.PathLike, params: dict[str, "torch.Tensor"], 
         with imported(driver, session.fd, int(message["alloc_bytes"]), ordinal) as ptr:
             took["map"] = time.perf_counter() - t
             t = time.perf_counter()
-            whole = torch.as_tensor(_DeviceRegion(ptr, int(message["bytes"])), device=torch.device("cuda", ordinal))
+            whole = torch.as_tensor(DeviceRegion(ptr, int(message["bytes"])), device=torch.device("cuda", ordinal))
             names = list(params)
             if "plan" in message:  # only this rank's parts, packed
                 if message["plan"] != plan_digest(plan_of(header, names, shards)):
@@ -458,7 +425,7 @@ def load_prefetched(path: str | os.PathLike, params: dict[str, "torch.Tensor"], 
                 for name in names:
                     info = header[name]
                     start, end = info["data_offsets"]
-                    dtype = getattr(torch, _DTYPES[info["dtype"]][0])
+                    dtype = getattr(torch, DTYPES[info["dtype"]][0])
                     parts[name] = _slice(whole[start:end].view(dtype).view(tuple(info["shape"])),
                                          (shards or {}).get(name))
             with torch.no_grad():

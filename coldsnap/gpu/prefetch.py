@@ -38,6 +38,25 @@ class PrefetchError(RuntimeError):
     """The prefetched weights can't be used (the message says why); the engine reloads from the file instead."""
 
 
+# safetensors dtype → (torch dtype name, bytes per element)
+DTYPES = {"F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
+          "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1), "U8": ("uint8", 1),
+          "BOOL": ("bool", 1)}
+
+
+def read_header(path: str | os.PathLike) -> tuple[int, dict]:
+    """(offset of the data section, header) of a safetensors file; ValueError when it is not one."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError(f"{path}: not a safetensors file (too short)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > 100 << 20:
+            raise ValueError(f"{path}: implausible safetensors header length {n}")
+        header = json.loads(f.read(n))
+    return 8 + n, header
+
+
 def data_section(path: str) -> tuple[int, int]:
     """(offset, length) of a safetensors file's data section."""
     with open(path, "rb") as f:

@@ -19,19 +19,16 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Iterator
 
-from coldsnap.gpu.prefetch import PrefetchError, Session, fill_buffered, whole_section
-from coldsnap.gpu.vmm import CudaError, Driver, imported
+from coldsnap.gpu.prefetch import DTYPES, PrefetchError, Session, fill_buffered, read_header, whole_section
+from coldsnap.gpu.vmm import CudaError, DeviceRegion, Driver, imported
 
 EXTENSION = f"{__name__}.ColdSnapWorker"  # what --worker-extension-cls names
 METHOD = "coldsnap_reload_weights"
-DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-          "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 
 
 def weight_files(model_dir: str | os.PathLike) -> list[Path]:
@@ -41,22 +38,6 @@ def weight_files(model_dir: str | os.PathLike) -> list[Path]:
     if index.exists():
         return [d / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
     return sorted(d.glob("*.safetensors"))
-
-
-def read_header(path: Path) -> tuple[int, dict[str, Any]]:
-    """(offset of the data section, the tensors' header entries) of a safetensors file."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    return 8 + n, header
-
-
-class _DeviceRegion:
-    """A device byte range as a __cuda_array_interface__ exporter, for torch.as_tensor (no copy)."""
-
-    def __init__(self, ptr: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
 
 
 def prefetched_section(held: ExitStack, driver: Driver, path: Path, base: int, length: int, device: int, sock: str):
@@ -71,7 +52,7 @@ def prefetched_section(held: ExitStack, driver: Driver, path: Path, base: int, l
         os.close(session.fd)
         raise PrefetchError(f"the prefetcher loaded another part of {path.name} than its data section")
     ptr = held.enter_context(imported(driver, session.fd, int(message["alloc_bytes"]), device))
-    return torch.as_tensor(_DeviceRegion(ptr, length), device=torch.device("cuda", device))
+    return torch.as_tensor(DeviceRegion(ptr, length), device=torch.device("cuda", device))
 
 
 def filled_section(driver: Driver, path: Path, base: int, length: int, device: int, threads: int):
@@ -114,8 +95,10 @@ def tensors_on_gpu(files: list[Path], device: int, threads: int, prefetched: dic
         stats["copies_s"] += time.perf_counter() - t
         stats["bytes"] += length
         for name, info in header.items():
+            if name == "__metadata__":
+                continue
             start, end = info["data_offsets"]
-            dtype = getattr(torch, DTYPES[info["dtype"]])
+            dtype = getattr(torch, DTYPES[info["dtype"]][0])
             yield name, section[start:end].view(dtype).view(tuple(info["shape"]))
         del section
 

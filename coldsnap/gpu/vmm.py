@@ -199,6 +199,13 @@ class ExportableBuffer:
             self.handle = 0
 
 
+class DeviceRegion:
+    """A device byte range as a __cuda_array_interface__ exporter, for torch.as_tensor (no copy, not owned)."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
+
+
 @contextmanager
 def imported(driver: Driver, fd: int, size: int, device: int) -> Iterator[int]:
     """Map the GPU memory another process exported as fd (size bytes, on `device`, the ordinal as this process
