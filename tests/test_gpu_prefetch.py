@@ -339,7 +339,10 @@ def test_an_engine_that_takes_its_weights_by_file_gets_a_prefetcher_for_each(mon
 def test_the_vllm_worker_extension_reads_the_files_vllm_loads(tmp_path):
     """The extension runs in vLLM's process (GPU only); here, what it can be checked for without one: which files
     a model directory's weights are, and each file's data section and tensors."""
+    from coldsnap.gpu import vllm_worker
     from coldsnap.gpu.vllm_worker import weight_files
+
+    assert callable(getattr(vllm_worker.ColdSnapWorker, vllm_worker.METHOD))  # what the restore calls, by name
 
     one = ensure_weights(tmp_path / "a" / "model.safetensors", TINY)
     assert weight_files(tmp_path / "a") == [Path(one)]

@@ -36,6 +36,20 @@ def fast_capture(name, tag):
     return capture(req)
 
 
+def captured_and_pushed(registry, name, tag, repo):
+    """A capture on the origin host, pushed to the registry as REPO:one; (the capture, its weights file)."""
+    cap = fast_capture(name, tag)
+    push(CapsuleStore(settings().store), cap.capsule, f"{registry}/coldsnap/{repo}:one", insecure=True)
+    return cap, cap.profile.model.weights[0]
+
+
+def become_a_fresh_host(tmp_path, monkeypatch, weights) -> None:
+    """The store moved away and the weights file hidden (put back by the test): no blobs, no weights."""
+    shutil.move(str(settings().store), str(tmp_path / "origin-store"))
+    os.rename(weights.path, weights.path + ".gone")
+    monkeypatch.setenv("COLDSNAP_STORE", str(tmp_path / "fresh-store"))
+
+
 def test_pull_into_an_empty_store_restores_and_shares_weights(registry, tmp_path, monkeypatch):  # noqa: F811
     origin_host(tmp_path, monkeypatch)
     first = fast_capture("pyt-reg", "one")
@@ -80,12 +94,8 @@ def test_a_restore_of_a_registry_reference_admits_and_stages_while_its_weights_s
     from coldsnap.contracts import ColdSnapError, ErrorCode
 
     origin_host(tmp_path, monkeypatch)
-    cap = fast_capture("pyt-reg-ref", "one")
-    weights = cap.profile.model.weights[0]
-    push(CapsuleStore(settings().store), cap.capsule, f"{registry}/coldsnap/byref:one", insecure=True)
-    shutil.move(str(settings().store), str(tmp_path / "origin-store"))  # a fresh host: no blobs, no weights
-    os.rename(weights.path, weights.path + ".gone")
-    monkeypatch.setenv("COLDSNAP_STORE", str(tmp_path / "fresh-store"))
+    cap, weights = captured_and_pushed(registry, "pyt-reg-ref", "one", "byref")
+    become_a_fresh_host(tmp_path, monkeypatch, weights)
 
     ref = f"{registry}/coldsnap/byref@{cap.capsule}"
     said = []
@@ -125,18 +135,14 @@ def test_a_streamed_restore_whose_weights_fail_their_pin_fails_and_lists_nothing
     from coldsnap.workload.state import list_states
 
     origin_host(tmp_path, monkeypatch)
-    cap = fast_capture("pyt-reg-bad", "bad")
-    weights = cap.profile.model.weights[0]
-    push(CapsuleStore(settings().store), cap.capsule, f"{registry}/coldsnap/badweights:one", insecure=True)
+    cap, weights = captured_and_pushed(registry, "pyt-reg-bad", "bad", "badweights")
     blob = registry_blob_file(registry, "sha256:" + weights.sha256)
     original = blob.read_bytes()
     data = bytearray(original)
     data[len(data) // 2] ^= 1
     blob.write_bytes(bytes(data))
-    shutil.move(str(settings().store), str(tmp_path / "origin-store"))
-    os.rename(weights.path, weights.path + ".gone")
+    become_a_fresh_host(tmp_path, monkeypatch, weights)
     try:
-        monkeypatch.setenv("COLDSNAP_STORE", str(tmp_path / "fresh-store"))
         with pytest.raises(ColdSnapError) as e:
             restore(RestoreRequest(operation="restore", capsule=f"{registry}/coldsnap/badweights@{cap.capsule}",
                                    insecure_registry=True, policy=Policy(fallback_to_cold=True)))
@@ -210,12 +216,8 @@ def test_a_restore_killed_while_its_weights_stream_lists_nothing_and_the_next_on
     from coldsnap.workload.state import list_states
 
     origin_host(tmp_path, monkeypatch)
-    cap = fast_capture("pyt-reg-kill", "kill")
-    weights = cap.profile.model.weights[0]
-    push(CapsuleStore(settings().store), cap.capsule, f"{registry}/coldsnap/killed:one", insecure=True)
-    shutil.move(str(settings().store), str(tmp_path / "origin-store"))  # a fresh host: no blobs, no weights
-    os.rename(weights.path, weights.path + ".gone")
-    monkeypatch.setenv("COLDSNAP_STORE", str(tmp_path / "fresh-store"))
+    cap, weights = captured_and_pushed(registry, "pyt-reg-kill", "kill", "killed")
+    become_a_fresh_host(tmp_path, monkeypatch, weights)
     slow = Throttle(registry, rate=max(weights.size // 8, 1 << 20))  # the weights take ~8 s
     try:
         ref = f"{slow.address}/coldsnap/killed@{cap.capsule}"

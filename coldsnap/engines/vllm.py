@@ -74,15 +74,13 @@ from coldsnap.engines.venv_engine import (
     model_pinned_later,
     seccomp_prefix,
 )
+from coldsnap.gpu.vllm_worker import EXTENSION, METHOD
 
 DEFAULT_VENV = "/var/lib/coldsnap/venvs/vllm"
 DEFAULT_CUDA_SITE = "/tmp/vllm-site"
 KEEP_ALIVE_S = 7 * 24 * 3600
 # sleep level by weights mode: 1 keeps the weights in host memory (they travel in the dump), 2 drops them
 SLEEP_LEVEL = {"native": 1, "recovery": 2}
-# ColdSnap's reload inside vLLM's worker (coldsnap.gpu.vllm_worker; named here, not imported: it needs torch)
-WORKER_EXTENSION = "coldsnap.gpu.vllm_worker.ColdSnapWorker"
-RELOAD_METHOD = "coldsnap_reload_weights"
 # vLLM's own startup log lines (0.2x), by phase: what a vanilla start spends and a restore skips
 STARTUP_LOG = {
     "load_weights_s": r"Loading weights took ([\d.]+) seconds",
@@ -179,7 +177,7 @@ class VllmAdapter(EngineAdapter):
             python, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir), "--served-model-name", served,
             "--host", "0.0.0.0", "--port", str(request.launch.port), "--max-model-len", str(int(max_len)),
             "--seed", str(seed), "--enable-sleep-mode", "--disable-uvicorn-access-log",
-            "--worker-extension-cls", WORKER_EXTENSION,
+            "--worker-extension-cls", EXTENSION,
             *option_flags(opts),
         ]
         env = {
@@ -228,7 +226,7 @@ class VllmAdapter(EngineAdapter):
             try:
                 options = {"prefetched": prefetched if isinstance(prefetched, dict) else {}}
                 reply = post_json(host, port, "/collective_rpc",
-                                  {"method": RELOAD_METHOD, "args": [json.dumps(options)]}, timeout=1800)
+                                  {"method": METHOD, "args": [json.dumps(options)]}, timeout=1800)
                 out["reload"] = (reply.get("results") or [None])[0]
             except (OSError, ValueError, ColdSnapError) as e:  # no extension in this server, or it failed
                 out["reload_fallback"] = f"ColdSnap's reload failed ({str(e)[:300]}): vLLM's reload_weights instead"

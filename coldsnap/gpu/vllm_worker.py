@@ -27,8 +27,8 @@ from typing import Any, Iterator
 from coldsnap.gpu.prefetch import DTYPES, PrefetchError, Session, fill_buffered, read_header, whole_section
 from coldsnap.gpu.vmm import CudaError, DeviceRegion, Driver, imported
 
-EXTENSION = f"{__name__}.ColdSnapWorker"  # what --worker-extension-cls names
-METHOD = "coldsnap_reload_weights"
+EXTENSION = f"{__name__}.ColdSnapWorker"  # what the launch's --worker-extension-cls names
+METHOD = "coldsnap_reload_weights"  # what the restore's collective_rpc calls (ColdSnapWorker's method of that name)
 
 
 def weight_files(model_dir: str | os.PathLike) -> list[Path]:
