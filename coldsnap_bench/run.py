@@ -151,8 +151,9 @@ def run_bench(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
         parts.append(clock_parts({s.name: s.duration_s for s in r.spans}, res))
         resumes.append((res.hydrate.engine_resume if res.hydrate else None) or {})
         validated_restore += int(res.validated_text == expected)
+        steps = timings(resumes[-1])
         progress(f"restore {i + 1}/{n}: first token {res.time_to_first_token_s:.3f} s"
-                 + (f"; the engine's resume {json.dumps(resumes[-1])}" if resumes[-1] else ""))
+                 + (f"; the engine's resume steps {steps}" if steps else ""))
     template = _template_samples(cap, n, opts.drop_caches, progress) if opts.template else None
     if not vanilla or not restored:
         raise ColdSnapError(ErrorCode.VALIDATION_FAILED, f"nothing to compare: {validated_vanilla}/{nv} vanilla "
@@ -244,6 +245,11 @@ def _engine_log(name: str) -> str:
         return (run_dir(name) / "engine.log").read_text(errors="replace")
     except OSError:
         return ""
+
+
+def timings(account: dict) -> dict[str, float]:
+    """The seconds of an engine's account (keys ending in _s), for the text; the JSON keeps all of it."""
+    return {k: round(v, 3) for k, v in account.items() if k.endswith("_s") and isinstance(v, (int, float))}
 
 
 def _medians(samples: list[dict]) -> dict[str, float]:
@@ -348,8 +354,8 @@ def side_by_side(data: dict) -> str:
                      f"spans {t['span_medians_s']}; its device work {t.get('device_work_medians_s')})")
     if data.get("vanilla_phases_median_s"):
         lines.append(f"vanilla, the engine's own log (medians): {data['vanilla_phases_median_s']}")
-    if data.get("engine_resume_median_s"):
-        lines.append(f"restore, the engine's resume steps (medians): {data['engine_resume_median_s']}")
+    if steps := timings(data.get("engine_resume_median_s") or {}):
+        lines.append(f"restore, the engine's resume steps (medians): {steps}")
     lines.append(f"{data['engine']} on {data['device']}, weights {data['weights_mode']}: restore reaches the first "
                  f"token {data['ratio_median']}x sooner; capsule {data['capsule']['bytes'] / 2**20:.0f} MiB, "
                  f"staging {data['capsule']['staging_s']:.2f} s (excluded)")
