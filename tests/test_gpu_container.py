@@ -159,3 +159,65 @@ def test_container_captured_and_restored_through_the_shim(lab, device):
           f"{json.dumps({k: restored['result'].get(k) for k in ('time_to_first_token_s', 'hydrate')})}; spans "
           f"{[(s['name'], round(s['duration_s'], 2)) for s in restored['spans']]}; capture zero pages "
           f"{rec['result'].get('zero_pages')}")
+
+
+def test_vllm_on_a_gpu_in_a_container_through_the_shim(lab):
+    """vLLM's CUDA build (API server and engine core, torch.compile, CUDA graphs) in a runc container: cold start,
+    greedy completions with logprobs, capture_container in recovery mode (sleep level 2: weights and KV cache
+    released before the checkpoint), restore through the shim's annotated create + start (weights reloaded by
+    ColdSnap's worker extension from the pinned files), held to the cold container's tokens and logprobs."""
+    from test_engine_vllm_gpu import MODEL, SITE, assert_same, greedy, needs_vllm_on_cuda
+
+    from coldsnap.engines.venv_engine import describe_model_dir
+    from coldsnap.flows.container_capture import capture_container
+
+    needs_vllm_on_cuda()
+    launch = get_adapter("vllm").prepare_container(CaptureRequest(
+        operation="capture", engine={"name": "vllm", "options": {"model": MODEL, "site": SITE}},
+        launch={"devices": ["cuda:0"], "port": PORT}, policy={"weights_mode": "recovery"}))
+    assert {str(Path(SITE).resolve()), str(Path(MODEL).resolve())} <= {m.source for m in launch.mounts}
+    ns, root = lab["ns"], lab["runc_root"]
+
+    def bundle(name: str, capsule: str | None = None) -> Path:
+        ann = {mt.ANNOTATION_CAPSULE: capsule} if capsule else None
+        return with_gpus(make_engine_bundle(lab["base"] / "bundles" / f"vllm-{name}", lab["rootfs"], launch,
+                                            ns.name, ann))
+
+    assert not healthy_at(ns.address, PORT), "another engine still answers in the lab's namespace"
+    cid = unique("vllm-cold")
+    t0 = time.monotonic()
+    r = run_detached(str(RUNTIME), root, bundle("cold"), cid)
+    assert r.returncode == 0, r.stderr
+    wait_for(lambda: healthy_at(ns.address, PORT) or (state(root, cid) or {}).get("status") != "running", 900,
+             "vLLM in its container to answer /health")
+    assert healthy_at(ns.address, PORT), "the vLLM container stopped before it served"
+    cold_s = time.monotonic() - t0
+    url = f"http://{ns.address}:{PORT}"
+    before = greedy(url, launch.model_id)
+
+    captured = capture_container(cid, root, engine="vllm", weights_mode="recovery", tag="vllm-gpu-container",
+                                 model=describe_model_dir(MODEL, launch.model_id))
+    rec = captured.receipt.model_dump(mode="json")
+    assert rec["state"] == "succeeded", rec.get("error")
+    assert rec["result"]["cuda_processes"] >= 1
+    assert state(root, cid) is None or state(root, cid).get("status") != "running"
+    runc(root, "delete", "-f", cid)
+
+    rid = unique("vllm-restored")
+    created = shim(lab, "create", "--bundle", str(bundle("restored", captured.capsule)), rid)
+    assert created.returncode == 0, created.stderr
+    started = shim(lab, "start", rid)
+    assert started.returncode == 0, started.stderr
+    restored = receipt(rid)
+    try:
+        assert restored["state"] == "succeeded" and restored["operation"] == "restore", restored  # not fell back
+        assert restored["result"]["validated_text"] == captured.profile.expected_text
+        after = greedy(url, launch.model_id)
+    finally:
+        runc(root, "delete", "-f", rid)
+    assert_same(after, before, "vLLM restored in its container")
+    resumed = restored["result"]["hydrate"]["engine_resume"]  # reloaded by ColdSnap's extension, every file
+    assert "reload_fallback" not in resumed and resumed["reload"]["files"] >= 1, resumed
+    print(f"\n[measured] vllm cuda container: cold start to /health {cold_s:.1f} s; restore receipt "
+          f"{json.dumps({k: restored['result'].get(k) for k in ('time_to_first_token_s', 'hydrate')})}; spans "
+          f"{[(s['name'], round(s['duration_s'], 2)) for s in restored['spans']]}")

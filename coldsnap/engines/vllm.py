@@ -154,7 +154,7 @@ class VllmAdapter(EngineAdapter):
     def _prepare_cuda(self, request: CaptureRequest) -> PreparedLaunch:
         mode = "native" if request.policy.weights_mode in ("auto", "native") else request.policy.weights_mode
         opts = dict(request.engine.options)
-        site = Path(str(opts.pop("site", None) or settings().vllm_cuda_site))
+        site = Path(str(opts.pop("site", None) or settings().vllm_cuda_site)).resolve()
         if not (site / "vllm" / "__init__.py").exists():
             raise ColdSnapError(ErrorCode.ENVIRONMENT, f"no vLLM CUDA build in {site}: install the carry "
                                 "(packaging/device/vllm_carry.py, then its install.sh) or give --engine-opt site=DIR")
@@ -193,7 +193,7 @@ class VllmAdapter(EngineAdapter):
         }
         return PreparedLaunch(argv=argv, env=env, weights_mode=mode, model=request.model, cwd=request.launch.workdir,
                               mounts=[*host_mounts(Path(python), model_dir),
-                                      Mount(source=str(extension), target=str(extension), readonly=True)],
+                                      *(Mount(source=str(d), target=str(d), readonly=True) for d in (site, extension))],
                               **model_pinned_later(model_dir, served, request.model),
                               engine_version=_site_version(site))
 

@@ -35,7 +35,7 @@ from coldsnap.capsule import LoadedCapsule
 from coldsnap.contracts import ColdSnapError, ErrorCode, Policy, Receipt, RestoreRequest, Validation
 from coldsnap.contracts import capsule as mt
 from coldsnap.contracts.parse import first_error, short, strict_json
-from coldsnap.contracts.results import RestoreFacts
+from coldsnap.contracts.results import Hydrate, RestoreFacts
 from coldsnap.criu.creds import exceeds_spec, image_creds
 from coldsnap.criu.runc import restore_container
 from coldsnap.engines import get_adapter
@@ -210,14 +210,15 @@ def _restore(runc: str, parsed: RuncArgv, staged: StagedForRestore, spec: dict, 
         with tl.span("hydrate"):
             gpu = gpu_steps.restore_after_criu(pid) if profile.cuda_pids else gpu_steps.GpuCheckpoint()
             adapter = get_adapter(profile.engine.name)
-            target.call(adapter.after_restore, profile.kv_discarded, profile.weights_mode)
+            resumed = target.call(adapter.after_restore, profile.kv_discarded, profile.weights_mode)
     except BaseException:
         hostfiles.remove_files(put_back)  # the cold start the caller falls back to gets its files as they were
         layer.undo()
         raise
     layer.settle()
     return {"pid": pid, "t0": t0, "work_dir": str(work), "runc_restore": argv, "port": target.port,
-            "host": target.host, "cuda_processes": len(gpu.pids)}
+            "host": target.host, "cuda_processes": len(gpu.pids),
+            "hydrate": {k: v for k, v in (("cuda_restore_s", gpu.seconds), ("engine_resume", resumed)) if v}}
 
 
 def _unlock_network(netns: str | None) -> dict:
@@ -314,7 +315,8 @@ def validate_restored(state: dict) -> Validated | None:
     receipt = finish_receipt(request, cid, "restore", tl, "succeeded", result=RestoreFacts(
         container=cid, capsule=record.capsule, pid=pid, address=target.describe(),
         time_to_first_token_s=round(ttft, 4), validated_text=res.text, cuda_processes=record.cuda_processes,
-        criu_options=record.criu_options, runc_restore=record.runc_restore, weights_mode=record.weights_mode))
+        criu_options=record.criu_options, runc_restore=record.runc_restore, weights_mode=record.weights_mode,
+        hydrate=Hydrate.model_validate(record.hydrate) if record.hydrate else None))
     record.validated, record.receipt = True, str(receipt_path(cid))
     records.save(cid, record)
     return Validated(True, f"{cid} restored from {record.capsule[:19]}… and validated: first token {ttft:.3f} s "

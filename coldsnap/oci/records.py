@@ -53,6 +53,7 @@ class ShimRecord:
     work_dir: str | None = None
     runc_restore: list[str] = field(default_factory=list)
     cuda_processes: int = 0
+    hydrate: dict[str, Any] = field(default_factory=dict)  # the driver's steps and the engine's resume (receipt)
     started: bool = False
     validated: bool = False
     reason: str | None = None  # fell-back: why

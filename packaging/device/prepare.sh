@@ -8,7 +8,8 @@
 #
 # FOR=vllm: what packaging/device/vllm-gpu.sh needs beside .carry/vllm-gpu (vllm_carry.py), in one call's 64 MiB:
 # .whl without the registry client's wheels, and the CRIU prefix as one archive, .carry/gpu/criu.tar.xz (5 MiB
-# instead of 18); carry [".carry/vllm-gpu", ".whl", ".carry/gpu"].
+# instead of 18); carry [".carry/vllm-gpu", ".whl", ".carry/gpu"], and .carry/runc (vLLM in a container) in a
+# call of its own while the machine is warm.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PREFIX=${COLDSNAP_CRIU_PREFIX:-/var/lib/coldsnap/criu}
@@ -48,6 +49,5 @@ $PY -m pip download -q --only-binary=:all: --no-deps --python-version 3.12 --imp
 for ex in .whl .carry; do grep -qx "$ex" .git/info/exclude 2>/dev/null || echo "$ex" >> .git/info/exclude; done
 if [ "${FOR:-}" = vllm ]; then
   mkdir -p .carry/gpu && tar -C .carry -cJf .carry/gpu/criu.tar.xz criu
-  rm -rf .carry/runc  # GPU containers are not part of this run
 fi
 echo "prepared .carry/criu ($(du -sh .carry | cut -f1)) and .whl ($(ls .whl | wc -l) wheels: $pins)"

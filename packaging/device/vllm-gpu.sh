@@ -6,6 +6,8 @@
 #   carry [".carry/vllm-gpu", ".whl", ".carry/gpu"], then, back to back:
 #   call 1:    STEPS="install models tests" bash packaging/device/vllm-gpu.sh
 #   call 2:    STEPS="install models bench" bash packaging/device/vllm-gpu.sh   (install and models: done unless lost)
+#   call 3:    carry [".carry/runc"] (the rest is still there while the machine is warm), then
+#              STEPS="install models container" bash packaging/device/vllm-gpu.sh
 # STEPS (in this order, any subset):
 #   install  the carry into /tmp/vllm-site (kept while the machine stays warm)
 #   models   /tmp/llama-1b (1.0 GB, tests), then /tmp/llama-8b (16.1 GB, Llama 3 8B's shape, for bench) in the
@@ -13,6 +15,8 @@
 #   probe    packaging/device/vllm-sleep-probe.py: sleep levels 1 and 2 around the driver's checkpoint, by hand
 #   tests    tests/test_engine_vllm_gpu.py (capture/restore native and recovery, sleep/wake; TESTS_K: pytest -k),
 #            results in $OUT
+#   container  tests/test_gpu_container.py -k vllm: vLLM in a runc container through coldsnap-runtime
+#            (packaging/device/gpu-container.sh; runc from .carry/runc), results in $OUT
 #   bench    coldsnap bench --engine vllm --device cuda on the 8B shape (SAMPLES, default 5; VANILLA: fewer vanilla
 #            samples when device time is short), into $OUT
 set -u
@@ -34,7 +38,7 @@ if has install; then
 fi
 [ -f packaging/device/env.sh ] && [ -d .whl ] && source packaging/device/env.sh
 if has models && ! grep -q '^rc=0' /tmp/llama-8b.log 2>/dev/null; then
-  if has tests || has probe; then  # the bench needs only the 8B
+  if has tests || has probe || has container; then  # the bench needs only the 8B
     python3 -m coldsnap_reference.tinymodel /tmp/llama-1b --shape 1b > "$OUT/models.log" 2>&1; say "1b rc=$?"
   fi
   # a session of its own: it outlives this call while the machine stays warm
@@ -49,6 +53,9 @@ if has tests; then
   timeout "${TESTS_S:-560}" python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_engine_vllm_gpu.py -rs -s \
       ${TESTS_K:+-k "$TESTS_K"} \
       > "$OUT/tests.log" 2>&1; say "tests rc=$?"; tail -15 "$OUT/tests.log"
+fi
+if has container; then
+  NO_DEVICE_ENV=1 CASE=vllm TEST_TIMEOUT=${CONTAINER_S:-540} bash packaging/device/gpu-container.sh; say "container rc=$?"
 fi
 if has bench; then
   while ! grep -q '^rc=' /tmp/llama-8b.log 2>/dev/null; do sleep 2; done; say "8b model: $(tail -1 /tmp/llama-8b.log)"
