@@ -44,7 +44,8 @@ from coldsnap.flows.fallback import may_fall_back
 from coldsnap.flows.fetch import fetch, is_registry_reference
 from coldsnap.flows.receipts import failed_state, finish_receipt, receipt_path
 from coldsnap.flows.spans import Timeline
-from coldsnap.flows.staging import StagedForRestore, stage
+from coldsnap.flows.staging import StagedForRestore, reloads_weights, stage
+from coldsnap.gpu import relay
 from coldsnap.gpu import steps as gpu_steps
 from coldsnap.oci import records, runclog
 from coldsnap.oci.argv import RuncArgv
@@ -199,6 +200,13 @@ def _restore(runc: str, parsed: RuncArgv, staged: StagedForRestore, spec: dict, 
     # the new container's before CRIU looks for them
     put_back = hostfiles.put_back_container_shm(staged.files, profile.files, spec)
     layer = PutBack()
+    adapter = get_adapter(profile.engine.name)
+    # The weights go onto the GPU meanwhile, as in process mode; the engine takes them through relays in the
+    # container (coldsnap.gpu.relay): the prefetchers' sockets are host paths it cannot see.
+    prefetch_started = gpu_steps.start_prefetch_soon(
+        profile, adapter.supports_prefetch and reloads_weights(staged.capsule), {},
+        private_dir(settings().run / "prefetch"), by_file=adapter.prefetch_by_file)
+    prefetched: dict | None = None
     try:
         rootfs = root_path(spec, parsed.bundle)
         if rootfs:
@@ -209,16 +217,22 @@ def _restore(runc: str, parsed: RuncArgv, staged: StagedForRestore, spec: dict, 
         target = Target(pid=pid, port=creq.port or profile.launch.port, host=creq.host)
         with tl.span("hydrate"):
             gpu = gpu_steps.restore_after_criu(pid) if profile.cuda_pids else gpu_steps.GpuCheckpoint()
-            adapter = get_adapter(profile.engine.name)
-            resumed = target.call(adapter.after_restore, profile.kv_discarded, profile.weights_mode)
+            with relay.into_container(pid, prefetch_started().for_engine()) as inside:
+                resumed = target.call(adapter.after_restore, profile.kv_discarded, profile.weights_mode, inside)
+            # the engine has taken the copies (or read the files itself): the prefetchers can go
+            prefetched = gpu_steps.finish_prefetch(prefetch_started())
     except BaseException:
         hostfiles.remove_files(put_back)  # the cold start the caller falls back to gets its files as they were
         layer.undo()
         raise
+    finally:
+        if prefetched is None:
+            gpu_steps.finish_prefetch(prefetch_started())
     layer.settle()
+    hydrate = {"cuda_restore_s": gpu.seconds, "engine_resume": resumed,
+               "prefetch": prefetched if profile.cuda_pids else None}
     return {"pid": pid, "t0": t0, "work_dir": str(work), "runc_restore": argv, "port": target.port,
-            "host": target.host, "cuda_processes": len(gpu.pids),
-            "hydrate": {k: v for k, v in (("cuda_restore_s", gpu.seconds), ("engine_resume", resumed)) if v}}
+            "host": target.host, "cuda_processes": len(gpu.pids), "hydrate": {k: v for k, v in hydrate.items() if v}}
 
 
 def _unlock_network(netns: str | None) -> dict:
