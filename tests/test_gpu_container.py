@@ -47,7 +47,10 @@ from coldsnap.engines.reference import MODEL_ID
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
 PORT = 8000
-OPTIONS = {"cuda": {"layers": 4, "hidden": 2048, "heads": 16, "kv_mib": 1024},
+# COLDSNAP_TEST_CONTAINER_SHAPE=bench: the cuda case at the GPU bench's 10.9 GB shape (packaging/device/gpu-bench.sh)
+SHAPES = {"bench": {"layers": 6, "hidden": 6144, "heads": 48, "kv_mib": 4096}}
+OPTIONS = {"cuda": SHAPES.get(os.environ.get("COLDSNAP_TEST_CONTAINER_SHAPE", ""),
+                              {"layers": 4, "hidden": 2048, "heads": 16, "kv_mib": 1024}),
            "cpu": {"layers": 2, "hidden": 64, "heads": 2, "kv_mib": 4, "compile": False, "threads": 1}}
 PROMPTS = ["The GPU in a container says", "Restored from a capsule:"]
 
@@ -155,6 +158,8 @@ def test_container_captured_and_restored_through_the_shim(lab, device):
     finally:
         runc(root, "delete", "-f", rid)  # the next case serves at the same address
     assert after == before
+    if device == "cuda":  # the weights came onto the GPU while CRIU and the driver restored, as in process mode
+        assert restored["result"]["hydrate"]["prefetch"].get("served"), restored["result"]["hydrate"]
     print(f"\n[measured] {device} container: cold start to /health {cold_s:.1f} s; restore receipt "
           f"{json.dumps({k: restored['result'].get(k) for k in ('time_to_first_token_s', 'hydrate')})}; spans "
           f"{[(s['name'], round(s['duration_s'], 2)) for s in restored['spans']]}; capture zero pages "

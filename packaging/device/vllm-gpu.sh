@@ -15,7 +15,7 @@
 #   probe    packaging/device/vllm-sleep-probe.py: sleep levels 1 and 2 around the driver's checkpoint, by hand
 #   tests    tests/test_engine_vllm_gpu.py (capture/restore native and recovery, sleep/wake; TESTS_K: pytest -k),
 #            results in $OUT
-#   container  tests/test_gpu_container.py -k vllm: vLLM in a runc container through coldsnap-runtime
+#   container  tests/test_gpu_container.py -k "${CASE:-vllm}": vLLM in a runc container through coldsnap-runtime
 #            (packaging/device/gpu-container.sh; runc from .carry/runc), results in $OUT
 #   bench    coldsnap bench --engine vllm --device cuda on the 8B shape (SAMPLES, default 5; VANILLA: fewer vanilla
 #            samples when device time is short), into $OUT
@@ -55,7 +55,7 @@ if has tests; then
       > "$OUT/tests.log" 2>&1; say "tests rc=$?"; tail -15 "$OUT/tests.log"
 fi
 if has container; then
-  NO_DEVICE_ENV=1 CASE=vllm TEST_TIMEOUT=${CONTAINER_S:-540} bash packaging/device/gpu-container.sh; say "container rc=$?"
+  NO_DEVICE_ENV=1 CASE=${CASE:-vllm} TEST_TIMEOUT=${CONTAINER_S:-540} bash packaging/device/gpu-container.sh; say "container rc=$?"
 fi
 if has bench; then
   while ! grep -q '^rc=' /tmp/llama-8b.log 2>/dev/null; do sleep 2; done; say "8b model: $(tail -1 /tmp/llama-8b.log)"
