@@ -185,7 +185,7 @@ def _drop(path: Path) -> None:
 def run(out_dir, size_mib: int = 2048, repeats: int = 3) -> dict:
     """Create a capsule whose weights are one random size_mib file (pinned piece by piece, as a capture pins
     large weights), push/pull it `repeats` times, compare with curl."""
-    from coldsnap.base.digests import CHUNK_BYTES, pinned_digests
+    from coldsnap.base.digests import pin_piece_bytes, pinned_digests
     from coldsnap.capsule.payload import put_weights
     from coldsnap.capsule.store import CapsuleStore, Descriptor
     from coldsnap.contracts import CapsuleProfile, HostProfile, Model, NetworkPlan, WeightFile
@@ -203,7 +203,7 @@ def run(out_dir, size_mib: int = 2048, repeats: int = 3) -> dict:
             f.write(os.urandom(1 << 20))
     whole, chunks = pinned_digests(weights_file)
     wf = WeightFile(path=str(weights_file), sha256=whole, size=weights_file.stat().st_size,
-                    chunk_bytes=CHUNK_BYTES if chunks else None, chunks=chunks)
+                    chunk_bytes=pin_piece_bytes() if chunks else None, chunks=chunks)
     weights = put_weights(src, [wf])
     images = work / "images.bin"
     images.write_bytes(os.urandom(1 << 20))
@@ -219,7 +219,7 @@ def run(out_dir, size_mib: int = 2048, repeats: int = 3) -> dict:
     layer = Descriptor(mt.LAYER_WEIGHTS, "sha256:" + whole, wf.size)  # the weights blob: what the rows move
     blob = src.blob_path(layer.digest)
     result: dict = {"size_bytes": layer.size, "layer_digest": layer.digest, "manifest_digest": digest,
-                    "pieces": len(chunks), "piece_bytes": CHUNK_BYTES,
+                    "pieces": len(chunks), "piece_bytes": pin_piece_bytes(),
                     "push": [], "pull": [], "pull_one_stream": [], "curl_put": [], "curl_get_devnull": [],
                     "curl_get_file": [], "pull_tmpfs": [], "pull_tmpfs_one_stream": []}
     shm = Path("/dev/shm") / f"coldsnap-registry-bench-{os.getpid()}"

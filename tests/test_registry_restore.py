@@ -124,17 +124,54 @@ def test_a_restore_of_a_registry_reference_admits_and_stages_while_its_weights_s
     assert e.value.code == ErrorCode.CAPSULE_UNPINNED and e.value.receipt is not None
 
 
+def test_a_restore_streaming_its_weights_by_pieces_restores_with_criu_while_they_arrive(
+        registry, tmp_path, monkeypatch):  # noqa: F811
+    """Weights pinned piece by piece (1 MiB pieces here, so that the test's small model has several): the pull
+    fetches them by pieces into a partial file of full size, the restore links it at the weights' path and CRIU
+    restores the engine while the pieces still arrive (through a throttling proxy); the engine resumes only once
+    the whole blob is in, checked and listed, and then its file is the store's blob."""
+    origin_host(tmp_path, monkeypatch)
+    monkeypatch.setenv("COLDSNAP_PIN_PIECE_MIB", "1")
+    cap, weights = captured_and_pushed(registry, "pyt-reg-pieces", "one", "pieces")
+    assert len(weights.chunks) >= 3, weights.size
+    become_a_fresh_host(tmp_path, monkeypatch, weights)
+    slow = Throttle(registry, rate=max(weights.size // 3, 1 << 20))  # the weights take ~3 s
+    try:
+        ref = f"{slow.address}/coldsnap/pieces@{cap.capsule}"
+        r = restore(RestoreRequest(operation="restore", capsule=ref, insecure_registry=True,
+                                   policy=Policy(fallback_to_cold=False)))
+    finally:
+        slow.close()
+    try:
+        assert r.state == "succeeded" and r.result.validated_text == cap.profile.expected_text
+        names = [s.name for s in r.spans]
+        assert "weights" not in names, names  # nothing waited for them before CRIU
+        criu = next(s for s in r.spans if s.name == "criu-restore")
+        assert criu.start_s + criu.duration_s < r.result.pull["seconds"], (r.spans, r.result.pull)  # mid-stream
+        assert r.result.hydrate.weights_wait_s > 0  # the engine's resume waited for the rest
+        store = CapsuleStore(settings().store)
+        assert any(m["digest"] == cap.capsule for m in store.index())
+        assert os.path.samefile(weights.path, store.blob_path("sha256:" + weights.sha256))
+    finally:
+        stop_workload(load_state(r.result.workload))
+        os.replace(weights.path + ".gone", weights.path)
+
+
+@pytest.mark.parametrize("pieces", [False, True], ids=["one-stream", "by-pieces"])
 def test_a_streamed_restore_whose_weights_fail_their_pin_fails_and_lists_nothing(registry, tmp_path,  # noqa: F811
-                                                                                 monkeypatch):
+                                                                                 monkeypatch, pieces):
     """A weights blob altered in the registry: the restore, already admitted and staged while the weights came,
-    fails with exit 4 before CRIU (no cold start: the capsule is what is wrong), starts no workload, and the store
-    lists nothing and keeps no blob."""
+    fails with exit 4 (no cold start: the capsule is what is wrong), leaves no workload, and the store lists
+    nothing and keeps no blob. By pieces, CRIU has restored the engine meanwhile: the engine never resumes, and
+    the link at the weights' path goes with it."""
     from test_registry import registry_blob_file
 
     from coldsnap.contracts import ColdSnapError, ErrorCode
     from coldsnap.workload.state import list_states
 
     origin_host(tmp_path, monkeypatch)
+    if pieces:
+        monkeypatch.setenv("COLDSNAP_PIN_PIECE_MIB", "1")
     cap, weights = captured_and_pushed(registry, "pyt-reg-bad", "bad", "badweights")
     blob = registry_blob_file(registry, "sha256:" + weights.sha256)
     original = blob.read_bytes()
@@ -205,17 +242,23 @@ class Throttle:
         self.listener.close()
 
 
+@pytest.mark.parametrize("pieces", [False, True], ids=["one-stream", "by-pieces"])
 def test_a_restore_killed_while_its_weights_stream_lists_nothing_and_the_next_one_works(
-        registry, tmp_path, monkeypatch):  # noqa: F811
+        registry, tmp_path, monkeypatch, pieces):  # noqa: F811
     """`coldsnap restore` of a registry reference SIGKILLed in the middle of its weights: the store lists neither
-    the capsule nor the weights blob, no workload is left; the next restore completes the pull and validates."""
+    the capsule nor the weights blob, no workload is left; the next restore completes the pull and validates. By
+    pieces, CRIU has restored the engine by then, with the partial linked at the weights' path: what the next
+    command does first (coldsnap.flows.recovery) stops it and removes the link."""
     import signal
     import sys
     import time
 
+    from coldsnap.flows.recovery import recover
     from coldsnap.workload.state import list_states
 
     origin_host(tmp_path, monkeypatch)
+    if pieces:
+        monkeypatch.setenv("COLDSNAP_PIN_PIECE_MIB", "1")
     cap, weights = captured_and_pushed(registry, "pyt-reg-kill", "kill", "killed")
     become_a_fresh_host(tmp_path, monkeypatch, weights)
     slow = Throttle(registry, rate=max(weights.size // 8, 1 << 20))  # the weights take ~8 s
@@ -226,12 +269,16 @@ def test_a_restore_killed_while_its_weights_stream_lists_nothing_and_the_next_on
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         part = tmp_path / "fresh-store" / "tmp" / f"{weights.sha256}.partial"
         deadline = time.monotonic() + 120
-        while not (part.exists() and part.stat().st_size > 0):  # the weights are on their way
+        # on their way; by pieces, the partial (full size at once) linked where CRIU restores the engine from
+        while not (os.path.exists(weights.path) if pieces else part.exists() and part.stat().st_size > 0):
             assert proc.poll() is None and time.monotonic() < deadline, "the restore ended before its weights came"
             time.sleep(0.05)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-        assert part.stat().st_size < weights.size  # killed mid-stream
+        assert part.exists() and (pieces or part.stat().st_size < weights.size)  # killed mid-stream
+        if pieces:
+            assert os.path.samefile(weights.path, part)
+            assert any("interrupted" in line for line in recover())
         fresh = CapsuleStore(settings().store)
         assert fresh.index() == [] and not fresh.has_blob("sha256:" + weights.sha256)
         assert not os.path.exists(weights.path) and not [w for w in list_states() if w.name == "pyt-reg-kill"]

@@ -117,6 +117,19 @@ def checked_sha256(path: str | os.PathLike) -> tuple[str, int]:
 CHUNK_BYTES = 256 << 20
 
 
+def pin_piece_bytes() -> int:
+    """The pieces a large weights file is pinned by: CHUNK_BYTES, or COLDSNAP_PIN_PIECE_MIB (at least 1) MiB.
+    Smaller pieces let a small model's pull go piece by piece too, at the cost of more pins in its profile."""
+    from coldsnap.base.paths import settings
+
+    raw = settings().pin_piece_mib
+    try:
+        mib = int(raw)
+    except ValueError:
+        raise ValueError(f"COLDSNAP_PIN_PIECE_MIB must be a whole number of MiB, not {raw!r}") from None
+    return max(1, mib) << 20
+
+
 def chunk_sha256(fd: int, offset: int, length: int) -> str:
     h = hashlib.sha256()
     done = 0
@@ -143,10 +156,13 @@ def chunk_sha256s(path: str | os.PathLike, chunk_bytes: int = CHUNK_BYTES) -> li
         os.close(fd)
 
 
-def pinned_digests(path: str | os.PathLike, chunk_bytes: int = CHUNK_BYTES) -> tuple[str, list[str]]:
+def pinned_digests(path: str | os.PathLike, chunk_bytes: int | None = None) -> tuple[str, list[str]]:
     """(sha256 hex of the whole file, its chunks' sha256s; [] for a file of one chunk or less) for pinning a
-    weights file: the chunks are hashed beside the whole-file stream, so they cost no time of their own."""
+    weights file: the chunks (default: pin_piece_bytes()) are hashed beside the whole-file stream, so they cost no
+    time of their own."""
     from concurrent.futures import ThreadPoolExecutor
+
+    chunk_bytes = chunk_bytes or pin_piece_bytes()
 
     key = os.path.abspath(os.fspath(path))
     before = os.stat(key)

@@ -101,6 +101,13 @@ class ShmFiles(Thing, kind="files"):
     with_workload: bool = False
 
 
+class Linked(Thing, kind="linked"):
+    """Weight files linked at their pinned paths to blobs still streaming in: removed if the operation dies before
+    the whole blobs took their place."""
+
+    paths: list[str]
+
+
 class CudaTree(Thing, kind="cuda"):
     """A process tree whose CUDA state the driver checkpointed: restored if the operation dies."""
 

@@ -67,12 +67,17 @@ def weight_layers(store: CapsuleStore, capsule: LoadedCapsule) -> list[Descripto
         return []
 
 
+def pinned_modes(store: CapsuleStore, capsule: LoadedCapsule) -> dict[str, int]:
+    """Each weights blob's file mode as captured (CRIU restores a process that maps the file only if it matches)."""
+    return {d.digest: int((d.annotations or {}).get(mt.ANNOTATION_MODE, "0o644"), 8)
+            for d in weight_layers(store, capsule)}
+
+
 def materialize(store: CapsuleStore, capsule: LoadedCapsule, weights: list[WeightFile]) -> list[str]:
     """Put missing weight files back at their pinned paths (and modes) from the capsule's verified weights blobs."""
     placed = []
     source = f"payload {capsule.payload}" if capsule.payload else f"capsule {capsule.digest}"
-    modes = {d.digest: int((d.annotations or {}).get(mt.ANNOTATION_MODE, "0o644"), 8)
-             for d in weight_layers(store, capsule)}
+    modes = pinned_modes(store, capsule)
     for wf in weights:
         if os.path.exists(wf.path) and os.path.getsize(wf.path) > 0:
             continue  # verify_weights checks its digest

@@ -16,7 +16,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import requests
 
@@ -42,6 +42,67 @@ def wanted() -> bool:
 def workers() -> int:
     """Connections at once: receiving, hashing and writing all release the GIL, so one per core, at least two."""
     return max(2, min(8, os.cpu_count() or 1))
+
+
+class Arrivals:
+    """Where the weights blobs of a pull by pieces stand, for a restore that uses them before they are whole: each
+    blob's partial file (its full size from the start: CRIU can restore a process that maps it) and the pieces
+    checked against their pins so far. Nothing but checked pieces is ever announced; `end` says the pull is over
+    (listed, or failed), and whoever waits stops waiting."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._partial: dict[str, Path] = {}  # blob digest → its partial file, once at full size
+        self._checked: dict[str, list[tuple[int, int]]] = {}  # blob digest → (offset, length) checked, in order
+        self._done: set[str] = set()  # blobs fetched whole (every piece checked)
+        self.ended = False
+
+    def sized(self, digest: str, path: Path) -> None:
+        with self._cond:
+            self._partial[digest] = path
+            self._cond.notify_all()
+
+    def checked(self, digest: str, offset: int, length: int) -> None:
+        with self._cond:
+            self._checked.setdefault(digest, []).append((offset, length))
+            self._cond.notify_all()
+
+    def complete(self, digest: str) -> None:
+        with self._cond:
+            self._done.add(digest)
+            self._cond.notify_all()
+
+    def end(self) -> None:
+        with self._cond:
+            self.ended = True
+            self._cond.notify_all()
+
+    def partial(self, digest: str, timeout: float) -> Path | None:
+        """The blob's partial file once it has its full size; None when the pull ends (or times out) first, or
+        fetches this blob some other way."""
+        with self._cond:
+            self._cond.wait_for(lambda: digest in self._partial or self.ended, timeout)
+            return self._partial.get(digest)
+
+    def pieces(self, digest: str, timeout: float) -> Iterator[tuple[int, int]]:
+        """Each checked piece of the blob, (offset, length), as it is checked; ends once every piece is (or the pull
+        ends: the caller asks `whole` whether it got them all)."""
+        seen = 0
+        while True:
+            with self._cond:
+                if not self._cond.wait_for(lambda n=seen: len(self._checked.get(digest, ())) > n  # type: ignore[misc]
+                                           or digest in self._done or self.ended, timeout):
+                    return
+                new = self._checked.get(digest, [])[seen:]
+                over = not new and (digest in self._done or self.ended)
+            if over:
+                return
+            seen += len(new)
+            yield from new
+
+    def whole(self, digest: str) -> bool:
+        with self._cond:
+            return digest in self._done
 
 
 def covers(wf: WeightFile, size: int) -> bool:
@@ -72,10 +133,12 @@ def _fetch_piece(client, url: str, fd: int, offset: int, length: int, pin: str, 
 
 
 def fetch_by_pieces(new_client: Callable[[], object], url: str, part: Path, size: int, wf: WeightFile,
-                    what: str, progress: Callable[[int, int], None] | None = None) -> tuple[int, int]:
+                    what: str, progress: Callable[[int, int], None] | None = None,
+                    arrivals: Arrivals | None = None, digest: str = "") -> tuple[int, int]:
     """Bring `part` to the blob of `size` bytes that wf pins, piece by piece. Returns (bytes received, bytes kept
     from an earlier partial). Raises NoRanges (the caller fetches it as one stream) or CAPSULE_CORRUPT (a piece does
-    not match its pin: the partial is removed)."""
+    not match its pin: the partial is removed). arrivals: told the partial once at full size, and each piece once
+    checked (those kept from an earlier partial first)."""
     cb = wf.chunk_bytes
     if cb is None:  # callers check covers() first
         raise ValueError(f"{what}: the weights are not pinned by pieces")
@@ -88,6 +151,11 @@ def fetch_by_pieces(new_client: Callable[[], object], url: str, part: Path, size
             ok = pool.map(lambda p: chunk_sha256(fd, p[1], p[2]) == wf.chunks[p[0]], there)
             kept = {p[0] for p, good in zip(there, ok) if good}
         os.ftruncate(fd, size)
+        if arrivals is not None:
+            arrivals.sized(digest, part)
+            for i, offset, length in pieces:
+                if i in kept:
+                    arrivals.checked(digest, offset, length)
         todo = [p for p in pieces if p[0] not in kept]
         lock, local = threading.Lock(), threading.local()
         done = [sum(p[2] for p in pieces if p[0] in kept), 0]  # bytes in place, bytes received
@@ -105,7 +173,10 @@ def fetch_by_pieces(new_client: Callable[[], object], url: str, part: Path, size
             i, offset, length = piece
             for attempt in range(ATTEMPTS):
                 try:
-                    return _fetch_piece(local.client, url, fd, offset, length, wf.chunks[i], what, counted)
+                    good = _fetch_piece(local.client, url, fd, offset, length, wf.chunks[i], what, counted)
+                    if good and arrivals is not None:
+                        arrivals.checked(digest, offset, length)
+                    return good
                 except BROKEN:
                     if attempt == ATTEMPTS - 1:
                         raise ColdSnapError(ErrorCode.REGISTRY, f"{what}: the connection broke {ATTEMPTS} times "
@@ -120,6 +191,8 @@ def fetch_by_pieces(new_client: Callable[[], object], url: str, part: Path, size
             part.unlink(missing_ok=True)
             raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"{what}: the piece at byte {bad} does not match the "
                                 "pin of the capsule's weights: refused, nothing kept")
+        if arrivals is not None:  # every piece checked: what streams onward has it all; the disk catches up below
+            arrivals.complete(digest)
         os.fsync(fd)
         return done[1], sum(p[2] for p in pieces if p[0] in kept)
     finally:

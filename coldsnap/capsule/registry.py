@@ -506,13 +506,14 @@ def _fetch_blob(client: _Client, store: CapsuleStore, desc: Descriptor,
 
 
 def _fetch_pieces(client: _Client, store: CapsuleStore, desc: Descriptor, wf: WeightFile,
-                  progress: TransferProgress | None) -> tuple[int, int] | None:
+                  progress: TransferProgress | None, arrivals: pieces.Arrivals | None = None) -> tuple[int, int] | None:
     """(received, resumed) of a blob fetched by pieces, or None when the registry does not answer ranges."""
     try:
         return pieces.fetch_by_pieces(lambda: _Client(client.ref, client.scheme == "http"),
                                       f"{client.base}/blobs/{desc.digest}", partial_path(store, desc.digest),
                                       desc.size, wf, f"fetching blob {desc.digest}",
-                                      (lambda done, total: progress(desc.digest, done, total)) if progress else None)
+                                      (lambda done, total: progress(desc.digest, done, total)) if progress else None,
+                                      arrivals, desc.digest)
     except pieces.NoRanges:
         partial_path(store, desc.digest).unlink(missing_ok=True)
         return None
@@ -537,14 +538,14 @@ def _the_capsule_listed(client: "_Client", listed: list) -> str | None:
 
 def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: bool = False,
          progress: TransferProgress | None = None, artifact_type: str = mt.ARTIFACT_TYPE,
-         on_blobs: Callable[[str, dict], None] | None = None, pins: dict[str, WeightFile] | None = None
-         ) -> PullResult:
+         on_blobs: Callable[[str, dict], None] | None = None, pins: dict[str, WeightFile] | None = None,
+         arrivals: pieces.Arrivals | None = None) -> PullResult:
     """Fetch the capsule `ref` into `store`; returns its manifest digest (a PullResult: .bytes_transferred …).
     For a capsule whose weights travel apart, on_blobs(digest, manifest) is called once the capsule's own blobs, its
     manifest, provenance and signatures are in the store (verified): it loads and admits from then on, before the
     weights move, and is listed only once they are in. Weights blobs that the
     capsule pins piece by piece (from its verified profile; `pins` for an earlier capsule's payload) are fetched
-    and checked by pieces."""
+    and checked by pieces; `arrivals` hears of each piece checked (a restore that streams them onward)."""
     t0 = time.monotonic()
     remote = parse_remote(ref)
     if not remote.digest and not allow_unpinned:
@@ -572,14 +573,16 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
                        None)
         if capsule is None:
             raise _corrupt(f"{remote} is a ColdSnap index that lists no capsule")
-        return pull(store, f"{remote.tagged}@{capsule}", insecure, True, progress, artifact_type, on_blobs, pins)
+        return pull(store, f"{remote.tagged}@{capsule}", insecure, True, progress, artifact_type, on_blobs, pins,
+                    arrivals)
     if manifest.get("mediaType") == mt.INDEX_MEDIA_TYPE or "manifests" in manifest:
         listed = [m.get("digest") for m in manifest.get("manifests") or [] if isinstance(m, dict)]
         # A copy tool that rewrites the index (skopeo copy --all) drops its artifactType markers, keeping the
         # manifests as they are: the one capsule among them is still the capsule this tag names.
         capsule = _the_capsule_listed(client, listed) if artifact_type == mt.ARTIFACT_TYPE else None
         if capsule is not None:
-            return pull(store, f"{remote.tagged}@{capsule}", insecure, True, progress, artifact_type, on_blobs, pins)
+            return pull(store, f"{remote.tagged}@{capsule}", insecure, True, progress, artifact_type, on_blobs, pins,
+                    arrivals)
         raise _corrupt(f"{remote} names an OCI image index of {len(listed)} manifest(s) "
                        f"({', '.join(str(d) for d in listed[:3])}{'…' if len(listed) > 3 else ''}), not a capsule: "
                        "pull a capsule by its own digest")
@@ -612,13 +615,13 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
             pins = _weight_pins(store, manifest)
         if payload:  # an earlier capsule: its weights are a payload artifact of their own
             pulled.append(pull(store, f"{remote.name}@{payload}", insecure, True, progress,
-                               artifact_type=mt.PAYLOAD_ARTIFACT_TYPE, pins=pins))
+                               artifact_type=mt.PAYLOAD_ARTIFACT_TYPE, pins=pins, arrivals=arrivals))
         if template:  # pinned by this manifest; verified and trusted as a capsule of its own
             got = _pull_template(store, f"{remote.name}@{template}", insecure, progress)
             pulled += [got] if got is not None else []
             template_found = got is not None
         result = _pull_capsule(store, client, remote, raw, digest, manifest, artifact_type, progress,
-                               pulled[0] if payload else None, t0, early, pins, signatures)
+                               pulled[0] if payload else None, t0, early, pins, signatures, arrivals)
     except ColdSnapError as e:
         if e.code == ErrorCode.CAPSULE_CORRUPT and (pulled or early.digests):  # a refused pull keeps nothing
             from coldsnap.capsule.gc import discard
@@ -677,7 +680,7 @@ def _present_for(store: CapsuleStore, d: Descriptor, wf: WeightFile | None) -> b
 
 
 def _fetch_missing(store: CapsuleStore, client: "_Client", descs: list[Descriptor], progress,
-                   pins: dict[str, WeightFile] | None = None) -> _Fetched:
+                   pins: dict[str, WeightFile] | None = None, arrivals: pieces.Arrivals | None = None) -> _Fetched:
     """Fetch the blobs the store lacks, then publish them once every one verified (a refused one: none, and no
     partial kept). A weights blob in `pins` is fetched and checked piece by piece. The caller holds their locks."""
     got = _Fetched()
@@ -689,7 +692,7 @@ def _fetch_missing(store: CapsuleStore, client: "_Client", descs: list[Descripto
             if _present_for(store, d, wf):
                 continue
             if wf is not None and pieces.wanted() and pieces.covers(wf, d.size) and \
-                    (got_pieces := _fetch_pieces(client, store, d, wf, progress)):
+                    (got_pieces := _fetch_pieces(client, store, d, wf, progress, arrivals)):
                 received, resumed = got_pieces
                 by_pieces[d.digest] = wf
             else:
@@ -724,13 +727,14 @@ def _provenance(client: "_Client", store: CapsuleStore, remote: RemoteRef, diges
 
 def _pull_capsule(store: CapsuleStore, client: "_Client", remote: RemoteRef, raw: bytes, digest: str, manifest: dict,
                   artifact_type: str, progress, payload_result, t0: float, early: _Fetched,
-                  pins: dict[str, WeightFile] | None = None, signatures: int | None = None) -> PullResult:
+                  pins: dict[str, WeightFile] | None = None, signatures: int | None = None,
+                  arrivals: pieces.Arrivals | None = None) -> PullResult:
     descs = _descriptors(manifest, digest)
     tag = f"{remote.name}:{remote.tag}" if remote.tag else None
     # Lock every blob of the capsule, present or not: gc leaves locked blobs alone, and a concurrent pull of a
     # shared blob waits here and then finds it present.
     with _blob_locks(store, [d.digest for d in descs] + [digest]):
-        got = _fetch_missing(store, client, descs, progress, pins)
+        got = _fetch_missing(store, client, descs, progress, pins, arrivals)
         # Every blob here and verified: the manifest, then the tag.
         had_manifest = store.has_blob(digest)
         mdesc = store.put_bytes(raw, manifest.get("mediaType", mt.MANIFEST_MEDIA_TYPE))

@@ -58,6 +58,8 @@ class Hydrate(Strict):
     cuda_restore_per_pid_s: dict[str, dict[str, float]] | None = None
     engine_resume: Account | None = None
     prefetch: Account | None = None
+    weights_wait_s: float | None = Field(default=None, description="A streamed pull: how long the engine's resume "
+                                         "waited for the rest of its weights (CRIU and the driver restored meanwhile).")
 
 
 class Ranks(Strict):

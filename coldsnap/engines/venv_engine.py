@@ -176,7 +176,7 @@ def describe_model_dir(directory: str | os.PathLike, model_id: str):
     revision that is the digest of every file the engine reads (weights, config, tokenizer)."""
     import hashlib
 
-    from coldsnap.base.digests import CHUNK_BYTES, pinned_digests
+    from coldsnap.base.digests import pin_piece_bytes, pinned_digests
     from coldsnap.contracts import Model, WeightFile
 
     d = Path(directory).resolve()
@@ -187,5 +187,5 @@ def describe_model_dir(directory: str | os.PathLike, model_id: str):
         h.update(f"{p.name}\0{digest}\n".encode())
         if p.suffix == ".safetensors":
             weights.append(WeightFile(path=str(p), sha256=digest, size=p.stat().st_size,
-                                      chunk_bytes=CHUNK_BYTES if chunks else None, chunks=chunks))
+                                      chunk_bytes=pin_piece_bytes() if chunks else None, chunks=chunks))
     return Model(id=model_id, revision=f"sha256:{h.hexdigest()}", weights=weights)

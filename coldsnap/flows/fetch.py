@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from coldsnap.base.paths import settings
 from coldsnap.base.progress import Progress
 from coldsnap.capsule import CapsuleStore
+from coldsnap.capsule.pieces import Arrivals
 from coldsnap.contracts import RestoreRequest
 
 
@@ -46,6 +47,7 @@ class Arriving:
     thread: threading.Thread
     outcome: dict  # "result" (a PullResult) or "error", once the thread ends
     facts: dict  # the receipt's `pull`, completed when it ends
+    pieces: Arrivals  # the weights blobs' partial files and the pieces checked so far (those fetched by pieces)
 
     def wait(self) -> None:
         """Until the weights are in the store, verified and the capsule listed; raises what failed the pull."""
@@ -78,6 +80,7 @@ def fetch(request: RestoreRequest, progress: Progress) -> tuple[RestoreRequest, 
         return request.model_copy(update={"capsule": digest}), {"from": ref, "pulled": False}, None
     here = threading.Event()
     outcome: dict = {}
+    arrivals = Arrivals()
 
     def on_blobs(digest: str, manifest: dict) -> None:
         outcome["digest"] = digest
@@ -89,10 +92,11 @@ def fetch(request: RestoreRequest, progress: Progress) -> tuple[RestoreRequest, 
         transfer = getattr(progress, "transfer", None)  # a display that shows transfers (the CLI's) gets the bytes
         try:
             outcome["result"] = pull(store, ref, insecure=insecure, allow_unpinned=request.policy.allow_unpinned,
-                                     progress=transfer, on_blobs=on_blobs)
+                                     progress=transfer, on_blobs=on_blobs, arrivals=arrivals)
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits for it
             outcome["error"] = e
         finally:
+            arrivals.end()
             here.set()
 
     progress(f"pulling {ref}")
@@ -100,7 +104,7 @@ def fetch(request: RestoreRequest, progress: Progress) -> tuple[RestoreRequest, 
     puller.start()
     here.wait()
     facts = {"from": ref, "pulled": True}
-    arriving = Arriving(puller, outcome, facts)
+    arriving = Arriving(puller, outcome, facts, arrivals)
     if "digest" in outcome and puller.is_alive():
         facts.update(digest=outcome["digest"], streamed=True)
         return request.model_copy(update={"capsule": outcome["digest"]}), facts, arriving

@@ -23,7 +23,18 @@ from contextlib import suppress
 from pathlib import Path
 
 from coldsnap.base import journal as journals
-from coldsnap.base.journal import CudaTree, Dir, Journal, Network, Released, ShmFiles, Validated, Workload, same_process
+from coldsnap.base.journal import (
+    CudaTree,
+    Dir,
+    Journal,
+    Linked,
+    Network,
+    Released,
+    ShmFiles,
+    Validated,
+    Workload,
+    same_process,
+)
 from coldsnap.base.procfs import alive, in_network_namespace
 from coldsnap.base.progress import Progress, quiet
 from coldsnap.contracts import ColdSnapError, NetworkPlan
@@ -118,7 +129,7 @@ def _undo(j: Journal) -> str:
             plan = NetworkPlan.model_validate(t.plan)
             if not _claimed(plan.netns, j):
                 destroy_network(plan)
-        elif isinstance(t, ShmFiles) and not kept:
+        elif isinstance(t, (ShmFiles, Linked)) and not kept:
             for path in t.paths:
                 Path(path).unlink(missing_ok=True)
         elif isinstance(t, Dir) and not (kept and t.workload_dir):

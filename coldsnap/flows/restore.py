@@ -11,7 +11,7 @@ import uuid
 from contextlib import ExitStack
 
 from coldsnap.base.files import private_dir
-from coldsnap.base.journal import Dir, Journal, Network, Workload, start_time
+from coldsnap.base.journal import Dir, Journal, Linked, Network, Workload, start_time
 from coldsnap.base.paths import settings
 from coldsnap.base.procfs import alive, descendants
 from coldsnap.base.progress import Progress, quiet
@@ -26,10 +26,10 @@ from coldsnap.engines.lease import hold as hold_lease
 from coldsnap.flows.admission import admit_capsule, load_capsule
 from coldsnap.flows.coldstart import start_cold
 from coldsnap.flows.fallback import may_fall_back
-from coldsnap.flows.fetch import fetch, is_registry_reference
+from coldsnap.flows.fetch import Arriving, fetch, is_registry_reference
 from coldsnap.flows.receipts import finish_receipt, receipt_on_failure
 from coldsnap.flows.spans import Timeline
-from coldsnap.flows.staging import StagedForRestore, put_back_files, reloads_weights, stage
+from coldsnap.flows.staging import StagedForRestore, link_arriving, put_back_files, reloads_weights, stage, unlink_all
 from coldsnap.gpu import steps as gpu_steps
 from coldsnap.net import destroy_network, netns_path, new_network
 from coldsnap.workload.claim import claimed
@@ -77,7 +77,7 @@ def restore(request: RestoreRequest, progress: Progress = quiet) -> Receipt:
                 if arriving is not None and (cause := arriving.failed()) is not None:
                     raise cause from None  # the stream's refusal took the blobs staging was reading
                 raise
-        if staged.weights_later is not None:  # admitted and staged while they arrived; CRIU needs them in place
+        if staged.weights_later is not None and op == "prepare":  # admitted and staged while they arrived
             with tl.span("weights"):
                 staged.weights_later()
         progress(f"staged {capsule.digest[:19]}… (all digests verified)")
@@ -85,8 +85,11 @@ def restore(request: RestoreRequest, progress: Progress = quiet) -> Receipt:
             result = RestoreFacts(capsule=capsule.digest, staged=str(staged.images.parent), admission="admitted")
         else:
             try:
-                result = _restore_staged(request, staged, tl, progress)
+                result = _restore_staged(request, staged, tl, progress, arriving)
             except ColdSnapError as e:
+                if staged.weights_later is not None:  # a cold start reads the weights: all of them, checked
+                    with tl.span("weights"):
+                        staged.weights_later()
                 return _fall_back(request, capsule, tl, op_id, e, progress)
         # what every receipt of this restore or prepare carries: where staging went, and a template's reason
         result.stage_parts, result.instead_of, result.pull = staged.parts, instead_of, pulled or None
@@ -119,7 +122,7 @@ def workload_name(request: RestoreRequest, profile) -> str:
 
 
 def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timeline,
-                    progress: Progress) -> RestoreFacts:
+                    progress: Progress, arriving: Arriving | None = None) -> RestoreFacts:
     profile = staged.capsule.profile
     name = workload_name(request, profile)
     gpu_steps.refuse_without_room(profile, request.gpu_map)
@@ -130,11 +133,24 @@ def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timel
     ok = False
     # Journaled before it exists: a restore killed before its validation leaves nothing running once someone looks.
     journal = Journal.begin("restore", workload=name, capsule=staged.capsule.digest)
+    linked = None  # weights still streaming in, linked at their paths: CRIU restores meanwhile (staging.link_arriving)
+    if staged.weights_later is not None:
+        entry = linked = journal.add(Linked([]))
+        paths = link_arriving(staged, arriving.pieces, lambda p: journal.update(entry, paths=p)) \
+            if arriving is not None else None
+        if paths is None:  # some file comes as one stream: CRIU needs the weights in place first
+            journal.drop(linked)
+            linked = None
+            with tl.span("weights"):
+                staged.weights_later()
+                staged.weights_later = None
     t0 = time.monotonic()  # the restore clock: staging is excluded, as for a vanilla start
-    # The weights go onto the GPU meanwhile, when they can (a process of its own; the engine takes them at resume).
-    prefetch_started = gpu_steps.start_prefetch_soon(
+    # The weights go onto the GPU meanwhile, when they can (a process of its own; the engine takes them at resume);
+    # weights still streaming in go there once they are whole.
+    prefetch_started = None if linked else gpu_steps.start_prefetch_soon(
         profile, adapter.supports_prefetch and reloads_weights(staged.capsule), request.gpu_map,
         private_dir(settings().run / "prefetch"), by_file=adapter.prefetch_by_file)
+    weights_wait_s = None
     try:
         with tl.span("network"):
             # A network of its own, whatever the capture's was: the engine listens on 0.0.0.0, its own connections
@@ -160,6 +176,16 @@ def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timel
         criu_account = criu_stats(work, "restore")
         with tl.span("hydrate"):
             gpu = gpu_steps.restore_after_criu(pid, gpu_pairs=list(request.gpu_map.items()) or None)
+            if linked is not None and staged.weights_later is not None:  # the engine takes them next: all, checked
+                t = time.monotonic()
+                staged.weights_later(linked.paths)
+                staged.weights_later = None
+                journal.drop(linked)
+                weights_wait_s = round(time.monotonic() - t, 4)
+                prefetch_started = gpu_steps.start_prefetch_soon(
+                    profile, adapter.supports_prefetch and reloads_weights(staged.capsule), request.gpu_map,
+                    private_dir(settings().run / "prefetch"), by_file=adapter.prefetch_by_file)
+            assert prefetch_started is not None
             prefetch = prefetch_started()
             engine = adapter.after_restore(plan.workload_address, plan.port, profile.kv_discarded,
                                            profile.weights_mode, prefetched=prefetch.for_engine())
@@ -189,13 +215,13 @@ def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timel
             time_to_first_token_s=round(ttft, 4), validated_text=res.text, cuda_processes=len(gpu.pids),
             first_token_monotonic_s=round(res.first_token_s, 6), criu_options=options.cli_flags(),
             hydrate=Hydrate(cuda_restore_s=gpu.seconds, cuda_restore_per_pid_s=gpu.per_pid if len(gpu.pids) > 1
-                            else None, engine_resume=engine, prefetch=prefetched),
+                            else None, engine_resume=engine, prefetch=prefetched, weights_wait_s=weights_wait_s),
             criu_stats=criu_account, lazy_pages={"all_in_s": pages_in_s} if lazy else None,
             weights_mode=profile.weights_mode, ranks=ranks)
     finally:
         if lease is not None:
             lease.release()
-        if prefetched is None:  # failed before the first token: reap the prefetchers whatever they did
+        if prefetched is None and prefetch_started is not None:  # failed before the first token: reap them
             gpu_steps.finish_prefetch(prefetch_started())
         if not ok:
             if pid is not None:
@@ -206,6 +232,8 @@ def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timel
                 destroy_network(NetworkPlan.model_validate(network.plan))
         for d in journal.of(Dir):
             shutil.rmtree(d.path, ignore_errors=True)
+        for early in journal.of(Linked):  # still the partial's: nothing may read them (the fallback places them)
+            unlink_all(early.paths)
         journal.close()
 
 

@@ -19,7 +19,8 @@ from coldsnap.base.journal import Dir, Journal
 from coldsnap.base.paths import settings
 from coldsnap.capsule import CapsuleStore, LoadedCapsule, unpack_layer
 from coldsnap.capsule import staged as staged_area
-from coldsnap.capsule.payload import materialize
+from coldsnap.capsule.payload import materialize, pinned_modes
+from coldsnap.capsule.pieces import Arrivals
 from coldsnap.capsule.pinned import verify_weights
 from coldsnap.contracts import ColdSnapError, ErrorCode
 from coldsnap.contracts import capsule as mt
@@ -34,8 +35,9 @@ class StagedForRestore:
     images: Path
     files: Path | None
     parts: dict[str, float] = field(default_factory=dict)  # seconds of verify, weights, unpack: inside "stage"
-    # The weights still arriving (a streamed pull): wait for them and put them in place, before CRIU restores.
-    weights_later: Callable[[], None] | None = None
+    # The weights still arriving (a streamed pull): wait for them and put them in place (replacing the links
+    # link_arriving made, if it did), before CRIU restores or, linked, before the engine resumes. None once done.
+    weights_later: Callable[..., None] | None = None
 
 
 def stage(capsule: LoadedCapsule, weights_arrive: Callable[[], None] | None = None) -> StagedForRestore:
@@ -62,9 +64,11 @@ def stage(capsule: LoadedCapsule, weights_arrive: Callable[[], None] | None = No
         if weights_arrive is None:
             put_weights_in_place()
         else:
-            def later() -> None:
+            def later(linked: list[str] | tuple = ()) -> None:
                 with _timed(parts, "arrive"):
                     weights_arrive()
+                for path in linked:  # the partial's links: the listed blob goes in their place, remembered verified
+                    Path(path).unlink(missing_ok=True)
                 put_weights_in_place()
     private_dir(staged_area.root())
     root = staged_area.path_of(capsule.digest)
@@ -80,6 +84,42 @@ def stage(capsule: LoadedCapsule, weights_arrive: Callable[[], None] | None = No
                               parts=parts, weights_later=later)
     put_back_files(staged, only_code=True)  # big, and the same for every restore: here, off the restore's clock
     return staged
+
+
+def link_arriving(staged: StagedForRestore, arrivals: Arrivals, record: Callable[[list[str]], None],
+                  timeout: float = 60.0) -> list[str] | None:
+    """Weights still streaming in (staged.weights_later pending): each missing weight file linked at its pinned
+    path to its blob's partial file, which has its full size from the start, so that CRIU can restore the
+    processes that map it while its pieces arrive. Returns the paths linked ([]: every file is in place); None when
+    a file cannot be linked (its blob comes as one stream): CRIU waits for the weights then. Nothing reads a linked
+    file before weights_later has waited for the whole blob, listed and checked, and put it in the link's place.
+    record(paths) journals the paths before each is linked; the caller removes them if the restore ends before."""
+    model = staged.capsule.profile.model
+    modes = pinned_modes(CapsuleStore(settings().store), staged.capsule)
+    linked: list[str] = []
+    try:
+        for wf in model.weights if model else []:
+            if os.path.exists(wf.path) and os.path.getsize(wf.path) > 0:
+                continue
+            partial = arrivals.partial("sha256:" + wf.sha256, timeout)
+            if partial is None:
+                raise FileNotFoundError(wf.path)
+            Path(wf.path).parent.mkdir(parents=True, exist_ok=True)
+            os.chmod(partial, modes.get("sha256:" + wf.sha256, 0o644))  # as captured (CRIU checks); blobs/ is 0700
+            linked.append(wf.path)
+            record(list(linked))
+            tmp = wf.path + ".coldsnap-tmp"
+            os.link(partial, tmp)  # FileNotFoundError: listed meanwhile; weights_later finds it whole
+            os.replace(tmp, wf.path)
+    except OSError:
+        unlink_all(linked)
+        return None
+    return linked
+
+
+def unlink_all(paths: list[str]) -> None:
+    for path in paths:
+        Path(path).unlink(missing_ok=True)
 
 
 @contextmanager
