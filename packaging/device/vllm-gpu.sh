@@ -37,10 +37,10 @@ if has install; then
   fi
 fi
 [ -f packaging/device/env.sh ] && [ -d .whl ] && source packaging/device/env.sh
+if has models && { has tests || has probe || has container; } && [ ! -f /tmp/llama-1b/config.json ]; then
+  python3 -m coldsnap_reference.tinymodel /tmp/llama-1b --shape 1b > "$OUT/models.log" 2>&1; say "1b rc=$?"
+fi  # the bench needs only the 8B:
 if has models && ! grep -q '^rc=0' /tmp/llama-8b.log 2>/dev/null; then
-  if has tests || has probe || has container; then  # the bench needs only the 8B
-    python3 -m coldsnap_reference.tinymodel /tmp/llama-1b --shape 1b > "$OUT/models.log" 2>&1; say "1b rc=$?"
-  fi
   # a session of its own: it outlives this call while the machine stays warm
   pgrep -f "tinymodel /tmp/llama-8b" > /dev/null || setsid bash -c 'python3 -m coldsnap_reference.tinymodel /tmp/llama-8b --shape 8b > /tmp/llama-8b.log 2>&1;
                   echo "rc=$?" >> /tmp/llama-8b.log' < /dev/null > /dev/null 2>&1 &
