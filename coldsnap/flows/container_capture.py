@@ -220,9 +220,13 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
                 journal.drop(release)
                 journal.drop(cuda)
                 validate(target, request.validation, first.text)
+        model = adapter.saved_model(released) or request.model
+        if model is None and weights_mode == "recovery":
+            with tl.span("pin-weights"):
+                model = _served_model(adapter, info, pid)
         profile = capsule_profile(
             "criu-runc", request, host_profile(criu.version()), first.text, criu_options=options.cli_flags(),
-            engine_version=info.get("version"), model=adapter.saved_model(released) or request.model,
+            engine_version=info.get("version"), model=model,
             weights_mode=weights_mode,
             kv_discarded=kv_discard, launch=request.launch, network=None, cuda_pids=len(gpu.pids),
             gpus_used=gpu.gpu_uuids, gpu_memory=gpu_memory, files=files,
@@ -239,6 +243,21 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
                 held.close()
         shutil.rmtree(tmp, ignore_errors=True)
         journal.close()
+
+
+def _served_model(adapter, info: dict, pid: int) -> Model | None:
+    """The weights file a recovery-mode engine reloads, pinned, when the container sees it at its host path (bound
+    at the same path, as the adapters' container launches bind it): a restore then checks it, and prefetches it onto
+    the GPU. A file only the container sees is not pinned; its restore reloads it as it finds it."""
+    path = (info.get("weights") or {}).get("path")
+    if not isinstance(path, str) or not os.path.isabs(path):
+        return None
+    try:
+        if not os.path.samefile(path, f"/proc/{pid}/root{path}"):
+            return None
+    except OSError:
+        return None
+    return adapter.describe_model(path)
 
 
 def _resume(target: Target, adapter, gpu, kv_discard: bool, weights_mode: str) -> None:
