@@ -128,8 +128,9 @@ def test_a_restore_streaming_its_weights_by_pieces_restores_with_criu_while_they
         registry, tmp_path, monkeypatch):  # noqa: F811
     """Weights pinned piece by piece (1 MiB pieces here, so that the test's small model has several): the pull
     fetches them by pieces into a partial file of full size, the restore links it at the weights' path and CRIU
-    restores the engine while the pieces still arrive (through a throttling proxy); the engine resumes only once
-    the whole blob is in, checked and listed, and then its file is the store's blob."""
+    restores the engine while the pieces still arrive (through a throttling proxy); the engine resumes once every
+    piece is checked, the disk and the store's listing catching up behind; after the restore its file is the
+    store's listed blob."""
     origin_host(tmp_path, monkeypatch)
     monkeypatch.setenv("COLDSNAP_PIN_PIECE_MIB", "1")
     cap, weights = captured_and_pushed(registry, "pyt-reg-pieces", "one", "pieces")

@@ -100,8 +100,11 @@ class Arrivals:
             seen += len(new)
             yield from new
 
-    def whole(self, digest: str) -> bool:
+    def whole(self, digest: str, timeout: float | None = None) -> bool:
+        """Whether every piece of the blob is checked, waiting up to `timeout` (None: until it is, or the pull
+        ends) for it."""
         with self._cond:
+            self._cond.wait_for(lambda: digest in self._done or self.ended, timeout)
             return digest in self._done
 
 

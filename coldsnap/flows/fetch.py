@@ -57,6 +57,14 @@ class Arriving:
         result = self.outcome["result"]
         self.facts.update(bytes=result.bytes_transferred, seconds=result.seconds)
 
+    def checked(self, digests: list[str]) -> None:
+        """Until every piece of these blobs (fetched by pieces) is checked against its pin: their bytes are all
+        there and right, while the disk and the store's listing may still be catching up (wait). Raises what
+        failed the pull."""
+        for digest in digests:
+            if not self.pieces.whole(digest):
+                self.wait()  # the pull ended without them: its error, or they came whole some other way
+
     def failed(self) -> BaseException | None:
         """What ended the pull, if it has ended that way: a refused pull takes the capsule's blobs with it, so
         whatever else fails meanwhile reads them missing; this is the cause to report."""

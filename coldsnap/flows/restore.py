@@ -29,7 +29,15 @@ from coldsnap.flows.fallback import may_fall_back
 from coldsnap.flows.fetch import Arriving, fetch, is_registry_reference
 from coldsnap.flows.receipts import finish_receipt, receipt_on_failure
 from coldsnap.flows.spans import Timeline
-from coldsnap.flows.staging import StagedForRestore, link_arriving, put_back_files, reloads_weights, stage, unlink_all
+from coldsnap.flows.staging import (
+    StagedForRestore,
+    link_arriving,
+    linked_blobs,
+    put_back_files,
+    reloads_weights,
+    stage,
+    unlink_all,
+)
 from coldsnap.gpu import steps as gpu_steps
 from coldsnap.net import destroy_network, netns_path, new_network
 from coldsnap.workload.claim import claimed
@@ -176,11 +184,9 @@ def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timel
         criu_account = criu_stats(work, "restore")
         with tl.span("hydrate"):
             gpu = gpu_steps.restore_after_criu(pid, gpu_pairs=list(request.gpu_map.items()) or None)
-            if linked is not None and staged.weights_later is not None:  # the engine takes them next: all, checked
+            if linked is not None and arriving is not None:  # the engine takes them next: every piece, checked
                 t = time.monotonic()
-                staged.weights_later(linked.paths)
-                staged.weights_later = None
-                journal.drop(linked)
+                arriving.checked(linked_blobs(staged, linked.paths))
                 weights_wait_s = round(time.monotonic() - t, 4)
                 prefetch_started = gpu_steps.start_prefetch_soon(
                     profile, adapter.supports_prefetch and reloads_weights(staged.capsule), request.gpu_map,
@@ -194,6 +200,10 @@ def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timel
             probe.wait_ready(alive=lambda: alive(pid), timeout=validation.ready_timeout_s)
             res = probe.complete(expected=profile.expected_text)
         ttft = res.first_token_s - t0
+        if linked is not None and staged.weights_later is not None:  # written behind the first token: the blob
+            staged.weights_later(linked.paths)  # listed, in the links' place, remembered checked
+            staged.weights_later = None
+            journal.drop(linked)
         pages_in_s = None
         if lazy is not None:  # the tree counts as restored once every page is in
             lazy.finish()

@@ -35,8 +35,8 @@ class StagedForRestore:
     images: Path
     files: Path | None
     parts: dict[str, float] = field(default_factory=dict)  # seconds of verify, weights, unpack: inside "stage"
-    # The weights still arriving (a streamed pull): wait for them and put them in place (replacing the links
-    # link_arriving made, if it did), before CRIU restores or, linked, before the engine resumes. None once done.
+    # The weights still arriving (a streamed pull): wait for the pull and put them in place (replacing the links
+    # link_arriving made, if it did), before CRIU restores or, linked, behind the first token. None once done.
     weights_later: Callable[..., None] | None = None
 
 
@@ -92,8 +92,9 @@ def link_arriving(staged: StagedForRestore, arrivals: Arrivals, record: Callable
     path to its blob's partial file, which has its full size from the start, so that CRIU can restore the
     processes that map it while its pieces arrive. Returns the paths linked ([]: every file is in place); None when
     a file cannot be linked (its blob comes as one stream): CRIU waits for the weights then. Nothing reads a linked
-    file before weights_later has waited for the whole blob, listed and checked, and put it in the link's place.
-    record(paths) journals the paths before each is linked; the caller removes them if the restore ends before."""
+    file before every piece of it is checked against its pin (fetch.Arriving.checked); weights_later puts the listed
+    blob in the link's place once the pull is over. record(paths) journals the paths before each is linked; the
+    caller removes them if the restore ends before that."""
     model = staged.capsule.profile.model
     modes = pinned_modes(CapsuleStore(settings().store), staged.capsule)
     linked: list[str] = []
@@ -115,6 +116,12 @@ def link_arriving(staged: StagedForRestore, arrivals: Arrivals, record: Callable
         unlink_all(linked)
         return None
     return linked
+
+
+def linked_blobs(staged: StagedForRestore, paths: list[str]) -> list[str]:
+    """The digests of the weights blobs link_arriving linked at these paths."""
+    model = staged.capsule.profile.model
+    return ["sha256:" + wf.sha256 for wf in (model.weights if model else []) if wf.path in paths]
 
 
 def unlink_all(paths: list[str]) -> None:
