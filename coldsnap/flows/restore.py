@@ -154,10 +154,13 @@ def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timel
                 staged.weights_later = None
     t0 = time.monotonic()  # the restore clock: staging is excluded, as for a vanilla start
     # The weights go onto the GPU meanwhile, when they can (a process of its own; the engine takes them at resume);
-    # weights still streaming in go there once they are whole.
-    prefetch_started = None if linked else gpu_steps.start_prefetch_soon(
+    # weights still streaming in, piece by piece as each is checked against its pin.
+    streaming = {path: arriving.pieces.pieces(digest, timeout=120.0)
+                 for path, digest in linked_blobs(staged, linked.paths).items()} \
+        if linked is not None and arriving is not None else None
+    prefetch_started = gpu_steps.start_prefetch_soon(
         profile, adapter.supports_prefetch and reloads_weights(staged.capsule), request.gpu_map,
-        private_dir(settings().run / "prefetch"), by_file=adapter.prefetch_by_file)
+        private_dir(settings().run / "prefetch"), by_file=adapter.prefetch_by_file, arrivals=streaming)
     weights_wait_s = None
     try:
         with tl.span("network"):
@@ -186,12 +189,8 @@ def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timel
             gpu = gpu_steps.restore_after_criu(pid, gpu_pairs=list(request.gpu_map.items()) or None)
             if linked is not None and arriving is not None:  # the engine takes them next: every piece, checked
                 t = time.monotonic()
-                arriving.checked(linked_blobs(staged, linked.paths))
+                arriving.checked(list(linked_blobs(staged, linked.paths).values()))
                 weights_wait_s = round(time.monotonic() - t, 4)
-                prefetch_started = gpu_steps.start_prefetch_soon(
-                    profile, adapter.supports_prefetch and reloads_weights(staged.capsule), request.gpu_map,
-                    private_dir(settings().run / "prefetch"), by_file=adapter.prefetch_by_file)
-            assert prefetch_started is not None
             prefetch = prefetch_started()
             engine = adapter.after_restore(plan.workload_address, plan.port, profile.kv_discarded,
                                            profile.weights_mode, prefetched=prefetch.for_engine())
@@ -231,7 +230,7 @@ def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timel
     finally:
         if lease is not None:
             lease.release()
-        if prefetched is None and prefetch_started is not None:  # failed before the first token: reap them
+        if prefetched is None:  # failed before the first token: reap the prefetchers whatever they did
             gpu_steps.finish_prefetch(prefetch_started())
         if not ok:
             if pid is not None:

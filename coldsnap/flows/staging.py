@@ -118,10 +118,10 @@ def link_arriving(staged: StagedForRestore, arrivals: Arrivals, record: Callable
     return linked
 
 
-def linked_blobs(staged: StagedForRestore, paths: list[str]) -> list[str]:
-    """The digests of the weights blobs link_arriving linked at these paths."""
+def linked_blobs(staged: StagedForRestore, paths: list[str]) -> dict[str, str]:
+    """{path: digest of the weights blob} of the paths link_arriving linked."""
     model = staged.capsule.profile.model
-    return ["sha256:" + wf.sha256 for wf in (model.weights if model else []) if wf.path in paths]
+    return {wf.path: "sha256:" + wf.sha256 for wf in (model.weights if model else []) if wf.path in paths}
 
 
 def unlink_all(paths: list[str]) -> None:

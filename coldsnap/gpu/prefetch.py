@@ -16,9 +16,11 @@ from __future__ import annotations
 import argparse
 import ctypes
 import hashlib
+import itertools
 import json
 import mmap
 import os
+import queue
 import socket
 import struct
 import sys
@@ -26,7 +28,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
-from typing import Callable
+from typing import Callable, Iterable, Iterator
 
 from coldsnap.base.files import pread_full
 from coldsnap.gpu import vmm
@@ -183,7 +185,7 @@ def _copy_async(driver, d, src: int, job: tuple[int, int, int, int, int], ptr: i
     driver.call("cuMemcpy2DAsync_v2", ctypes.byref(d), stream)
 
 
-def _on_threads(driver, device: int, groups: list[list], run) -> None:
+def _on_threads(driver, device: int, groups: list, run) -> None:
     """run(jobs, stream) on a thread per group, each with the device's primary context current and its own stream."""
     ctx = driver.use_primary_context(device)
 
@@ -206,7 +208,83 @@ def fill_buffered(driver, device: int, ptr: int, fd: int, base: int, pieces: lis
     """GPU memory at ptr := the pieces of the file's data section at base, packed (packed_layout): `threads`
     threads, each a run of copy_jobs, each reading into two pinned buffers in turn and copying on its own stream (a
     read overlaps the previous copy). Each byte crosses host memory three times: read, written, read by the DMA."""
-    def run(jobs: list, stream) -> None:
+    _on_threads(driver, device, split_jobs(copy_jobs(pieces), threads), _pinned_copies(driver, ptr, fd, base))
+
+
+def fill_arriving(driver, device: int, ptr: int, fd: int, base: int, pieces: Iterable[Piece], threads: int) -> None:
+    """GPU memory at ptr := each piece of the data section at its own offset there, as `pieces` yields them (a
+    streamed pull's pieces, each once it is checked): fill_buffered's threads and pinned buffers, set up once, take
+    the pieces' copy jobs from one queue as they come."""
+    jobs: queue.SimpleQueue = queue.SimpleQueue()
+    failed: list[BaseException] = []
+
+    def copy() -> None:
+        try:
+            _on_threads(driver, device, [iter(jobs.get, None) for _ in range(threads)],
+                        _pinned_copies(driver, ptr, fd, base))
+        except BaseException as e:  # noqa: BLE001 - raised below, once the feeding stops
+            failed.append(e)
+
+    copier = threading.Thread(target=copy, name="coldsnap-prefetch-arriving", daemon=True)
+    copier.start()
+    try:
+        for piece in pieces:
+            for offset, pitch, width, rows, dst in copy_jobs([piece]):
+                jobs.put((offset, pitch, width, rows, dst + piece[0]))  # at the piece's place, not packed
+            if failed:
+                break
+    finally:
+        for _ in range(threads):
+            jobs.put(None)
+        copier.join()
+    if failed:
+        raise failed[0]
+
+
+class SectionArrivals:
+    """File ranges checked as a streamed pull brings them, as pieces of the file's data section: the section starts
+    after the header, so ranges that come before the head of the file (its first 8 bytes and the header they size)
+    are held until it is here. The ranges never overlap (a pull's pieces)."""
+
+    def __init__(self, size: int, header_length: Callable[[], int]) -> None:
+        self.size, self._header_length = size, header_length
+        self.base: int | None = None
+        self.covered = 0  # bytes of the data section given out as pieces
+        self._held: list[tuple[int, int]] = []
+
+    def add(self, offset: int, length: int) -> list[Piece]:
+        """The pieces of the data section this range makes loadable (the held ones too, once the head is here)."""
+        if self.base is not None:
+            return self._cut(offset, length)
+        self._held.append((offset, length))
+        prefix = 0
+        for start, n in sorted(self._held):
+            if start > prefix:
+                break
+            prefix = max(prefix, start + n)
+        if prefix < 8 or prefix < 8 + self._header_length():
+            return []
+        self.base = 8 + self._header_length()
+        held, self._held = self._held, []
+        return [p for start, n in held for p in self._cut(start, n)]
+
+    def _cut(self, offset: int, length: int) -> list[Piece]:
+        assert self.base is not None
+        start, end = max(offset, self.base), min(offset + length, self.size)
+        if end <= start:
+            return []
+        self.covered += end - start
+        return [(start - self.base, end - start, 1, end - start)]
+
+    @property
+    def complete(self) -> bool:
+        return self.base is not None and self.covered == self.size - self.base
+
+
+def _pinned_copies(driver, ptr: int, fd: int, base: int):
+    """A thread's work for fill_buffered and fill_arriving: its jobs read into two pinned buffers in turn, each
+    copied to the GPU on the thread's stream while the next is read."""
+    def run(jobs, stream) -> None:
         events, bufs, descs = [ctypes.c_void_p() for _ in range(2)], [], [vmm.CUDA_MEMCPY2D(), vmm.CUDA_MEMCPY2D()]
         addrs: list[int] = []  # of bufs
         try:
@@ -234,7 +312,7 @@ def fill_buffered(driver, device: int, ptr: int, fd: int, base: int, pieces: lis
                 if e.value:
                     driver.lib.cuEventDestroy_v2(e)
 
-    _on_threads(driver, device, split_jobs(copy_jobs(pieces), threads), run)
+    return run
 
 
 WINDOW = 256 << 20  # bytes of the file registered with the driver at a time: copies start once the first is in
@@ -373,13 +451,16 @@ MODES = ("buffered", "mapped")
 
 
 def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float, hold: bool = False,
-          pieces: list[Piece] | None = None, mode: str = "buffered") -> dict:
+          pieces: list[Piece] | None = None, mode: str = "buffered", arrivals: Iterable[str] | None = None) -> dict:
     """Listen at sock_path, load, hand the memory to the first engine that connects; return what happened.
     pieces: load only these parts of the data section, packed (a tensor-parallel rank's shards); default all of it.
     mode: "buffered" (fill_buffered) or "mapped" (fill_mapped; fill_buffered where it can't be, the report says
     why). On the H200 machine the mapped fill is no faster: see docs/benchmarks.md.
     hold: once served, keep the memory and the context until stdin closes: freeing them (and tearing the context
-    down) while the engine captures its CUDA graphs and answers its first request slowed both down."""
+    down) while the engine captures its CUDA graphs and answers its first request slowed both down.
+    arrivals: the file is still arriving (a streamed pull's partial, linked at its path at full size): "OFFSET
+    LENGTH" lines name each range once checked against its pin, "end" (or the lines' end) that no more come. Each is
+    loaded as it comes, and only those: a data section not wholly named is an error (the engine reads the file)."""
     t0 = time.monotonic()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(sock_path)
@@ -397,26 +478,30 @@ def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float
             device = driver.device_by_uuid(bytes.fromhex(gpu_uuid.removeprefix("GPU-").replace("-", "")))
             driver.use_primary_context(device)
             report["cuda_init_s"] = round(time.monotonic() - t0, 4)
-            base, length = data_section(path)
-            if pieces is not None:
-                check_pieces(pieces, length)
-            plan = pieces or whole_section(length)
-            size = packed_layout(plan)[1]
-            buf = vmm.ExportableBuffer(driver, device, size)
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                t1 = time.monotonic()
-                report["mode"] = mode
-                if mode == "mapped":
-                    try:
-                        report["mapped"], release = fill_mapped(driver, device, buf.ptr, fd, base, plan, threads)
-                    except (vmm.CudaError, NotResident, OSError) as e:  # e.g. a cold page cache: parallel reads
-                        report.update(mode="buffered", mapped_error=str(e))
-                if report["mode"] == "buffered":
-                    fill_buffered(driver, device, buf.ptr, fd, base, plan, threads)
-                load_s = time.monotonic() - t1
-            finally:
-                os.close(fd)
+            if arrivals is not None:  # still arriving: each piece as it is checked
+                report["mode"] = "arriving"
+                buf, base, size, load_s = _load_arriving(driver, device, path, arrivals, threads)
+            else:
+                base, length = data_section(path)
+                if pieces is not None:
+                    check_pieces(pieces, length)
+                plan = pieces or whole_section(length)
+                size = packed_layout(plan)[1]
+                buf = vmm.ExportableBuffer(driver, device, size)
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    t1 = time.monotonic()
+                    report["mode"] = mode
+                    if mode == "mapped":
+                        try:
+                            report["mapped"], release = fill_mapped(driver, device, buf.ptr, fd, base, plan, threads)
+                        except (vmm.CudaError, NotResident, OSError) as e:  # e.g. a cold page cache: parallel reads
+                            report.update(mode="buffered", mapped_error=str(e))
+                    if report["mode"] == "buffered":
+                        fill_buffered(driver, device, buf.ptr, fd, base, plan, threads)
+                    load_s = time.monotonic() - t1
+                finally:
+                    os.close(fd)
             fds = [buf.export_fd()]
             message = {"bytes": size, "alloc_bytes": buf.size, "offset": base, "identity": file_identity(path),
                        **({"plan": plan_digest(pieces)} if pieces is not None else {})}
@@ -460,6 +545,39 @@ def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float
         listener.close()
         with suppress(FileNotFoundError):
             os.unlink(sock_path)
+
+
+def _load_arriving(driver, device: int, path: str, arrivals: Iterable[str], threads: int):
+    """serve's load of a file still arriving: (buffer, section offset, bytes, seconds)."""
+    fd = os.open(path, os.O_RDONLY)
+    buf = None
+    try:
+        t1 = time.monotonic()
+        section = SectionArrivals(os.fstat(fd).st_size, lambda: struct.unpack("<Q", os.pread(fd, 8, 0))[0])
+
+        def pieces() -> Iterator[Piece]:
+            for line in arrivals:
+                if line.strip() == "end":
+                    return
+                offset, length = (int(x) for x in line.split())
+                yield from section.add(offset, length)
+
+        coming = pieces()
+        first = next(coming, None)
+        if first is None or section.base is None:
+            raise PrefetchError("the weights stopped arriving before their data did")
+        length = section.size - section.base
+        buf = vmm.ExportableBuffer(driver, device, length)
+        fill_arriving(driver, device, buf.ptr, fd, section.base, itertools.chain([first], coming), threads)
+        if not section.complete:
+            raise PrefetchError(f"the weights stopped arriving: {section.covered} of {length} bytes checked")
+        return buf, section.base, length, time.monotonic() - t1
+    except BaseException:
+        if buf is not None:
+            buf.close()
+        raise
+    finally:
+        os.close(fd)
 
 
 class Session:
@@ -516,6 +634,9 @@ def main(argv: list[str] | None = None) -> int:
                         "from the file's own pages in the page cache, registered with the driver (buffered where "
                         "they can't be)")
     p.add_argument("--hold", action="store_true", help="once served, free nothing until stdin closes")
+    p.add_argument("--arrivals", action="store_true",
+                   help="the file is still arriving: stdin names each range checked against its pin, as 'OFFSET "
+                        "LENGTH' lines, then 'end'; only those are loaded, as they come")
     p.add_argument("--plan", help="JSON file: [[offset, width, rows, pitch], ...] of the data section to load, "
                                   "packed (a tensor-parallel rank's part); default the whole data section")
     a = p.parse_args(argv)
@@ -527,7 +648,8 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, TypeError) as e:
         print(json.dumps({"served": False, "error": f"--plan {a.plan}: {e}"}), flush=True)
         return 1
-    report = serve(a.file, a.gpu, a.socket, max(1, a.threads), a.timeout, a.hold, pieces, a.mode)
+    report = serve(a.file, a.gpu, a.socket, max(1, a.threads), a.timeout, a.hold, pieces, a.mode,
+                   sys.stdin if a.arrivals else None)
     print(json.dumps(report), flush=True)
     return 0 if report.get("served") and "error" not in report else 1
 

@@ -11,7 +11,7 @@ import sys
 import threading
 from contextlib import suppress
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 from uuid import uuid4
 
 from coldsnap.base.paths import settings
@@ -92,6 +92,7 @@ class Prefetch:
     procs: list = field(default_factory=list)  # their subprocess.Popen, in the same order
     skipped: str | None = None
     by_file: bool = False
+    feeders: list = field(default_factory=list)  # threads telling prefetchers of a file still arriving its pieces
 
     def for_engine(self):
         """What the engine's resume is given: the socket (one GPU), {GPU UUID: socket} (ranks), {file: socket}
@@ -121,12 +122,15 @@ def _prefetch_refusal(profile, supported: bool, by_file: bool = False) -> str | 
     return None
 
 
-def start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir, by_file: bool = False) -> Prefetch:
+def start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir, by_file: bool = False,
+                   arrivals: dict[str, Iterable[tuple[int, int]]] | None = None) -> Prefetch:
     """Start a prefetcher on each GPU of the workload when the restore will reload weights from one file, each GPU
     has room for a second copy of what it loads for a moment, and COLDSNAP_PREFETCH is not 0. A tensor-parallel
     capsule's plan (profile.prefetch_plans) has each GPU load only its rank's part. by_file (an engine that takes
     its weights file by file, on one GPU): a prefetcher for each weights file, the readers shared among them.
-    Never raises: no prefetch is only slower."""
+    arrivals: weights files still arriving (a streamed pull), each with the ranges of it checked against their pins
+    as they come: their prefetchers load those, as they come, and nothing else. Never raises: no prefetch is only
+    slower."""
     from coldsnap.base.files import atomic_write
     from coldsnap.gpu.nvml import free_bytes
     from coldsnap.gpu.prefetch import MODES, gpu_key, packed_layout
@@ -172,25 +176,43 @@ def start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir, b
             if pieces:
                 atomic_write(name + ".plan.json", json.dumps(pieces).encode())
                 plan = ["--plan", name + ".plan.json"]
-            p.procs.append(subprocess.Popen(
+            ranges = (arrivals or {}).get(weights.path)
+            proc = subprocess.Popen(
                 [sys.executable, "-m", "coldsnap.gpu.prefetch", "--file", weights.path, "--gpu", gpu,
                  "--socket", sock, *hold, "--threads", threads,
-                 "--mode", mode, *plan], env=env, stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True))
+                 "--mode", mode, *plan, *(["--arrivals"] if ranges is not None else [])], env=env,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+            p.procs.append(proc)
+            if ranges is not None:
+                feeder = threading.Thread(target=_feed, args=(proc, ranges), daemon=True, name="coldsnap-arrivals")
+                feeder.start()
+                p.feeders.append(feeder)
         except OSError as e:
             return _abandon(p, f"could not start the prefetcher: {e}")  # its plan file included
     return p
 
 
+def _feed(proc, ranges: Iterable[tuple[int, int]]) -> None:
+    """Tell a prefetcher (--arrivals) of each range of its file as it is checked, then that no more come."""
+    try:
+        for offset, length in ranges:
+            proc.stdin.write(f"{offset} {length}\n".encode())
+            proc.stdin.flush()
+        proc.stdin.write(b"end\n")
+        proc.stdin.flush()
+    except (OSError, ValueError):
+        pass  # gone, or reaped already (finish_prefetch closed its stdin): nothing more to tell it
+
+
 def start_prefetch_soon(profile, supported: bool, gpu_map: dict[str, str], run_dir,
-                        by_file: bool = False) -> Callable[[], Prefetch]:
+                        by_file: bool = False, arrivals=None) -> Callable[[], Prefetch]:
     """start_prefetch on a thread of its own, so the restore does not wait for its NVML queries and process starts
     (~10 ms); the answer, called, waits for it and returns the Prefetch."""
     box: dict[str, Prefetch] = {}
 
     def start() -> None:
         try:
-            box["p"] = start_prefetch(profile, supported, gpu_map, run_dir, by_file)
+            box["p"] = start_prefetch(profile, supported, gpu_map, run_dir, by_file, arrivals)
         except Exception as e:  # noqa: BLE001 - no prefetch is only slower; say why in the receipt
             box["p"] = Prefetch(skipped=f"starting the prefetchers failed: {e}")
 

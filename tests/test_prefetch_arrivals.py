@@ -1,0 +1,75 @@
+"""Weights loaded onto the GPU while a streamed pull brings them: which bytes a prefetcher may load and when.
+
+The copies themselves need a GPU (packaging/device/cold-node.sh runs them); what decides them runs here: a pull's
+Arrivals announce only pieces checked against their pins, and SectionArrivals turns those file ranges into pieces of
+the safetensors data section, holding back what comes before the file's head."""
+
+from __future__ import annotations
+
+import json
+import random
+import struct
+import threading
+
+from coldsnap.capsule.pieces import Arrivals
+from coldsnap.gpu.prefetch import SectionArrivals
+
+
+def safetensors_bytes(data_len: int) -> bytes:
+    header = json.dumps({"w": {"dtype": "U8", "shape": [data_len], "data_offsets": [0, data_len]}}).encode()
+    return struct.pack("<Q", len(header)) + header + bytes(random.Random(0).randrange(256) for _ in range(data_len))
+
+
+def test_pieces_before_the_head_are_held_and_the_section_is_covered_exactly_once():
+    blob = safetensors_bytes(5000)
+    base = 8 + struct.unpack("<Q", blob[:8])[0]
+    ranges = [(o, min(64, len(blob) - o)) for o in range(0, len(blob), 64)]
+    random.Random(1).shuffle(ranges)
+    if ranges[0][0] == 0:  # a piece after the head comes first
+        ranges[0], ranges[1] = ranges[1], ranges[0]
+    section = SectionArrivals(len(blob), lambda: struct.unpack("<Q", blob[:8])[0])
+    loaded = bytearray(len(blob) - base)
+    given = []
+    for offset, length in ranges:
+        pieces = section.add(offset, length)
+        if section.base is None:
+            assert pieces == []  # nothing before the head is here: the section's start is unknown
+        for start, width, rows, pitch in pieces:
+            assert rows == 1 and width == pitch
+            given.append((start, width))
+            loaded[start:start + width] = blob[base + start:base + start + width]
+    assert section.base == base and section.complete
+    assert sum(w for _, w in given) == len(blob) - base and bytes(loaded) == blob[base:]
+
+
+def test_a_section_not_wholly_arrived_is_not_complete():
+    blob = safetensors_bytes(1000)
+    section = SectionArrivals(len(blob), lambda: struct.unpack("<Q", blob[:8])[0])
+    for offset in range(0, len(blob) - 64, 64):  # the last piece never comes
+        section.add(offset, 64)
+    assert section.base is not None and not section.complete
+
+
+def test_arrivals_announce_checked_pieces_as_they_come_and_stop_when_the_pull_ends():
+    arrivals = Arrivals()
+    got: list[tuple[int, int]] = []
+    reader = threading.Thread(target=lambda: got.extend(arrivals.pieces("sha256:a", timeout=30)))
+    reader.start()
+    arrivals.sized("sha256:a", __file__)  # type: ignore[arg-type]
+    for offset in (256, 0, 512):
+        arrivals.checked("sha256:a", offset, 256)
+    arrivals.checked("sha256:b", 0, 256)  # another blob's pieces are not this one's
+    assert not arrivals.whole("sha256:a", timeout=0)
+    arrivals.complete("sha256:a")
+    reader.join(10)
+    assert got == [(256, 256), (0, 256), (512, 256)] and arrivals.whole("sha256:a")
+
+    failed = Arrivals()
+    left: list[tuple[int, int]] = []
+    reader = threading.Thread(target=lambda: left.extend(failed.pieces("sha256:a", timeout=30)))
+    reader.start()
+    failed.checked("sha256:a", 0, 256)
+    failed.end()  # the pull ended (a piece failed its pin): the reader stops, and the blob is not whole
+    reader.join(10)
+    assert not reader.is_alive() and left == [(0, 256)] and not failed.whole("sha256:a")
+    assert failed.partial("sha256:a", timeout=0) is None
