@@ -141,17 +141,11 @@ def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timel
     ok = False
     # Journaled before it exists: a restore killed before its validation leaves nothing running once someone looks.
     journal = Journal.begin("restore", workload=name, capsule=staged.capsule.digest)
-    linked = None  # weights still streaming in, linked at their paths: CRIU restores meanwhile (staging.link_arriving)
-    if staged.weights_later is not None:
-        entry = linked = journal.add(Linked([]))
-        paths = link_arriving(staged, arriving.pieces, lambda p: journal.update(entry, paths=p)) \
-            if arriving is not None else None
-        if paths is None:  # some file comes as one stream: CRIU needs the weights in place first
-            journal.drop(linked)
-            linked = None
-            with tl.span("weights"):
-                staged.weights_later()
-                staged.weights_later = None
+    try:
+        linked = _link_or_wait(staged, arriving, journal, tl)
+    except BaseException:
+        journal.close()
+        raise
     t0 = time.monotonic()  # the restore clock: staging is excluded, as for a vanilla start
     # The weights go onto the GPU meanwhile, when they can (a process of its own; the engine takes them at resume);
     # weights still streaming in, piece by piece as each is checked against its pin.
@@ -244,6 +238,24 @@ def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timel
         for early in journal.of(Linked):  # still the partial's: nothing may read them (the fallback places them)
             unlink_all(early.paths)
         journal.close()
+
+
+def _link_or_wait(staged: StagedForRestore, arriving: Arriving | None, journal: Journal, tl: Timeline) -> Linked | None:
+    """Weights still streaming in: linked at their paths, so that CRIU restores while they arrive (the journal's
+    entry, returned, says which: staging.link_arriving); or, where some file comes as one stream, waited for and put
+    in place first (span "weights"). None: nothing is linked."""
+    if staged.weights_later is None:
+        return None
+    entry = journal.add(Linked([]))
+    paths = link_arriving(staged, arriving.pieces, lambda p: journal.update(entry, paths=p)) \
+        if arriving is not None else None
+    if paths is not None:
+        return entry
+    journal.drop(entry)
+    with tl.span("weights"):
+        staged.weights_later()
+        staged.weights_later = None
+    return None
 
 
 def _ranks_restored(profile, plan, root_pid: int) -> Ranks | None:
