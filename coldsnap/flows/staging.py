@@ -102,6 +102,8 @@ def link_arriving(staged: StagedForRestore, arrivals: Arrivals, record: Callable
         for wf in model.weights if model else []:
             if os.path.exists(wf.path) and os.path.getsize(wf.path) > 0:
                 continue
+            if not wf.chunks:  # pinned whole: it comes as one stream, its partial growing as it does
+                raise FileNotFoundError(wf.path)
             partial = arrivals.partial("sha256:" + wf.sha256, timeout)
             if partial is None:
                 raise FileNotFoundError(wf.path)
