@@ -34,6 +34,8 @@ VARIABLES = (
     Variable("COLDSNAP_REGISTRY_PASSWORD", "", "registry password or token (never logged)"),
     Variable("COLDSNAP_INSECURE_REGISTRIES", "", "comma-separated HOST[:PORT]s pulled from over plain HTTP"),
     Variable("COLDSNAP_PULL_PIECES", "1", "0: pull each blob in one stream instead of parallel pinned pieces"),
+    Variable("COLDSNAP_PIN_PIECE_MIB", "256", "the pieces (MiB, at least 1) a weights file is pinned by at capture; "
+             "a file of more than one piece pulls by pieces and streams into a restore"),
     Variable("COLDSNAP_WRITEBACK_MIB", "32", "write-back window of large files; 0 leaves it to the kernel"),
     Variable("COLDSNAP_LAYER_MAX_MIB", "1024", "the largest container file-system layer a capture packs"),
     Variable("COLDSNAP_LAZY_PAGES", "0", "1: CRIU restores memory pages lazily (userfaultfd)"),
