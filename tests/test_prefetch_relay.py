@@ -56,14 +56,20 @@ def stand_in_prefetcher(sock_path: str, weights: Path, events: list) -> threadin
     return thread
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
 def in_a_mount_namespace(model_dir: Path) -> subprocess.Popen:
-    """The engine side in a "container": a private tmpfs on /tmp, with the model directory bound at its own path."""
+    """The engine side in a "container": a private tmpfs on /tmp, with the model directory (and this checkout and
+    its venv, when they live under /tmp, as a CI clone does) bound at their own paths."""
     if os.geteuid() != 0:
         pytest.skip("needs root: a mount namespace with a private /tmp stands for the container")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    inner = model_dir.relative_to("/tmp")
-    setup = (f"set -e; m=$(mktemp -d /run/ctr-tmp.XXXXXX); mount -t tmpfs ctr-tmp $m; mkdir -p $m/{inner}; "
-             f"mount --bind {model_dir} $m/{inner}; mount --move $m /tmp; rmdir $m 2>/dev/null || true")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    binds = [p for p in (model_dir, REPO, Path(sys.prefix)) if p.is_relative_to("/tmp")]
+    binds = [p for p in binds if not any(p != q and p.is_relative_to(q) for q in binds)]  # the outermost
+    setup = "set -e; m=$(mktemp -d /run/ctr-tmp.XXXXXX); mount -t tmpfs ctr-tmp $m; " + "".join(
+        f"mkdir -p $m/{p.relative_to('/tmp')}; mount --bind {p} $m/{p.relative_to('/tmp')}; " for p in binds) + \
+        "mount --move $m /tmp; rmdir $m 2>/dev/null || true"
     proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c",
                              f"{setup}; exec {sys.executable} -c '{ENGINE_SIDE}'"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
