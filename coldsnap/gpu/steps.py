@@ -205,7 +205,8 @@ def _feed(proc, ranges: Iterable[tuple[int, int]]) -> None:
 
 
 def start_prefetch_soon(profile, supported: bool, gpu_map: dict[str, str], run_dir,
-                        by_file: bool = False, arrivals=None) -> Callable[[], Prefetch]:
+                        by_file: bool = False, arrivals: dict[str, Iterable[tuple[int, int]]] | None = None
+                        ) -> Callable[[], Prefetch]:
     """start_prefetch on a thread of its own, so the restore does not wait for its NVML queries and process starts
     (~10 ms); the answer, called, waits for it and returns the Prefetch."""
     box: dict[str, Prefetch] = {}
