@@ -11,7 +11,7 @@ import sys
 import threading
 from contextlib import suppress
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 from uuid import uuid4
 
 from coldsnap.base.paths import settings
@@ -123,7 +123,7 @@ def _prefetch_refusal(profile, supported: bool, by_file: bool = False) -> str | 
 
 
 def start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir, by_file: bool = False,
-                   arrivals: dict[str, Iterable[tuple[int, int]]] | None = None) -> Prefetch:
+                   arrivals: Mapping[str, Iterable[tuple[int, int]]] | None = None) -> Prefetch:
     """Start a prefetcher on each GPU of the workload when the restore will reload weights from one file, each GPU
     has room for a second copy of what it loads for a moment, and COLDSNAP_PREFETCH is not 0. A tensor-parallel
     capsule's plan (profile.prefetch_plans) has each GPU load only its rank's part. by_file (an engine that takes
@@ -205,7 +205,7 @@ def _feed(proc, ranges: Iterable[tuple[int, int]]) -> None:
 
 
 def start_prefetch_soon(profile, supported: bool, gpu_map: dict[str, str], run_dir,
-                        by_file: bool = False, arrivals: dict[str, Iterable[tuple[int, int]]] | None = None
+                        by_file: bool = False, arrivals: Mapping[str, Iterable[tuple[int, int]]] | None = None
                         ) -> Callable[[], Prefetch]:
     """start_prefetch on a thread of its own, so the restore does not wait for its NVML queries and process starts
     (~10 ms); the answer, called, waits for it and returns the Prefetch."""
