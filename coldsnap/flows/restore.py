@@ -149,9 +149,9 @@ def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timel
     t0 = time.monotonic()  # the restore clock: staging is excluded, as for a vanilla start
     # The weights go onto the GPU meanwhile, when they can (a process of its own; the engine takes them at resume);
     # weights still streaming in, piece by piece as each is checked against its pin.
+    arriving_blobs = linked_blobs(staged, linked.paths) if linked is not None and arriving is not None else {}
     streaming = {path: arriving.pieces.pieces(digest, timeout=120.0)
-                 for path, digest in linked_blobs(staged, linked.paths).items()} \
-        if linked is not None and arriving is not None else None
+                 for path, digest in arriving_blobs.items()} if arriving is not None and arriving_blobs else None
     prefetch_started = gpu_steps.start_prefetch_soon(
         profile, adapter.supports_prefetch and reloads_weights(staged.capsule), request.gpu_map,
         private_dir(settings().run / "prefetch"), by_file=adapter.prefetch_by_file, arrivals=streaming)
@@ -183,7 +183,7 @@ def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timel
             gpu = gpu_steps.restore_after_criu(pid, gpu_pairs=list(request.gpu_map.items()) or None)
             if linked is not None and arriving is not None:  # the engine takes them next: every piece, checked
                 t = time.monotonic()
-                arriving.checked(list(linked_blobs(staged, linked.paths).values()))
+                arriving.checked(list(arriving_blobs.values()))
                 weights_wait_s = round(time.monotonic() - t, 4)
             prefetch = prefetch_started()
             engine = adapter.after_restore(plan.workload_address, plan.port, profile.kv_discarded,
