@@ -43,6 +43,8 @@ VARIABLES = (
     Variable("COLDSNAP_PREFETCH", "1", "0: no GPU weight prefetch during a restore"),
     Variable("COLDSNAP_PREFETCH_THREADS", "8", "readers per weight prefetcher"),
     Variable("COLDSNAP_PREFETCH_MODE", "buffered", "how prefetched weights reach the GPU: buffered or mapped"),
+    Variable("COLDSNAP_PREFETCH_LINGER", "1", "0: a weights file's prefetcher exits once its copy is taken, "
+             "instead of after the first token"),
     Variable("COLDSNAP_LIBCUDA", "", "the libcuda.so.1 to load first"),
     Variable("COLDSNAP_TINY_MODEL", "/var/lib/coldsnap/fixtures/tiny-llama", "where model=tiny is made and read"),
     Variable("COLDSNAP_VLLM_VENV", "/var/lib/coldsnap/venvs/vllm", "the vLLM CPU build's venv"),
@@ -92,6 +94,7 @@ class Settings:
     prefetch: bool = True
     prefetch_threads: str = "8"
     prefetch_mode: str = "buffered"
+    prefetch_linger: bool = True
     libcuda: str | None = None
     tiny_model: Path = Path("/var/lib/coldsnap/fixtures/tiny-llama")
     vllm_venv: str | None = None
@@ -148,6 +151,7 @@ def settings() -> Settings:
         prefetch=_flag("COLDSNAP_PREFETCH", True),
         prefetch_threads=os.environ.get("COLDSNAP_PREFETCH_THREADS", "8"),
         prefetch_mode=os.environ.get("COLDSNAP_PREFETCH_MODE", "buffered"),
+        prefetch_linger=_flag("COLDSNAP_PREFETCH_LINGER", True),
         libcuda=_env("COLDSNAP_LIBCUDA"),
         tiny_model=Path(os.environ.get("COLDSNAP_TINY_MODEL", "/var/lib/coldsnap/fixtures/tiny-llama")),
         vllm_venv=_env("COLDSNAP_VLLM_VENV"),

@@ -451,13 +451,16 @@ MODES = ("buffered", "mapped")
 
 
 def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float, hold: bool = False,
-          pieces: list[Piece] | None = None, mode: str = "buffered", arrivals: Iterable[str] | None = None) -> dict:
+          pieces: list[Piece] | None = None, mode: str = "buffered", arrivals: Iterable[str] | None = None,
+          linger: bool = False) -> dict:
     """Listen at sock_path, load, hand the memory to the first engine that connects; return what happened.
     pieces: load only these parts of the data section, packed (a tensor-parallel rank's shards); default all of it.
     mode: "buffered" (fill_buffered) or "mapped" (fill_mapped; fill_buffered where it can't be, the report says
     why). On the H200 machine the mapped fill is no faster: see docs/benchmarks.md.
     hold: once served, keep the memory and the context until stdin closes: freeing them (and tearing the context
     down) while the engine captures its CUDA graphs and answers its first request slowed both down.
+    linger: once served, free the memory at once (the engine maps its KV cache there next) but keep the context
+    until stdin closes: its teardown then happens after the first token, not beside the engine's mapping.
     arrivals: the file is still arriving (a streamed pull's partial, linked at its path at full size): "OFFSET
     LENGTH" lines name each range once checked against its pin, "end" (or the lines' end) that no more come. Each is
     loaded as it comes, and only those: a data section not wholly named is an error (the engine reads the file)."""
@@ -532,7 +535,7 @@ def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float
                     buf.close()
                     buf = None
         report["total_s"] = round(time.monotonic() - t0, 4)
-        if hold:
+        if hold or linger:
             sys.stdin.buffer.read()
         return report
     finally:
@@ -634,6 +637,8 @@ def main(argv: list[str] | None = None) -> int:
                         "from the file's own pages in the page cache, registered with the driver (buffered where "
                         "they can't be)")
     p.add_argument("--hold", action="store_true", help="once served, free nothing until stdin closes")
+    p.add_argument("--linger", action="store_true",
+                   help="once served, free the memory but keep the CUDA context (exit) until stdin closes")
     p.add_argument("--arrivals", action="store_true",
                    help="the file is still arriving: stdin names each range checked against its pin, as 'OFFSET "
                         "LENGTH' lines, then 'end'; only those are loaded, as they come")
@@ -649,7 +654,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"served": False, "error": f"--plan {a.plan}: {e}"}), flush=True)
         return 1
     report = serve(a.file, a.gpu, a.socket, max(1, a.threads), a.timeout, a.hold, pieces, a.mode,
-                   sys.stdin if a.arrivals else None)
+                   sys.stdin if a.arrivals else None, a.linger)
     print(json.dumps(report), flush=True)
     return 0 if report.get("served") and "error" not in report else 1
 

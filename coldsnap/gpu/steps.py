@@ -163,7 +163,7 @@ def start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir, b
     hold = ["--hold"]  # the copy kept until the restore is done (freeing it slowed the first request down)
     if by_file:  # the readers shared among the files' prefetchers; each copy freed once taken, for the engine maps
         threads = str(max(1, int(threads) // len(targets)))  # its KV cache next, where the copies were
-        hold = []
+        hold = ["--linger"] if settings().prefetch_linger else []  # their contexts torn down after the first token
     p = Prefetch(by_file=by_file)
     for key, gpu, weights, pieces in targets:
         name = f"{run_dir}/{uuid4().hex[:12]}"

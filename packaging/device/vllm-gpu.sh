@@ -19,6 +19,8 @@
 #            (packaging/device/gpu-container.sh; runc from .carry/runc), results in $OUT
 #   bench    coldsnap bench --engine vllm --device cuda on the 8B shape (SAMPLES, default 5; VANILLA: fewer vanilla
 #            samples when device time is short), into $OUT
+#   ab       a recovery capture of the 8B shape, then its restores taking turns between settings (AB, N rounds;
+#            packaging/device/ab.sh), each validated; lines in $OUT/ab.log, receipts in $OUT/ab.receipts.jsonl
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export COLDSNAP_VLLM_CUDA_SITE=/tmp/vllm-site COLDSNAP_TEST_VLLM_MODEL=/tmp/llama-1b
@@ -62,4 +64,14 @@ if has bench; then
   timeout "${BENCH_S:-560}" python3 -m coldsnap.cli.main bench --engine vllm --device cuda --weights-mode recovery \
       --engine-opt model=/tmp/llama-8b --engine-opt site="$COLDSNAP_VLLM_CUDA_SITE" --samples "${SAMPLES:-5}" ${VANILLA:+--vanilla-samples "$VANILLA"} \
       --out "$OUT" > "$OUT/bench.log" 2>&1; say "bench rc=$?"; tail -8 "$OUT/bench.log"
+fi
+if has ab; then
+  while ! grep -q '^rc=' /tmp/llama-8b.log 2>/dev/null; do sleep 2; done; say "8b model: $(tail -1 /tmp/llama-8b.log)"
+  timeout "${CAPTURE_S:-400}" python3 -m coldsnap.cli.main capture --engine vllm --device cuda --weights-mode recovery \
+      --engine-opt model=/tmp/llama-8b --engine-opt site="$COLDSNAP_VLLM_CUDA_SITE" --json > "$OUT/ab-capture.json" \
+      2> "$OUT/ab-capture.log"; say "capture rc=$?"
+  D=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["result"]["capsule"])' "$OUT/ab-capture.json")
+  [ -n "$D" ] && N=1 AB="COLDSNAP_PREFETCH=1" bash packaging/device/ab.sh "$D" > "$OUT/ab-warmup.log" 2>&1  # stages it
+  [ -n "$D" ] && RECEIPTS="$OUT/ab.receipts.jsonl" N=${N:-3} AB="${AB:?name the settings in AB}" \
+      bash packaging/device/ab.sh "$D" 2>&1 | tee "$OUT/ab.log" | cut -c1-400; say "ab done"
 fi
