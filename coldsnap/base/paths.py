@@ -50,6 +50,8 @@ VARIABLES = (
     Variable("COLDSNAP_VLLM_VENV", "/var/lib/coldsnap/venvs/vllm", "the vLLM CPU build's venv"),
     Variable("COLDSNAP_SGLANG_VENV", "/var/lib/coldsnap/venvs/sglang", "the SGLang CPU build's venv"),
     Variable("COLDSNAP_VLLM_CUDA_SITE", "/tmp/vllm-site", "where vLLM's CUDA build is installed (GPU machine)"),
+    Variable("COLDSNAP_VLLM_RELOAD", "layerwise", "how a vLLM recovery restore reloads weights: layerwise (vLLM's "
+             "reload) or direct (the model's own loaders into its parameters; unquantized models)"),
     Variable("COLDSNAP_RESULTS", "the checkout's bench/results", "result files `coldsnap capabilities` cites"),
     Variable("COLDSNAP_DEBUG", "", "1: an internal error prints its traceback"),
     Variable("COLDSNAP_CLI", "the coldsnap beside the interpreter", "the coldsnap command sparkrun's plugin runs"),
@@ -100,6 +102,7 @@ class Settings:
     vllm_venv: str | None = None
     sglang_venv: str | None = None
     vllm_cuda_site: Path = Path("/tmp/vllm-site")
+    vllm_reload: str = "layerwise"
     results: str | None = None
     debug: bool = False
     cli: str | None = None
@@ -157,6 +160,7 @@ def settings() -> Settings:
         vllm_venv=_env("COLDSNAP_VLLM_VENV"),
         sglang_venv=_env("COLDSNAP_SGLANG_VENV"),
         vllm_cuda_site=Path(_env("COLDSNAP_VLLM_CUDA_SITE") or "/tmp/vllm-site"),
+        vllm_reload=_env("COLDSNAP_VLLM_RELOAD") or "layerwise",
         results=_env("COLDSNAP_RESULTS"),
         debug=bool(os.environ.get("COLDSNAP_DEBUG")),
         cli=_env("COLDSNAP_CLI"),

@@ -224,7 +224,8 @@ class VllmAdapter(EngineAdapter):
             step("wake_weights_s", "/wake_up?tags=weights")
             t = time.monotonic()
             try:
-                options = {"prefetched": prefetched if isinstance(prefetched, dict) else {}}
+                options = {"prefetched": prefetched if isinstance(prefetched, dict) else {},
+                           "reload": settings().vllm_reload}
                 reply = post_json(host, port, "/collective_rpc",
                                   {"method": METHOD, "args": [json.dumps(options)]}, timeout=1800)
                 out["reload"] = (reply.get("results") or [None])[0]

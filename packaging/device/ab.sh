@@ -2,12 +2,13 @@
 # Restores of one capsule taking turns between settings, on the GPU machine, after a bench has left its capsule
 # staged: each round restores once under each setting (an environment assignment), validated, then stops it.
 # Usage (repo root there): AB="COLDSNAP_LAZY_PAGES=0 COLDSNAP_LAZY_PAGES=1" [N=5] packaging/device/ab.sh DIGEST
+# A setting may assign several variables, comma-separated (A=1,B=2).
 # With RECEIPTS=FILE, every restore's receipt is appended to FILE (JSON lines: the setting and the receipt).
 source packaging/device/env.sh
 D=$1; CS="python3 -m coldsnap.cli.main"
 for i in $(seq "${N:-5}"); do
   for setting in ${AB:?name the settings in AB}; do
-    env "$setting" $CS restore --capsule "$D" --no-fallback --name ab --json > /tmp/ab.json
+    env ${setting//,/ } $CS restore --capsule "$D" --no-fallback --name ab --json > /tmp/ab.json
     python3 - "$setting" "${RECEIPTS:-}" <<'PY'
 import json, sys
 r = json.load(open("/tmp/ab.json")); x = r.get("result") or {}; h = x.get("hydrate") or {}

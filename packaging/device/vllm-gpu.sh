@@ -18,7 +18,7 @@
 #   container  tests/test_gpu_container.py -k "${CASE:-vllm}": vLLM in a runc container through coldsnap-runtime
 #            (packaging/device/gpu-container.sh; runc from .carry/runc), results in $OUT
 #   bench    coldsnap bench --engine vllm --device cuda on the 8B shape (SAMPLES, default 5; VANILLA: fewer vanilla
-#            samples when device time is short; BENCH_ENV: VAR=VALUE settings for it), into $OUT
+#            samples when device time is short; BENCH_ENV: VAR=VALUE settings for it, comma-separated), into $OUT
 #   ab       a recovery capture of the 8B shape, then its restores taking turns between settings (AB, N rounds;
 #            packaging/device/ab.sh), each validated; lines in $OUT/ab.log, receipts in $OUT/ab.receipts.jsonl
 set -u
@@ -61,8 +61,8 @@ if has container; then
 fi
 if has bench; then
   while ! grep -q '^rc=' /tmp/llama-8b.log 2>/dev/null; do sleep 2; done; say "8b model: $(tail -1 /tmp/llama-8b.log)"
-  [ -n "${BENCH_ENV:-}" ] && say "bench with $BENCH_ENV"
-  timeout "${BENCH_S:-560}" env ${BENCH_ENV:-} python3 -m coldsnap.cli.main bench --engine vllm --device cuda --weights-mode recovery \
+  bench_env=${BENCH_ENV:-}; [ -n "$bench_env" ] && say "bench with $bench_env"
+  timeout "${BENCH_S:-560}" env ${bench_env//,/ } python3 -m coldsnap.cli.main bench --engine vllm --device cuda --weights-mode recovery \
       --engine-opt model=/tmp/llama-8b --engine-opt site="$COLDSNAP_VLLM_CUDA_SITE" --samples "${SAMPLES:-5}" ${VANILLA:+--vanilla-samples "$VANILLA"} \
       --out "$OUT" > "$OUT/bench.log" 2>&1; say "bench rc=$?"; tail -8 "$OUT/bench.log"
 fi
