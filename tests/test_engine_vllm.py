@@ -209,8 +209,11 @@ class SleepModeStandIn:
                 calls.append((self.command, self.path, body))
                 ok = sleep_mode or not self.path.startswith("/is_sleeping")
                 reply = b"{}"
-                if self.path == "/collective_rpc" and json.loads(body)["method"] == "coldsnap_reload_weights":
+                method = json.loads(body)["method"] if self.path == "/collective_rpc" else None
+                if method == "coldsnap_reload_weights":
                     ok, reply = extension, b'{"results": [{"bytes": 16, "prefetched": 1}]}'
+                elif method in ("coldsnap_release_stack", "coldsnap_restore_stack"):
+                    ok, reply = extension, b'{"results": [{"stack_bytes": 1024}]}'
                 self.send_response(200 if ok else 500)
                 self.send_header("Content-Length", str(len(reply)))
                 self.end_headers()
@@ -229,26 +232,33 @@ class SleepModeStandIn:
         return [path for method, path, body in self.calls if method == "POST"]
 
 
+def rpc_methods(server) -> list[str]:
+    return [json.loads(body)["method"] for method, path, body in server.calls if path == "/collective_rpc"]
+
+
 @pytest.mark.parametrize("mode, woken", [
-    ("native", ["/wake_up"]),
-    ("recovery", ["/wake_up?tags=weights", "/collective_rpc", "/wake_up?tags=kv_cache"]),
+    ("native", ["/wake_up", "/collective_rpc"]),  # the stack limit set back
+    ("recovery", ["/wake_up?tags=weights", "/collective_rpc", "/wake_up?tags=kv_cache"]),  # (by the reload)
 ])
 def test_vllm_sleeps_before_the_checkpoint_and_wakes_after_the_restore(mode, woken):
     server = SleepModeStandIn()
     adapter = get_adapter("vllm")
     released = adapter.before_capture("127.0.0.1", server.port, True, mode)
     level = {"native": 1, "recovery": 2}[mode]
-    assert released.sleep_level == level and server.paths() == [f"/sleep?level={level}"]
+    # asleep, then the worker's stack reserve given back before the checkpoint
+    assert released.sleep_level == level and server.paths() == [f"/sleep?level={level}", "/collective_rpc"]
+    assert rpc_methods(server) == ["coldsnap_release_stack"] and released.facts()["stack_bytes_released"] == 1024
     prefetched = {"/models/m/model-00001-of-00002.safetensors": "/run/p/a.sock"}
     resumed = adapter.after_restore("127.0.0.1", server.port, bool(released), mode, prefetched=prefetched)
-    assert server.paths()[1:] == woken
+    assert server.paths()[2:] == woken
     if mode == "recovery":  # ColdSnap's reload, given the prefetchers' sockets, in vLLM's worker
         rpc = json.loads(server.calls[-2][2])
-        assert rpc["method"] == "coldsnap_reload_weights" and json.loads(rpc["args"][0]) == {"prefetched": prefetched}
+        assert rpc["method"] == "coldsnap_reload_weights"
+        assert json.loads(rpc["args"][0]) == {"prefetched": prefetched, "reload": "direct"}
         assert resumed["reload"] == {"bytes": 16, "prefetched": 1} and "reload_fallback" not in resumed
         assert {"wake_weights_s", "reload_weights_s", "wake_kv_cache_s"} <= set(resumed)
     else:
-        assert set(resumed) == {"wake_s"}
+        assert set(resumed) == {"wake_s"} and rpc_methods(server)[-1] == "coldsnap_restore_stack"
     server.server.shutdown()
 
 
@@ -257,9 +267,10 @@ def test_vllm_reloads_through_its_own_loader_when_coldsnaps_reload_fails():
     the receipt says why."""
     server = SleepModeStandIn(extension=False)
     adapter = get_adapter("vllm")
-    adapter.before_capture("127.0.0.1", server.port, True, "recovery")
+    released = adapter.before_capture("127.0.0.1", server.port, True, "recovery")
+    assert "stack_bytes_released" not in released.facts()  # no extension to give the stack back: asleep all the same
     resumed = adapter.after_restore("127.0.0.1", server.port, True, "recovery")
-    assert server.paths()[1:] == ["/wake_up?tags=weights", "/collective_rpc", "/collective_rpc",
+    assert server.paths()[2:] == ["/wake_up?tags=weights", "/collective_rpc", "/collective_rpc",
                                   "/wake_up?tags=kv_cache"]
     assert json.loads(server.calls[-2][2]) == {"method": "reload_weights"}
     assert "HTTP 500" in resumed["reload_fallback"] and "reload" not in resumed

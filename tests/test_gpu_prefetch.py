@@ -261,7 +261,7 @@ def test_a_restore_hands_each_gpu_its_ranks_plan_and_cleans_up(monkeypatch, tmp_
     assert "COLDSNAP_PREFETCH_THREADS='lots'" in start_prefetch(profile, True, {}, tmp_path).skipped
     monkeypatch.delenv("COLDSNAP_PREFETCH_THREADS")
     monkeypatch.setenv("COLDSNAP_PREFETCH_MODE", "dma")
-    assert "COLDSNAP_PREFETCH_MODE='dma' is not one of buffered, mapped" in \
+    assert "COLDSNAP_PREFETCH_MODE='dma' is not one of auto, buffered, mapped" in \
         start_prefetch(profile, True, {}, tmp_path).skipped
 
 

@@ -42,7 +42,8 @@ VARIABLES = (
     Variable("COLDSNAP_CODE_STASH", "1", "0: CUDA device code stays in the engine's memory at capture"),
     Variable("COLDSNAP_PREFETCH", "1", "0: no GPU weight prefetch during a restore"),
     Variable("COLDSNAP_PREFETCH_THREADS", "8", "readers per weight prefetcher"),
-    Variable("COLDSNAP_PREFETCH_MODE", "buffered", "how prefetched weights reach the GPU: buffered or mapped"),
+    Variable("COLDSNAP_PREFETCH_MODE", "auto", "how prefetched weights reach the GPU: buffered, mapped, or auto "
+             "(mapped for weights in several files, each its own prefetcher; buffered for one file)"),
     Variable("COLDSNAP_PREFETCH_LINGER", "1", "0: a weights file's prefetcher exits once its copy is taken, "
              "instead of after the first token"),
     Variable("COLDSNAP_LIBCUDA", "", "the libcuda.so.1 to load first"),
@@ -50,7 +51,7 @@ VARIABLES = (
     Variable("COLDSNAP_VLLM_VENV", "/var/lib/coldsnap/venvs/vllm", "the vLLM CPU build's venv"),
     Variable("COLDSNAP_SGLANG_VENV", "/var/lib/coldsnap/venvs/sglang", "the SGLang CPU build's venv"),
     Variable("COLDSNAP_VLLM_CUDA_SITE", "/tmp/vllm-site", "where vLLM's CUDA build is installed (GPU machine)"),
-    Variable("COLDSNAP_VLLM_RELOAD", "layerwise", "how a vLLM recovery restore reloads weights: layerwise (vLLM's "
+    Variable("COLDSNAP_VLLM_RELOAD", "direct", "how a vLLM recovery restore reloads weights: layerwise (vLLM's "
              "reload) or direct (the model's own loaders into its parameters; unquantized models)"),
     Variable("COLDSNAP_RESULTS", "the checkout's bench/results", "result files `coldsnap capabilities` cites"),
     Variable("COLDSNAP_DEBUG", "", "1: an internal error prints its traceback"),
@@ -95,14 +96,14 @@ class Settings:
     code_stash: bool = True
     prefetch: bool = True
     prefetch_threads: str = "8"
-    prefetch_mode: str = "buffered"
+    prefetch_mode: str = "auto"
     prefetch_linger: bool = True
     libcuda: str | None = None
     tiny_model: Path = Path("/var/lib/coldsnap/fixtures/tiny-llama")
     vllm_venv: str | None = None
     sglang_venv: str | None = None
     vllm_cuda_site: Path = Path("/tmp/vllm-site")
-    vllm_reload: str = "layerwise"
+    vllm_reload: str = "direct"
     results: str | None = None
     debug: bool = False
     cli: str | None = None
@@ -153,14 +154,14 @@ def settings() -> Settings:
         code_stash=_flag("COLDSNAP_CODE_STASH", True),
         prefetch=_flag("COLDSNAP_PREFETCH", True),
         prefetch_threads=os.environ.get("COLDSNAP_PREFETCH_THREADS", "8"),
-        prefetch_mode=os.environ.get("COLDSNAP_PREFETCH_MODE", "buffered"),
+        prefetch_mode=os.environ.get("COLDSNAP_PREFETCH_MODE", "auto"),
         prefetch_linger=_flag("COLDSNAP_PREFETCH_LINGER", True),
         libcuda=_env("COLDSNAP_LIBCUDA"),
         tiny_model=Path(os.environ.get("COLDSNAP_TINY_MODEL", "/var/lib/coldsnap/fixtures/tiny-llama")),
         vllm_venv=_env("COLDSNAP_VLLM_VENV"),
         sglang_venv=_env("COLDSNAP_SGLANG_VENV"),
         vllm_cuda_site=Path(_env("COLDSNAP_VLLM_CUDA_SITE") or "/tmp/vllm-site"),
-        vllm_reload=_env("COLDSNAP_VLLM_RELOAD") or "layerwise",
+        vllm_reload=_env("COLDSNAP_VLLM_RELOAD") or "direct",
         results=_env("COLDSNAP_RESULTS"),
         debug=bool(os.environ.get("COLDSNAP_DEBUG")),
         cli=_env("COLDSNAP_CLI"),

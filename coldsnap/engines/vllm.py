@@ -74,7 +74,7 @@ from coldsnap.engines.venv_engine import (
     model_pinned_later,
     seccomp_prefix,
 )
-from coldsnap.gpu.vllm_worker import EXTENSION, METHOD
+from coldsnap.gpu.vllm_worker import EXTENSION, METHOD, RELEASE_STACK, RESTORE_STACK
 
 DEFAULT_VENV = "/var/lib/coldsnap/venvs/vllm"
 DEFAULT_CUDA_SITE = "/tmp/vllm-site"
@@ -206,7 +206,11 @@ class VllmAdapter(EngineAdapter):
         level = SLEEP_LEVEL.get(weights_mode, 1)
         t = time.monotonic()
         post_json(host, port, f"/sleep?level={level}", timeout=600)
-        return EngineRelease.model_validate({"sleep_level": level, "sleep_s": round(time.monotonic() - t, 3)})
+        facts: dict = {"sleep_level": level, "sleep_s": round(time.monotonic() - t, 3)}
+        stack = _worker_call(host, port, RELEASE_STACK)  # the checkpoint then saves less (vllm_worker)
+        if stack is not None:
+            facts["stack_bytes_released"] = stack.get("stack_bytes")
+        return EngineRelease.model_validate(facts)
 
     def after_restore(self, host: str, port: int, kv_discarded: bool, weights_mode: str,
                       prefetched: str | dict[str, str] | None = None) -> dict:
@@ -236,6 +240,7 @@ class VllmAdapter(EngineAdapter):
             step("wake_kv_cache_s", "/wake_up?tags=kv_cache")
         else:
             step("wake_s", "/wake_up")
+            _worker_call(host, port, RESTORE_STACK)  # (the recovery reload sets it back itself)
         return {**steps, **out}
 
     def startup_timings(self, log: str) -> dict[str, float]:
@@ -245,6 +250,17 @@ class VllmAdapter(EngineAdapter):
             if found:
                 out[phase] = float(found[-1])
         return out
+
+
+def _worker_call(host: str, port: int, method: str) -> dict | None:
+    """One of ColdSnap's worker extension methods over vLLM's collective_rpc: its answer, or None from a server
+    without the extension (started some other way) or when it failed: what they do only saves time."""
+    try:
+        reply = post_json(host, port, "/collective_rpc", {"method": method}, timeout=120)
+    except (OSError, ValueError, ColdSnapError):
+        return None
+    result = (reply.get("results") or [None])[0]
+    return result if isinstance(result, dict) else None
 
 
 def extension_path() -> Path:

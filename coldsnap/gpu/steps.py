@@ -158,8 +158,10 @@ def start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir, b
     if not threads.isdigit() or int(threads) < 1:
         return Prefetch(skipped=f"COLDSNAP_PREFETCH_THREADS={threads!r} is not a positive number")
     mode = settings().prefetch_mode  # how the weights reach the GPU (prefetch.MODES)
+    if mode == "auto":  # several prefetchers reading side by side beside CRIU: the GPU copies from the page cache,
+        mode = "mapped" if by_file and len(targets) > 1 else "buffered"  # each byte crossing host memory once
     if mode not in MODES:
-        return Prefetch(skipped=f"COLDSNAP_PREFETCH_MODE={mode!r} is not one of {', '.join(MODES)}")
+        return Prefetch(skipped=f"COLDSNAP_PREFETCH_MODE={mode!r} is not one of auto, {', '.join(MODES)}")
     hold = ["--hold"]  # the copy kept until the restore is done (freeing it slowed the first request down)
     if by_file:  # the readers shared among the files' prefetchers; each copy freed once taken, for the engine maps
         threads = str(max(1, int(threads) // len(targets)))  # its KV cache next, where the copies were

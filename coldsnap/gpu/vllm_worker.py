@@ -24,11 +24,13 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Iterator
 
+from coldsnap.gpu.libcuda import set_stack_limit
 from coldsnap.gpu.prefetch import DTYPES, PrefetchError, Session, fill_buffered, read_header, whole_section
 from coldsnap.gpu.vmm import CudaError, DeviceRegion, Driver, imported
 
 EXTENSION = f"{__name__}.ColdSnapWorker"  # what the launch's --worker-extension-cls names
 METHOD = "coldsnap_reload_weights"  # what the restore's collective_rpc calls (ColdSnapWorker's method of that name)
+RELEASE_STACK, RESTORE_STACK = "coldsnap_release_stack", "coldsnap_restore_stack"  # around the CUDA checkpoint
 
 
 def weight_files(model_dir: str | os.PathLike) -> list[Path]:
@@ -103,8 +105,31 @@ def tensors_on_gpu(files: list[Path], device: int, threads: int, prefetched: dic
         del section
 
 
+def restore_stack(worker) -> int | None:
+    """The stack limit coldsnap_release_stack took away, set back (before the engine's next kernel); its bytes."""
+    stack_bytes = getattr(worker, "_coldsnap_stack_bytes", None)
+    if stack_bytes:
+        set_stack_limit(stack_bytes)
+        worker._coldsnap_stack_bytes = None
+    return stack_bytes
+
+
 class ColdSnapWorker:
     """Mixed into vLLM's Worker by --worker-extension-cls; `self` is the worker (model_runner, model_config)."""
+
+    def coldsnap_release_stack(self) -> dict[str, Any]:
+        """Before the CUDA checkpoint (vLLM asleep): the driver's per-thread stack reserve given back, so that the
+        checkpoint saves and the restore copies back that much less device memory (coldsnap.gpu.libcuda)."""
+        import torch
+
+        torch.cuda.synchronize()  # torch's context current on this thread, and nothing of it in flight
+        before = set_stack_limit(0)
+        if before:  # a second release (asleep again before any resume) keeps the first value
+            self._coldsnap_stack_bytes = before
+        return {"stack_bytes": before}
+
+    def coldsnap_restore_stack(self) -> dict[str, Any]:
+        return {"stack_bytes": restore_stack(self)}
 
     def coldsnap_reload_weights(self, options: str = "{}") -> dict[str, Any]:
         import torch
@@ -112,6 +137,7 @@ class ColdSnapWorker:
         opts = json.loads(options)
         t0 = time.perf_counter()
         device = torch.cuda.current_device()
+        restore_stack(self)
         files = weight_files(self.model_config.model)  # type: ignore[attr-defined]
         if not files:
             raise FileNotFoundError(f"no safetensors files in {self.model_config.model}")  # type: ignore[attr-defined]
