@@ -142,6 +142,8 @@ def test_container_captured_and_restored_through_the_shim(lab, device):
     # On a GPU, the container's CUDA state was checkpointed by host PID.
     assert (rec["result"]["cuda_processes"] >= 1) == (device == "cuda")
     assert captured.profile.snapshot_driver == "criu-runc" and captured.profile.weights_mode == "recovery"
+    # the weights file it reloads, seen at its host path: pinned, so the restore checks it (and prefetches it)
+    assert captured.profile.model and captured.profile.model.weights, "the container's weights file was not pinned"
     assert state(root, cid) is None or state(root, cid).get("status") != "running"
     runc(root, "delete", "-f", cid)
 

@@ -170,6 +170,7 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
             first = validate(target, request.validation, None)
             validate(target, request.validation, first.text)  # determinism: restores are held to this text
         info = target.call(engine_info)
+        served = _served_weights(info, pid)  # while the container is there to look into
         gpu_memory = gpu_steps.memory_held(pid)  # while it serves: the room a restore needs
         options = container_options(request.lifecycle.leave_running, request.policy.quiesce)
         gpu = gpu_steps.GpuCheckpoint()
@@ -221,9 +222,9 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
                 journal.drop(cuda)
                 validate(target, request.validation, first.text)
         model = adapter.saved_model(released) or request.model
-        if model is None and weights_mode == "recovery":
+        if model is None and weights_mode == "recovery" and served is not None:
             with tl.span("pin-weights"):
-                model = _served_model(adapter, info, pid)
+                model = adapter.describe_model(served)
         profile = capsule_profile(
             "criu-runc", request, host_profile(criu.version()), first.text, criu_options=options.cli_flags(),
             engine_version=info.get("version"), model=model,
@@ -245,19 +246,18 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
         journal.close()
 
 
-def _served_model(adapter, info: dict, pid: int) -> Model | None:
-    """The weights file a recovery-mode engine reloads, pinned, when the container sees it at its host path (bound
-    at the same path, as the adapters' container launches bind it): a restore then checks it, and prefetches it onto
-    the GPU. A file only the container sees is not pinned; its restore reloads it as it finds it."""
+def _served_weights(info: dict, pid: int) -> str | None:
+    """The weights file the engine reports, when the container sees it at its host path (bound at the same path, as
+    the adapters' container launches bind it): a recovery capture pins it, so that a restore checks it and
+    prefetches it onto the GPU. A file only the container sees is not pinned; its restore reloads it as it finds it.
+    Asked before the dump, while /proc/PID/root is the container's."""
     path = (info.get("weights") or {}).get("path")
     if not isinstance(path, str) or not os.path.isabs(path):
         return None
     try:
-        if not os.path.samefile(path, f"/proc/{pid}/root{path}"):
-            return None
+        return path if os.path.samefile(path, f"/proc/{pid}/root{path}") else None
     except OSError:
         return None
-    return adapter.describe_model(path)
 
 
 def _resume(target: Target, adapter, gpu, kv_discard: bool, weights_mode: str) -> None:
