@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The first restore on a node that never saw the capsule, on the GPU machine: `coldsnap bench --cold-node` with the
 # reference engine in recovery mode, LAYERS layers (6: 10.9 GB of weights, 18: 31 GB), N fresh nodes, the capsule
-# and its payload in Debian's docker-registry on loopback (carried: WITH_REGISTRY=1 packaging/device/prepare.sh).
+# and its payload in Debian's docker-registry on loopback (WITH_REGISTRY=1 packaging/device/prepare.sh; carry
+# [".whl", ".carry/gpu", ".carry/registry"], or only .carry/registry after a call that carried the others).
 # SHM=1 puts the ColdSnap home, its run dir, the registry's storage and the nodes on /dev/shm (tmpfs): the
 # machine's 64 GiB disk cannot hold 31 GB of weights and a node's pulled copy beside everything else. The limit is
 # measured on the same storage in the same run, so the ratio stays honest; the result says which storage it used.
 # WARMUP=1 does only a first capture (the seeded weights written, the compile cache filled) and removes its capsule:
 # on a fresh machine the first cold start of the 31 GB workload takes ~410 s, more than one call leaves the bench.
 # Run it as its own call, then the bench as the next call on the same (still warm) machine.
-# Usage (repo root there, .whl and .carry carried): [LAYERS=6] [N=3] [SHM=1] [WARMUP=1] packaging/device/cold-node.sh
+# Usage (repo root there, .whl and .carry/gpu carried: prepare.sh): [LAYERS=6] [N=3] [SHM=1] [WARMUP=1] packaging/device/cold-node.sh
 source packaging/device/env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 command -v docker-registry >/dev/null || { echo "cold-node: no docker-registry: carry .carry/registry"; exit 12; }

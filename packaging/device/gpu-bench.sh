@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU qualification on the device machine: doctor, GPU tests, bench (recovery or native), sleep/wake.
-# Usage (from the repo root there, with .whl and .carry/criu carried): packaging/device/gpu-bench.sh MODE [SAMPLES]
+# Usage (from the repo root there, with .whl and .carry/gpu carried: prepare.sh): packaging/device/gpu-bench.sh MODE [SAMPLES]
 # MODE: recovery | native (bench) | sleepwake (sleep/wake of a running workload, SLEEP_MODES) | none (TESTS only)
 # DRIVER=1: time the driver's own checkpoint/restore first; ACCOUNT=1: CRIU pages of the capsule after
 # TESTS: pytest files to run first; SUFFIX: appended to the result name (e.g. -noprefetch with COLDSNAP_PREFETCH=0)

@@ -2,7 +2,7 @@
 # The reference engine on a GPU inside a runc container, through coldsnap-runtime: tests/test_gpu_container.py on
 # the GPU machine. It has no runc and nothing can be installed there, so runc travels in .carry/runc (made by
 # prepare.sh; it needs only libc and libseccomp2, which the machine has), and coldsnap-runtime / coldsnap-hook are
-# small wrappers around this checkout. Usage (repo root there, .whl and .carry carried): gpu-container.sh
+# small wrappers around this checkout. Usage (repo root there, .whl and .carry/gpu carried: prepare.sh): gpu-container.sh
 [ -n "${NO_DEVICE_ENV:-}" ] || source packaging/device/env.sh
 PY=${PY:-python3}
 BIN=/tmp/coldsnap-bin; mkdir -p "$BIN"

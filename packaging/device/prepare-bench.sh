@@ -2,7 +2,7 @@
 # The first verification and staging of a capsule on a node, on the GPU machine: capture the reference engine in
 # recovery mode with LAYERS layers (6: 10.9 GB of weights, 18: 31 GB), then `restore --prepare-only` with no memo of
 # earlier digests and nothing staged (a node that has the weights file but never checked it), then one restore.
-# Usage (repo root there, .whl and .carry carried): LAYERS="6 18" packaging/device/prepare-bench.sh
+# Usage (repo root there, .whl and .carry/gpu carried: prepare.sh): LAYERS="6 18" packaging/device/prepare-bench.sh
 # Writes $OUT/prepare-LAYERS.json (the prepare receipt) and prints one line per size.
 source packaging/device/env.sh
 CS="python3 -m coldsnap.cli.main"

@@ -4,7 +4,7 @@
 # one capsule at once, a restore refused while its workload runs, one refused for want of GPU room), then, with
 # REPLICAS=N, `coldsnap bench --replicas N` on the GPU. The tests keep their temp dirs (retention all), whose
 # receipts are archived.
-# Usage (repo root there, .whl and .carry carried): [TESTS=0] [REPLICAS=4] packaging/device/shared-hosts.sh
+# Usage (repo root there, .whl and .carry/gpu carried: prepare.sh): [TESTS=0] [REPLICAS=4] packaging/device/shared-hosts.sh
 source packaging/device/env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader

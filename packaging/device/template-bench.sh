@@ -4,7 +4,7 @@
 # claim another GPU model (a simulated refusal, named as such in the output) restored on this H200: admission
 # refuses it and the restore falls to its template, whose receipt says so. (A template initialises CUDA with the
 # environment it was captured with: CUDA_VISIBLE_DEVICES of the capture.)
-# Usage (repo root there, .whl and .carry carried): [N=5] [BENCH=1] [PORTABLE=1] packaging/device/template-bench.sh
+# Usage (repo root there, .whl and .carry/gpu carried: prepare.sh): [N=5] [BENCH=1] [PORTABLE=1] packaging/device/template-bench.sh
 source packaging/device/env.sh
 CS="python3 -m coldsnap.cli.main"
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

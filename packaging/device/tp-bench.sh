@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Tensor parallel 2 over NCCL on the 2-GPU machine (device tool kind nvidia-h200-x2), and the one-GPU baseline with
-# the same per-rank state. Usage (repo root there, .whl and .carry/criu carried): packaging/device/tp-bench.sh STEPS
+# the same per-rank state. Usage (repo root there, .whl and .carry/gpu carried: prepare.sh): packaging/device/tp-bench.sh STEPS
 # STEPS: any of test tp2 tp1 gpumap noprefetch threads account (default: test tp2 tp1). N samples (default 10), NV vanilla samples
 # (default 1). TP_OPTS: more options for the TP2 bench, e.g. smaller NCCL buffers (fewer pinned pages per rank):
 # TP_OPTS="--engine-opt nccl_env=NCCL_BUFFSIZE=1048576" TP_NAME=-buf1m. Both benches prefetch the weights onto each GPU

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Diagnosis on the 2-GPU machine: what the tensor-parallel ranks hold in host memory before the CUDA checkpoint
 # (packaging/device/tree-maps.py, the heap walked chunk by chunk), with NCCL's own account of its allocations (NCCL_DEBUG_SUBSYS=ALLOC) and CRIU's
-# page account of the capsule after. NCCL_MORE: more NCCL settings (NCCL_X=V,...). Usage (repo root there, .whl and .carry carried): packaging/device/tp-maps.sh
+# page account of the capsule after. NCCL_MORE: more NCCL settings (NCCL_X=V,...). Usage (repo root there, .whl and .carry/gpu carried: prepare.sh): packaging/device/tp-maps.sh
 source packaging/device/env.sh
 rm -f /tmp/nccl.*.log
 MAPS_MIN_MIB=${MAPS_MIN_MIB:-30} python3 packaging/device/tree-maps.py capture --device cuda --weights-mode recovery \

@@ -2,7 +2,7 @@
 # vLLM's CUDA build through ColdSnap on the GPU machine (device tool). Each call carries everything (62 MiB of the
 # 64 a call may carry), so that a machine lost between calls costs a reinstall, not the run:
 #   here:      python3 packaging/device/vllm_carry.py        # .carry/vllm-gpu (40 MiB), from PyPI, reproducible
-#              FOR=vllm packaging/device/prepare.sh          # .whl (no registry client) and .carry/gpu/criu.tar.xz
+#              packaging/device/prepare.sh                   # .whl and .carry/gpu/criu.tar.xz
 #   carry [".carry/vllm-gpu", ".whl", ".carry/gpu"], then, back to back:
 #   call 1:    STEPS="install models tests" bash packaging/device/vllm-gpu.sh
 #   call 2:    STEPS="install models bench" bash packaging/device/vllm-gpu.sh   (install and models: done unless lost)
