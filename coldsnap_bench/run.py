@@ -195,7 +195,8 @@ def run_bench(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
         **({"template": template} if template else {}),
         "bandwidth": bw, "physical_limit": limit,
         "capsule": {"digest": cap.capsule, "bytes": capsule_bytes, "staging_s": round(staging_s, 3),
-                    "capture_spans": {s.name: s.duration_s for s in cap.receipt.spans}},
+                    "capture_spans": {s.name: s.duration_s for s in cap.receipt.spans},
+                    **_gpu_checkpointed(cap.receipt)},
     }
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -360,3 +361,9 @@ def side_by_side(data: dict) -> str:
                  f"token {data['ratio_median']}x sooner; capsule {data['capsule']['bytes'] / 2**20:.0f} MiB, "
                  f"staging {data['capsule']['staging_s']:.2f} s (excluded)")
     return "\n".join(lines)
+
+
+def _gpu_checkpointed(receipt) -> dict:
+    """The device memory the capture's CUDA checkpoint saved (what each restore's driver step copies back), if any."""
+    held = receipt.facts(CaptureFacts).gpu_memory_checkpointed
+    return {"gpu_memory_checkpointed": held} if held else {}

@@ -45,6 +45,9 @@ class CaptureFacts(Strict):
     validated_text: str | None = None
     weights_mode: str | None = None
     cuda_processes: int | None = None
+    gpu_memory_checkpointed: dict[str, int] | None = Field(default=None, description="GPU UUID → bytes the workload "
+                                                           "held there as its CUDA state was checkpointed (after the "
+                                                           "engine's release): what the driver saves and restores.")
     criu_options: list[str] | None = None
     criu_stats: Account | None = None
     runc_checkpoint: list[str] | None = None

@@ -230,6 +230,7 @@ def _dump_serving(c: _Capturing, adapter: EngineAdapter, info: dict, model: Mode
     journal.add(ShmFiles(c.shm_names, with_workload=True))
 
     cuda_entry = journal.add(CudaTree(pid))
+    checkpointed = gpu_steps.memory_held(pid) if c.gpu_memory else {}  # what the driver is about to save
     with tl.span("gpu-checkpoint"):
         gpu = gpu_steps.checkpoint_tree(pid)
     progress(gpu.summary)
@@ -264,7 +265,8 @@ def _dump_serving(c: _Capturing, adapter: EngineAdapter, info: dict, model: Mode
         left_running=leave_running, cold_start_to_ready_s=round(cold.ready - cold.started, 3),
         cold_time_to_first_token_s=round(cold.time_to_first_token, 3), validated_text=c.served.text,
         weights_mode=launch.weights_mode, cuda_processes=len(gpu.pids), criu_options=options.cli_flags(),
-        criu_stats=dump_stats, release=released.facts() if released else None)
+        gpu_memory_checkpointed=checkpointed if gpu.pids else None, criu_stats=dump_stats,
+        release=released.facts() if released else None)
     return facts, profile
 
 

@@ -190,6 +190,7 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
             else:
                 with tl.span("quiesce"):
                     wait_no_connections(pid, request.launch.port)
+            checkpointed = gpu_steps.memory_held(pid) if gpu_memory else {}  # what the driver is about to save
             with tl.span("gpu-checkpoint"):
                 gpu = gpu_steps.checkpoint_tree(pid)
             progress(gpu.summary)
@@ -236,7 +237,8 @@ def _capture(request: CaptureRequest, cid: str, runc_root, pid: int, host: str |
             images, files, profile, request.tag, released, tl, progress, sources=sources, journal=journal,
             container=cid, left_running=request.lifecycle.leave_running, quiesce=request.policy.quiesce,
             connections_in_flight=connections, validated_text=first.text, weights_mode=weights_mode,
-            cuda_processes=len(gpu.pids), criu_options=options.cli_flags(), runc_checkpoint=argv)
+            cuda_processes=len(gpu.pids), gpu_memory_checkpointed=checkpointed if gpu.pids else None,
+            criu_options=options.cli_flags(), runc_checkpoint=argv)
         return facts, profile
     finally:
         for held in (held_shm, held_layer):
