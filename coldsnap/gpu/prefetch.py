@@ -456,7 +456,8 @@ def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float
     """Listen at sock_path, load, hand the memory to the first engine that connects; return what happened.
     pieces: load only these parts of the data section, packed (a tensor-parallel rank's shards); default all of it.
     mode: "buffered" (fill_buffered) or "mapped" (fill_mapped; fill_buffered where it can't be, the report says
-    why). On the H200 machine the mapped fill is no faster: see docs/benchmarks.md.
+    why). For one file on the H200 machine the mapped fill is no faster; for several files loaded side by side
+    beside CRIU it is (less host memory traffic): see docs/benchmarks.md.
     hold: once served, keep the memory and the context until stdin closes: freeing them (and tearing the context
     down) while the engine captures its CUDA graphs and answers its first request slowed both down.
     linger: once served, free the memory at once (the engine maps its KV cache there next) but keep the context
