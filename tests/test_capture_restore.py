@@ -277,14 +277,14 @@ def test_a_workload_that_never_validates_times_out_and_leaves_nothing(env):
     store = CapsuleStore(settings().store).init()
     before = set(store.blobs.iterdir())
     req = CaptureRequest(operation="capture", lifecycle={"name": "pyt-never"},
-                         launch={"command": ["sleep", "600"]}, validation={"ready_timeout_s": 1.5})
+                         launch={"command": ["sleep", "600.25"]}, validation={"ready_timeout_s": 1.5})
     with pytest.raises(ColdSnapError) as e:
         capture(req)
     assert e.value.code == ErrorCode.VALIDATION_TIMEOUT
     assert e.value.receipt.state == "failed"
     assert not netns_exists("pyt-never")
     assert set(store.blobs.iterdir()) == before
-    out = subprocess.run(["pgrep", "-f", "sleep 600"], capture_output=True, text=True)
+    out = subprocess.run(["pgrep", "-fx", "sleep 600.25"], capture_output=True, text=True)  # ours, not any sleep
     assert out.stdout.strip() == ""
 
 
