@@ -162,10 +162,10 @@ def start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir, b
         mode = "mapped" if by_file and len(targets) > 1 else "buffered"  # each byte crossing host memory once
     if mode not in MODES:
         return Prefetch(skipped=f"COLDSNAP_PREFETCH_MODE={mode!r} is not one of auto, {', '.join(MODES)}")
-    hold = ["--hold"]  # the copy kept until the restore is done (freeing it slowed the first request down)
+    once_served = ["--hold"]  # the copy kept until the restore is done (freeing it slowed the first request down)
     if by_file:  # the readers shared among the files' prefetchers; each copy freed once taken, for the engine maps
         threads = str(max(1, int(threads) // len(targets)))  # its KV cache next, where the copies were
-        hold = ["--linger"] if settings().prefetch_linger else []  # their contexts torn down after the first token
+        once_served = ["--linger"] if settings().prefetch_linger else []  # contexts go after the first token
     p = Prefetch(by_file=by_file)
     for key, gpu, weights, pieces in targets:
         name = f"{run_dir}/{uuid4().hex[:12]}"
@@ -181,7 +181,7 @@ def start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir, b
             ranges = (arrivals or {}).get(weights.path)
             proc = subprocess.Popen(
                 [sys.executable, "-m", "coldsnap.gpu.prefetch", "--file", weights.path, "--gpu", gpu,
-                 "--socket", sock, *hold, "--threads", threads,
+                 "--socket", sock, *once_served, "--threads", threads,
                  "--mode", mode, *plan, *(["--arrivals"] if ranges is not None else [])], env=env,
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
             p.procs.append(proc)
