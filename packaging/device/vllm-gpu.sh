@@ -28,7 +28,6 @@ STEPS=${STEPS:-"install models probe tests"}
 has() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
 t0=$(date +%s); say() { echo "[vllm-gpu +$(( $(date +%s) - t0 ))s] $*"; }
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
-[ -d .carry/criu ] || { [ -f .carry/gpu/criu.tar.xz ] && tar -C .carry -xJf .carry/gpu/criu.tar.xz; }
 if has install; then
   stamp=$(sha256sum .carry/vllm-gpu/vllm-carry.tar.xz | cut -c1-16)
   if [ "$(cat "$COLDSNAP_VLLM_CUDA_SITE/.carry-stamp" 2>/dev/null)" = "$stamp" ]; then
