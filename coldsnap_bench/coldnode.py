@@ -327,6 +327,12 @@ def _first_restore(node: Path, ref: str, expected: str, one_command: bool = True
                 # the weights' bytes included
                 "pulled_bytes": (facts.get("bytes") if one_command else pulled.get("bytes_transferred")) or 0,
                 "streamed": bool(facts.get("streamed")),
+                # where "process starts" hides: the receipt's own spans (from the command's start) and stage's parts
+                "timeline": {"origin_after_issue_s": round(receipt["origin"]["monotonic_s"] - t_issue, 4),
+                             "spans": [(x["name"], round(x["start_s"], 4), round(x["duration_s"], 4))
+                                       for x in receipt["spans"]],
+                             "stage_parts": result.get("stage_parts") or {},
+                             "weights_wait_s": (result.get("hydrate") or {}).get("weights_wait_s")},
                 "validated": result["validated_text"] == expected and receipt["state"] == "succeeded"}
     finally:
         _cli(env, "stop", result["workload"])

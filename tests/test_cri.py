@@ -143,7 +143,7 @@ def test_an_unannotated_pod_and_its_pause_container_pass_through(captured):
 
 def test_an_annotated_pod_restores_inside_start_container_validated(lab, captured):
     pod, cid, start_s = lab.engine_pod("restored", {mt.ANNOTATION_CAPSULE: captured["capsule"]})
-    # StartContainer returned: the container was restored and validated by then (the poststart hook).
+    # StartContainer returned: the container was restored and validated by then (at its create).
     status = lab.node.status(cid)
     assert status.state == cri_bench.cri.CONTAINER_RUNNING
     rec = receipt_of(cid)

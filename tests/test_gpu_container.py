@@ -164,8 +164,8 @@ def test_container_captured_and_restored_through_the_shim(lab, device):
         assert restored["result"]["hydrate"]["prefetch"].get("served"), restored["result"]["hydrate"]
     print(f"\n[measured] {device} container: cold start to /health {cold_s:.1f} s; restore receipt "
           f"{json.dumps({k: restored['result'].get(k) for k in ('time_to_first_token_s', 'hydrate')})}; spans "
-          f"{[(s['name'], round(s['duration_s'], 2)) for s in restored['spans']]}; capture zero pages "
-          f"{rec['result'].get('zero_pages')}")
+          f"{[(s['name'], round(s['start_s'], 2), round(s['duration_s'], 2)) for s in restored['spans']]}; "
+          f"CRIU's own {restored['result'].get('criu_stats')}; capture zero pages {rec['result'].get('zero_pages')}")
 
 
 def test_vllm_on_a_gpu_in_a_container_through_the_shim(lab):
@@ -227,4 +227,4 @@ def test_vllm_on_a_gpu_in_a_container_through_the_shim(lab):
     assert "reload_fallback" not in resumed and resumed["reload"]["files"] >= 1, resumed
     print(f"\n[measured] vllm cuda container: cold start to /health {cold_s:.1f} s; restore receipt "
           f"{json.dumps({k: restored['result'].get(k) for k in ('time_to_first_token_s', 'hydrate')})}; spans "
-          f"{[(s['name'], round(s['duration_s'], 2)) for s in restored['spans']]}")
+          f"{[(s['name'], round(s['start_s'], 2), round(s['duration_s'], 2)) for s in restored['spans']]}")

@@ -79,8 +79,8 @@ def test_pull_into_an_empty_store_restores_and_shares_weights(registry, tmp_path
     assert os.path.exists(weights.path)  # materialized from the payload, digest verified
     # linked, not copied: the pulled blob takes the pinned file's mode, and the restore did not hash it again
     assert os.path.samefile(weights.path, fresh.blob_path("sha256:" + weights.sha256))
-    staging = r.result.stage_parts  # where staging went: the capsule's blobs, the weights, the images
-    assert set(staging) == {"verify", "weights", "unpack"}
+    staging = r.result.stage_parts  # where staging went: the capsule's blobs, the weights, the images, CUDA code
+    assert set(staging) == {"verify", "weights", "unpack", "code"}
     assert sum(staging.values()) <= next(s.duration_s for s in r.spans if s.name == "stage")
     stop_workload(load_state(r.result.workload))
 

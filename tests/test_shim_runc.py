@@ -2,8 +2,8 @@
 
 (a) a bundle without the annotation goes through the shim exactly as through runc;
 (b) a reference-engine container captured with capture_container is restored by `create` + `start` of an
-    annotated bundle, validated by coldsnap-hook (poststart) against the captured text, with a receipt;
-(c) a capsule that is incompatible, corrupt or fails to restore falls back to a cold start that serves,
+    annotated bundle, validated at create against the captured text, with a receipt;
+(c) a capsule that is incompatible, corrupt, fails to restore or to validate falls back to a cold start that serves,
     and says why in the receipt; with fallback off the create fails cleanly, in runc's log format.
 """
 
@@ -283,7 +283,7 @@ def _unstageable(captured) -> tuple[str, Path, Path]:
     return captured["result"].capsule, image, aside
 
 
-@pytest.mark.parametrize("case", ["incompatible", "corrupt", "mounts-differ", "restore-fails"])
+@pytest.mark.parametrize("case", ["incompatible", "corrupt", "mounts-differ", "restore-fails", "fails-validation"])
 def test_refused_or_failed_restore_falls_back_to_a_cold_start(lab, captured, case):
     moved = None
     if case == "restore-fails":
@@ -291,10 +291,13 @@ def test_refused_or_failed_restore_falls_back_to_a_cold_start(lab, captured, cas
     else:
         digest = {"incompatible": lambda: _variant(captured, kernel="0.0.0-elsewhere"),
                   "corrupt": lambda: _corrupt(captured),
-                  "mounts-differ": lambda: captured["result"].capsule}[case]()
+                  "mounts-differ": lambda: captured["result"].capsule,
+                  "fails-validation": lambda: captured["result"].capsule}[case]()
+    annotations = {mt.ANNOTATION_CAPSULE: digest}
+    if case == "fails-validation":  # restored, but another prompt cannot give the captured completion
+        annotations[mt.ANNOTATION_VALIDATION] = json.dumps({"prompt": "Something else entirely"})
     # mounts-differ: the bundle lacks the /models bind the captured container had: refused before CRIU runs
-    bundle, netns = lab.bundle(f"fallback-{case}", annotations={mt.ANNOTATION_CAPSULE: digest},
-                               models=case != "mounts-differ")
+    bundle, netns = lab.bundle(f"fallback-{case}", annotations=annotations, models=case != "mounts-differ")
     cid = unique(f"fb-{case}")
     log = lab.base / f"{cid}.log"
     try:
@@ -307,7 +310,7 @@ def test_refused_or_failed_restore_falls_back_to_a_cold_start(lab, captured, cas
     rec = receipt(cid)
     assert rec["state"] == "fell-back" and rec["result"]["started"] == "cold"
     want = {"incompatible": "incompatible: capsule refused on this host: kernel",
-            "corrupt": "capsule-corrupt", "restore-fails": "criu-failed",
+            "corrupt": "capsule-corrupt", "restore-fails": "criu-failed", "fails-validation": "validation-failed",
             "mounts-differ": "incompatible: capsule refused on this host: /models was mounted (bind) at capture and "
                              "is not in this container"}[case]
     assert rec["result"]["fallback_reason"].startswith(want), rec["result"]["fallback_reason"]
@@ -316,6 +319,8 @@ def test_refused_or_failed_restore_falls_back_to_a_cold_start(lab, captured, cas
         assert "pstree" in kept_log.read_text()
     if case == "mounts-differ":  # refused before CRIU ran at all
         assert not kept_log.exists() and "criu-restore" not in [s["name"] for s in rec["spans"]]
+    if case == "fails-validation":  # restored, asked, found wrong: the restored container went before the cold one
+        assert [s["name"] for s in rec["spans"]][-3:] == ["hydrate", "validate", "cold-start"]
     line = json.loads(log.read_text().splitlines()[-1])
     assert line["level"] == "warning" and "cold" in line["msg"] and line["time"]
     assert lab.shim("start", cid).returncode == 0

@@ -1,11 +1,12 @@
 """Container restore: what coldsnap-runtime does at `create` of a bundle annotated with io.coldsnap.capsule, and
-what the poststart hook does once the container is started.
+what the poststart hook says once the container is started.
 
-  create     admit → stage → `runc restore --detach` → hydrate, then a record that `start` and the poststart hook
-             read. A refusal or a failed restore falls back to a cold `runc create` with the caller's argv when the
-             policy allows (the shim execs runc), and never leaves a half-restored container behind.
-  poststart  validate → receipt: the container is ready only once it has served a real completion equal to the
-             one validated at capture.
+  create     admit → stage → `runc restore --detach` → hydrate → validate → receipt, then a record that `start`,
+             the poststart hook and `delete` read. The container counts as restored only once it has served a real
+             completion equal to the one validated at capture. A refusal, a failed restore or a failed validation
+             falls back to a cold `runc create` with the caller's argv when the policy allows, and never leaves a
+             half-restored container behind.
+  poststart  one line: restored and validated (with the first token's time), or started cold and why.
 
 Annotations (keys in coldsnap.contracts.capsule):
   io.coldsnap.capsule       capsule reference, pinned (sha256:… or NAME@sha256:…)
@@ -32,10 +33,11 @@ from coldsnap.base.files import private_dir
 from coldsnap.base.journal import start_time
 from coldsnap.base.paths import settings
 from coldsnap.capsule import LoadedCapsule
-from coldsnap.contracts import ColdSnapError, ErrorCode, Policy, Receipt, RestoreRequest, Validation
+from coldsnap.contracts import ColdSnapError, ErrorCode, Policy, RestoreRequest, Validation
 from coldsnap.contracts import capsule as mt
 from coldsnap.contracts.parse import first_error, short, strict_json
 from coldsnap.contracts.results import Hydrate, RestoreFacts
+from coldsnap.criu import criu_stats
 from coldsnap.criu.creds import exceeds_spec, image_creds
 from coldsnap.criu.runc import restore_container
 from coldsnap.engines import get_adapter
@@ -171,21 +173,28 @@ def restore_at_create(runc: str, parsed: RuncArgv, spec: dict) -> CreateOutcome:
                                                                              f"{type(error).__name__}: {error}")
         return _fall_back(runc, parsed, creq, tl, capsule, cause, attempted, netns_path(spec))
 
-    profile = capsule.profile
-    record = ShimRecord(
-        outcome=Outcome.RESTORED, id=cid, root=parsed.root, bundle=parsed.bundle, capsule=capsule.digest,
-        request=creq.request.model_dump(mode="json"),
-        validation=creq.validation(profile.validation).model_dump(mode="json"),
-        expected_text=profile.expected_text, weights_mode=profile.weights_mode,
-        criu_options=profile.criu_options, timeline=tl.to_dict(), **restored,
-    )
+    message = (f"{cid} restored from {capsule.digest[:19]}… and validated: first token "
+               f"{restored.facts.time_to_first_token_s:.3f} s after the restore began (receipt {receipt_path(cid)})")
+    # the receipt, then the record that start, the poststart hook and delete read
+    finish_receipt(creq.request, cid, "restore", tl, "succeeded", result=restored.facts)
+    record = ShimRecord(outcome=Outcome.RESTORED, id=cid, root=parsed.root, bundle=parsed.bundle,
+                        capsule=capsule.digest, pid=restored.facts.pid, work_dir=str(restored.work_dir),
+                        validated=True, receipt=str(receipt_path(cid)), summary=message)
     records.save(cid, record)
     return CreateOutcome("restored", record=record)
 
 
+@dataclass
+class _Restored:
+    facts: RestoreFacts  # the receipt's result
+    work_dir: Path  # runc's and CRIU's logs; removed with the container
+
+
 def _restore(runc: str, parsed: RuncArgv, staged: StagedForRestore, spec: dict, creq: ContainerRequest,
-             tl: Timeline) -> dict:
-    """criu-restore and hydrate spans; returns what the record needs. spec: the new container's."""
+             tl: Timeline) -> _Restored:
+    """criu-restore, hydrate and validate spans. spec: the new container's. The container counts as restored only
+    once it served the completion validated at capture, here at create: a restore that fails it is undone and the
+    caller falls back to a cold create, as for any other failure (the runtime's start then finds it ready)."""
     profile = staged.capsule.profile
     cid = parsed.id
     # Recorded before runc restores anything: whoever looks next (the next runc call for this id, coldsnap gc)
@@ -214,13 +223,16 @@ def _restore(runc: str, parsed: RuncArgv, staged: StagedForRestore, spec: dict, 
         with tl.span("criu-restore"):
             pid, argv = restore_container(runc, parsed, staged.images, profile.criu_options, work,
                                           settings().receipts)
+        criu_account = criu_stats(work, "restore")  # CRIU's own share of runc's restore
         target = Target(pid=pid, port=creq.port or profile.launch.port, host=creq.host)
         with tl.span("hydrate"):
             gpu = gpu_steps.restore_after_criu(pid) if profile.cuda_pids else gpu_steps.GpuCheckpoint()
             with relay.into_container(pid, prefetch_started().for_engine()) as inside:
                 resumed = target.call(adapter.after_restore, profile.kv_discarded, profile.weights_mode, inside)
-            # the engine has taken the copies (or read the files itself): the prefetchers can go
-            prefetched = gpu_steps.finish_prefetch(prefetch_started())
+        with tl.span("validate"):
+            res = validate(target, creq.validation(profile.validation), profile.expected_text)
+        # the engine has taken the copies (or read the files itself) and served: the prefetchers can go
+        prefetched = gpu_steps.finish_prefetch(prefetch_started())
     except BaseException:
         hostfiles.remove_files(put_back)  # the cold start the caller falls back to gets its files as they were
         layer.undo()
@@ -231,8 +243,13 @@ def _restore(runc: str, parsed: RuncArgv, staged: StagedForRestore, spec: dict, 
     layer.settle()
     hydrate = {"cuda_restore_s": gpu.seconds, "engine_resume": resumed,
                "prefetch": prefetched if profile.cuda_pids else None}
-    return {"pid": pid, "t0": t0, "work_dir": str(work), "runc_restore": argv, "port": target.port,
-            "host": target.host, "cuda_processes": len(gpu.pids), "hydrate": {k: v for k, v in hydrate.items() if v}}
+    facts = RestoreFacts(
+        container=cid, capsule=staged.capsule.digest, pid=pid, address=target.describe(),
+        time_to_first_token_s=round(res.first_token_s - t0, 4), validated_text=res.text,
+        cuda_processes=len(gpu.pids), criu_options=profile.criu_options, runc_restore=argv,
+        weights_mode=profile.weights_mode,
+        hydrate=Hydrate.model_validate({k: v for k, v in hydrate.items() if v}), criu_stats=criu_account or None)
+    return _Restored(facts=facts, work_dir=work)
 
 
 def _unlock_network(netns: str | None) -> dict:
@@ -301,37 +318,17 @@ def _record_cold_start(creq: ContainerRequest, parsed: RuncArgv, tl: Timeline, r
 class Validated:
     ok: bool
     message: str
-    receipt: Receipt | None = None
 
 
-def validate_restored(state: dict) -> Validated | None:
-    """The poststart hook's work for the container in `state` (OCI state JSON): None when the shim did not restore
-    it (or it is validated already); else validate it, write its receipt and say how it went."""
+def validated_at_create(state: dict) -> Validated | None:
+    """What the poststart hook says of the container in `state` (OCI state JSON): None when the shim did not handle
+    it; else how its create went (restored and validated there, or started cold and why)."""
     cid = state["id"]
     record = records.load(cid)
-    if record is None or record.validated:
+    if record is None:
         return None
     if record.outcome == Outcome.FELL_BACK:
         return Validated(True, f"{cid} started cold: {record.reason} (receipt {record.receipt})")
-    pid = int(state.get("pid") or record.pid or 0)
-    request = RestoreRequest.model_validate(record.request)
-    tl = Timeline.from_dict(record.timeline)
-    target = Target(pid=pid, port=int(record.port or 0), host=record.host)
-    try:
-        with tl.span("validate"):
-            res = validate(target, Validation.model_validate(record.validation), record.expected_text)
-    except ColdSnapError as e:
-        receipt = finish_receipt(request, cid, "restore", tl, "failed",
-                                 result=RestoreFacts(container=cid, capsule=record.capsule), error=e)
-        return Validated(False, f"{cid} restored from {record.capsule[:19]}… but failed validation against "
-                         f"{target.describe()}: {e} (receipt {receipt_path(cid)})", receipt)
-    ttft = res.first_token_s - (record.t0 or 0.0)
-    receipt = finish_receipt(request, cid, "restore", tl, "succeeded", result=RestoreFacts(
-        container=cid, capsule=record.capsule, pid=pid, address=target.describe(),
-        time_to_first_token_s=round(ttft, 4), validated_text=res.text, cuda_processes=record.cuda_processes,
-        criu_options=record.criu_options, runc_restore=record.runc_restore, weights_mode=record.weights_mode,
-        hydrate=Hydrate.model_validate(record.hydrate) if record.hydrate else None))
-    record.validated, record.receipt = True, str(receipt_path(cid))
-    records.save(cid, record)
-    return Validated(True, f"{cid} restored from {record.capsule[:19]}… and validated: first token {ttft:.3f} s "
-                     f"after the restore began (receipt {receipt_path(cid)})", receipt)
+    if record.outcome == Outcome.RESTORED and record.validated:
+        return Validated(True, record.summary or f"{cid} restored and validated (receipt {record.receipt})")
+    return Validated(False, f"{cid} was not validated at its create: it cannot start as a restore")

@@ -34,7 +34,7 @@ class StagedForRestore:
     capsule: LoadedCapsule
     images: Path
     files: Path | None
-    parts: dict[str, float] = field(default_factory=dict)  # seconds of verify, weights, unpack: inside "stage"
+    parts: dict[str, float] = field(default_factory=dict)  # seconds of verify, weights, unpack, code: in "stage"
     # The weights still arriving (a streamed pull): wait for the pull and put them in place (replacing the links
     # link_arriving made, if it did), before CRIU restores or, linked, behind the first token. None once done.
     weights_later: Callable[..., None] | None = None
@@ -82,7 +82,8 @@ def stage(capsule: LoadedCapsule, weights_arrive: Callable[[], None] | None = No
     files = root / "files"
     staged = StagedForRestore(capsule=capsule, images=root / "images", files=files if files.exists() else None,
                               parts=parts, weights_later=later)
-    put_back_files(staged, only_code=True)  # big, and the same for every restore: here, off the restore's clock
+    with _timed(parts, "code"):  # big, and the same for every restore: here, off the restore's clock
+        put_back_files(staged, only_code=True)
     return staged
 
 

@@ -3,7 +3,8 @@ restores their sockets (CRIU's setup-namespaces notification). A network namespa
 the spec: ctr, plain runc) then has `lo` down, and CRIU cannot reconnect an established loopback connection
 (SGLang's and vLLM's own TCP connections to 127.0.0.1): "Can't connect inet socket back: Network is unreachable".
 So the hook brings `lo` up there. A namespace the spec names (a pod's, docker's) is left alone: its owner set it
-up. At a cold create runc has already brought `lo` up; doing it again changes nothing."""
+up. At a cold create runc has already brought `lo` up; doing it again changes nothing. Standard library only: it
+runs inside `runc restore`, on every container restore's clock."""
 
 from __future__ import annotations
 
@@ -11,8 +12,7 @@ import json
 import os
 import sys
 
-from coldsnap.contracts import ColdSnapError
-from coldsnap.net.enter import call_in_netns, loopback_up
+from coldsnap.net.loopback import loopback_up_in
 from coldsnap.oci.spec import netns_path
 
 
@@ -33,8 +33,8 @@ def create_runtime(state: dict) -> int:
     if not own_network_namespace(spec) or not isinstance(pid, int) or pid <= 0:
         return 0
     try:
-        call_in_netns(pid, loopback_up, timeout=30)
-    except ColdSnapError as e:
-        print(f"coldsnap-hook: createRuntime: cannot bring lo up for pid {pid}: {e.message}", file=sys.stderr)
+        loopback_up_in(pid)  # this hook's own process enters the namespace: it ends right after
+    except OSError as e:
+        print(f"coldsnap-hook: createRuntime: cannot bring lo up for pid {pid}: {e}", file=sys.stderr)
         return 1
     return 0

@@ -103,13 +103,3 @@ def call_in_netns(pid: int, fn: Callable[..., Any], *args: Any, timeout: float =
     if payload[0] == "ok":
         return payload[1]
     raise ColdSnapError(ErrorCode(payload[1]), payload[2])
-
-
-def loopback_up() -> None:
-    """Bring `lo` up in the current network namespace (a netns runc re-creates at restore comes back with lo down)."""
-    from pyroute2 import IPRoute
-
-    with IPRoute() as ipr:
-        idx = ipr.link_lookup(ifname="lo")
-        if idx:
-            ipr.link("set", index=idx[0], state="up")

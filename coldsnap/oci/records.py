@@ -1,14 +1,14 @@
 """The shim's record of a container it handled: /run/coldsnap/shim/<id>.json (COLDSNAP_RUN moves it).
 
 It says whether `create` restored the container (then `start` is answered without runc, since a restored
-container is already running) or fell back to a cold start, and carries what the poststart hook needs to
-validate and write the receipt (timeline so far, capsule, request, expected text). Stdlib only."""
+container is already running and was validated at create) or fell back to a cold start, and the line the
+poststart hook prints. Stdlib only."""
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from enum import Enum
 from typing import Any
 
@@ -17,7 +17,7 @@ class Outcome(str, Enum):
     """What `create` did with the container."""
 
     RESTORING = "restoring"  # runc restore under way (its shim alive), or interrupted (its shim gone)
-    RESTORED = "restored"  # running as restored, validated by the poststart hook
+    RESTORED = "restored"  # running as restored, validated at create
     FELL_BACK = "fell-back"  # started cold by runc (the reason says why)
 
 
@@ -38,26 +38,13 @@ class ShimRecord:
     runc: str = ""
     owner: Owner | None = None  # the shim that restores it (restoring)
     capsule: str = ""
-    # what the poststart hook validates with and writes the receipt from (restored): the request, the
-    # validation and the timeline as JSON (pydantic stays off this floor; the hook reads them back)
-    request: dict[str, Any] = field(default_factory=dict)
-    validation: dict[str, Any] = field(default_factory=dict)
-    timeline: dict[str, Any] = field(default_factory=dict)
-    expected_text: str | None = None
-    weights_mode: str | None = None
-    criu_options: list[str] = field(default_factory=list)
     pid: int | None = None  # host PID of the restored init
-    t0: float | None = None  # monotonic: when the restore began
-    port: int | None = None
-    host: str | None = None
-    work_dir: str | None = None
-    runc_restore: list[str] = field(default_factory=list)
-    cuda_processes: int = 0
-    hydrate: dict[str, Any] = field(default_factory=dict)  # the driver's steps and the engine's resume (receipt)
+    work_dir: str | None = None  # runc's and CRIU's logs of the restore
     started: bool = False
-    validated: bool = False
+    validated: bool = False  # restored: served the completion validated at capture (at create)
     reason: str | None = None  # fell-back: why
     receipt: str | None = None
+    summary: str | None = None  # restored: the line the poststart hook prints
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "ShimRecord":

@@ -1,6 +1,6 @@
-"""`start` of a container the shim restored: it is already running (CRIU brought it back as it was), so runc is
-not asked; the shim runs the spec's poststart hooks as runc would (coldsnap-hook validates there) and answers.
-A failed poststart hook stops the container and fails the start, as it does under runc."""
+"""`start` of a container the shim restored: it is already running (CRIU brought it back as it was) and was
+validated at create, so runc is not asked; the shim runs the spec's poststart hooks as runc would (coldsnap-hook
+reports there) and answers. A failed poststart hook stops the container and fails the start, as it does under runc."""
 
 from __future__ import annotations
 

@@ -10,8 +10,8 @@
 #              STEPS="install models container" bash packaging/device/vllm-gpu.sh
 # STEPS (in this order, any subset):
 #   install  the carry into /tmp/vllm-site (kept while the machine stays warm)
-#   models   /tmp/llama-1b (1.0 GB, tests), then /tmp/llama-8b (16.1 GB, Llama 3 8B's shape, for bench) in the
-#            background while the next steps run (bench waits for it)
+#   models   /tmp/llama-1b (1.0 GB, tests, container), then, where bench or ab follows, /tmp/llama-8b (16.1 GB,
+#            Llama 3 8B's shape) in the background while the next steps run (bench and ab wait for it)
 #   probe    packaging/device/vllm-sleep-probe.py: sleep levels 1 and 2 around the driver's checkpoint, by hand
 #   tests    tests/test_engine_vllm_gpu.py (capture/restore native and recovery, sleep/wake; TESTS_K: pytest -k),
 #            results in $OUT
@@ -41,7 +41,7 @@ fi
 if has models && { has tests || has probe || has container; } && [ ! -f /tmp/llama-1b/config.json ]; then
   python3 -m coldsnap_reference.tinymodel /tmp/llama-1b --shape 1b > "$OUT/models.log" 2>&1; say "1b rc=$?"
 fi  # the bench needs only the 8B:
-if has models && ! grep -q '^rc=0' /tmp/llama-8b.log 2>/dev/null; then
+if has models && { has bench || has ab; } && ! grep -q '^rc=0' /tmp/llama-8b.log 2>/dev/null; then
   # a session of its own: it outlives this call while the machine stays warm
   pgrep -f "tinymodel /tmp/llama-8b" > /dev/null || setsid bash -c 'python3 -m coldsnap_reference.tinymodel /tmp/llama-8b --shape 8b > /tmp/llama-8b.log 2>&1;
                   echo "rc=$?" >> /tmp/llama-8b.log' < /dev/null > /dev/null 2>&1 &
