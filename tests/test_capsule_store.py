@@ -60,6 +60,32 @@ def test_layer_round_trip(store, tmp_path):
     assert (out / "pages-1.img").read_bytes() == (tmp_path / "images" / "pages-1.img").read_bytes()
 
 
+def test_a_large_layer_is_frames_unpacked_on_several_cores_and_a_cut_one_is_refused(tmp_path):
+    from coldsnap.capsule.pack import FRAME, _frames
+
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    big = os.urandom(1 << 20) * 20 + bytes(8 << 20) + os.urandom(5 << 20) + bytes(3 << 20)  # 36 MiB, zero runs
+    (src / "pages-1.img").write_bytes(big)
+    (src / "sub" / "small").write_bytes(b"x" * 700)
+    (src / "empty").write_bytes(b"")
+    layer = tmp_path / "layer.tar.zst"
+    pack_dir(src, layer)
+    with open(layer, "rb") as f:
+        frames = _frames(f.fileno(), os.path.getsize(layer))
+    assert frames is not None and len(frames) == -(-(len(big) + 3 * 1024) // FRAME)  # one per FRAME of tar
+    out = tmp_path / "out"
+    unpack_layer(layer, out)
+    assert (out / "pages-1.img").read_bytes() == big and (out / "sub" / "small").read_bytes() == b"x" * 700
+    assert (out / "empty").read_bytes() == b""
+    assert os.stat(out / "pages-1.img").st_blocks * 512 < len(big)  # the zero runs are holes
+    bad = tmp_path / "bad.tar.zst"  # cut inside its second frame (a layer's digest is checked before; this is
+    bad.write_bytes(layer.read_bytes()[:frames[1][0] + frames[1][1] // 2])  # what unpack itself must refuse)
+    with pytest.raises(ColdSnapError) as e:
+        unpack_layer(bad, tmp_path / "bad-out")
+    assert e.value.code == ErrorCode.CAPSULE_CORRUPT
+
+
 def test_corrupt_blob_is_refused(store, tmp_path):
     digest = make_capsule(store, tmp_path)
     cap = store.load(digest)

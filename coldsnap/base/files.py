@@ -59,6 +59,15 @@ def atomic_write(path: str | os.PathLike, data: bytes, mode: int = 0o600, defaul
         f.write(data)
 
 
+def write_run_state(path: str | os.PathLike, data: bytes, mode: int = 0o600) -> None:
+    """atomic_write for the run directory's state (journals, claims, workload and shim records, prefetch plans):
+    replaced whole, never fsynced. It describes processes and namespaces of this boot only, and a killed process
+    leaves its writes in the page cache, so the rename is all it needs; an fsync would wait for whatever the disk
+    is busy with (a first restore's weights streaming in behind it), on the restore's clock."""
+    with atomic_file(path, mode, sync=False) as f:
+        f.write(data)
+
+
 # --- write-behind -------------------------------------------------------------------------------------------------
 # A file of gigabytes written and then fsynced sits dirty in the page cache until the fsync, which then writes all of
 # it at the disk's rate: receiving and writing add up instead of overlapping. Starting the disk write of each window

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar, dataclass_transform
 
-from coldsnap.base.files import atomic_write, private_dir
+from coldsnap.base.files import private_dir, write_run_state
 from coldsnap.base.paths import settings
 from coldsnap.base.procfs import alive
 
@@ -165,8 +165,8 @@ class Journal:
 
     def _write(self) -> None:
         things = [{"kind": t.kind, **asdict(t)} for t in self.things]
-        atomic_write(self.path, json.dumps({"kind": self.kind, "owner": self.owner, "about": self.about,
-                                            "things": things}, indent=1).encode())
+        write_run_state(self.path, json.dumps({"kind": self.kind, "owner": self.owner, "about": self.about,
+                                               "things": things}, indent=1).encode())
 
     def add(self, thing: T) -> T:
         """Record a thing before making it (written to disk before this returns)."""

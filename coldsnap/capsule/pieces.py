@@ -48,10 +48,17 @@ class Arrivals:
     """Where the weights blobs of a pull by pieces stand, for a restore that uses them before they are whole: each
     blob's partial file (its full size from the start: CRIU can restore a process that maps it) and the pieces
     checked against their pins so far. Nothing but checked pieces is ever announced; `end` says the pull is over
-    (listed, or failed), and whoever waits stops waiting."""
+    (listed, or failed), and whoever waits stops waiting.
+
+    While a restore reads them, the pull leaves the disk alone: no write-behind, and each blob's final fsync waits
+    for `sync_allowed` (the restore's first token, or its end). Writing gigabytes back meanwhile made every other
+    fsync on that file system (the restore's own, the staging's) wait behind them, on the restore's clock."""
+
+    SYNC_WAIT_S = 900.0  # a restore that never says (it cannot: whoever waits for the pull allows it first)
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
+        self._sync_ok = threading.Event()
         self._partial: dict[str, Path] = {}  # blob digest → its partial file, once at full size
         self._checked: dict[str, list[tuple[int, int]]] = {}  # blob digest → (offset, length) checked, in order
         self._done: set[str] = set()  # blobs fetched whole (every piece checked)
@@ -76,6 +83,13 @@ class Arrivals:
         with self._cond:
             self.ended = True
             self._cond.notify_all()
+
+    def allow_sync(self) -> None:
+        """The restore is past its first token (or over): the pull may make its blobs durable now."""
+        self._sync_ok.set()
+
+    def wait_sync_allowed(self) -> None:
+        self._sync_ok.wait(self.SYNC_WAIT_S)
 
     def partial(self, digest: str, timeout: float) -> Path | None:
         """The blob's partial file once it has its full size; None when the pull ends (or times out) first, or
@@ -115,7 +129,7 @@ def covers(wf: WeightFile, size: int) -> bool:
 
 
 def _fetch_piece(client, url: str, fd: int, offset: int, length: int, pin: str, what: str,
-                 counted: Callable[[int], None]) -> bool:
+                 counted: Callable[[int], None], write_behind: bool = True) -> bool:
     """One piece into the file at its offset; whether its bytes match the pin."""
     last = offset + length - 1
     r = client.request("GET", url, ok=(200, 206), what=what, headers={"Range": f"bytes={offset}-{last}"},
@@ -123,13 +137,14 @@ def _fetch_piece(client, url: str, fd: int, offset: int, length: int, pin: str, 
     with r:
         if r.status_code != 206 or not r.headers.get("Content-Range", "").startswith(f"bytes {offset}-{last}/"):
             raise NoRanges()
-        h, behind, at = hashlib.sha256(), WriteBehind(fd, offset), offset
+        h, behind, at = hashlib.sha256(), WriteBehind(fd, offset) if write_behind else None, offset
         for chunk in r.iter_content(READ):
             if at + len(chunk) > offset + length:
                 return False  # more than asked for: not this piece
             h.update(chunk)
             os.pwrite(fd, chunk, at)
-            behind.wrote(len(chunk))
+            if behind is not None:
+                behind.wrote(len(chunk))
             at += len(chunk)
             counted(len(chunk))
     return at == offset + length and h.hexdigest() == pin
@@ -176,7 +191,8 @@ def fetch_by_pieces(new_client: Callable[[], object], url: str, part: Path, size
             i, offset, length = piece
             for attempt in range(ATTEMPTS):
                 try:
-                    good = _fetch_piece(local.client, url, fd, offset, length, wf.chunks[i], what, counted)
+                    good = _fetch_piece(local.client, url, fd, offset, length, wf.chunks[i], what, counted,
+                                        write_behind=arrivals is None)
                     if good and arrivals is not None:
                         arrivals.checked(digest, offset, length)
                     return good
@@ -194,8 +210,9 @@ def fetch_by_pieces(new_client: Callable[[], object], url: str, part: Path, size
             part.unlink(missing_ok=True)
             raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"{what}: the piece at byte {bad} does not match the "
                                 "pin of the capsule's weights: refused, nothing kept")
-        if arrivals is not None:  # every piece checked: what streams onward has it all; the disk catches up below
-            arrivals.complete(digest)
+        if arrivals is not None:  # every piece checked: what streams onward has it all; the disk catches up below,
+            arrivals.complete(digest)  # once the restore reading them is past its first token
+            arrivals.wait_sync_allowed()
         os.fsync(fd)
         return done[1], sum(p[2] for p in pieces if p[0] in kept)
     finally:

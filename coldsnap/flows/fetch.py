@@ -51,6 +51,7 @@ class Arriving:
 
     def wait(self) -> None:
         """Until the weights are in the store, verified and the capsule listed; raises what failed the pull."""
+        self.pieces.allow_sync()  # whoever waits for the pull's end lets it make them durable
         self.thread.join()
         if "error" in self.outcome:
             raise self.outcome["error"]
@@ -72,6 +73,7 @@ class Arriving:
 
     def settle(self) -> None:
         """On the way out of a restore, whatever happened to it: the pull ends before the restore does."""
+        self.pieces.allow_sync()
         self.thread.join()
 
 

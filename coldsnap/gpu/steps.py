@@ -131,7 +131,7 @@ def start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir, b
     arrivals: weights files still arriving (a streamed pull), each with the ranges of it checked against their pins
     as they come: their prefetchers load those, as they come, and nothing else. Never raises: no prefetch is only
     slower."""
-    from coldsnap.base.files import atomic_write
+    from coldsnap.base.files import write_run_state
     from coldsnap.gpu.nvml import free_bytes
     from coldsnap.gpu.prefetch import MODES, gpu_key, packed_layout
 
@@ -176,7 +176,7 @@ def start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir, b
         try:
             plan: list[str] = []
             if pieces:
-                atomic_write(name + ".plan.json", json.dumps(pieces).encode())
+                write_run_state(name + ".plan.json", json.dumps(pieces).encode())
                 plan = ["--plan", name + ".plan.json"]
             ranges = (arrivals or {}).get(weights.path)
             proc = subprocess.Popen(

@@ -123,12 +123,12 @@ def load(container_id: str | None) -> ShimRecord | None:
 
 
 def save(container_id: str, record: ShimRecord) -> str:
-    from coldsnap.base.files import atomic_write  # not on the pass-through path
+    from coldsnap.base.files import write_run_state  # not on the pass-through path
 
     path = state_path(container_id)
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     _mark(record.root, container_id, True)  # first: a marker without a record only costs a call the shim's start
-    atomic_write(path, json.dumps(record.to_json(), indent=1).encode("utf-8"))
+    write_run_state(path, json.dumps(record.to_json(), indent=1).encode("utf-8"))
     return path
 
 

@@ -8,7 +8,7 @@ from contextlib import suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from coldsnap.base.files import atomic_write, private_dir
+from coldsnap.base.files import private_dir, write_run_state
 from coldsnap.base.paths import settings
 from coldsnap.base.procfs import alive
 from coldsnap.contracts import ColdSnapError, ErrorCode, NetworkPlan
@@ -40,7 +40,7 @@ def run_dir(name: str) -> Path:
 
 
 def save_state(ws: WorkloadState) -> None:
-    atomic_write(run_dir(ws.name) / "state.json", json.dumps(asdict(ws), indent=1).encode())
+    write_run_state(run_dir(ws.name) / "state.json", json.dumps(asdict(ws), indent=1).encode())
 
 
 def _read(path: Path) -> WorkloadState:
