@@ -81,9 +81,11 @@ def pack_dir(src: Path, dest: Path, level: int = 1, skip: tuple[str, ...] = ()) 
     with os.fdopen(fd, "wb") as raw:
         framed = _FramedWriter(raw, level)
         try:
-            # whole MiBs handed on (tarfile's 10 KiB records cost more than the compression)
-            with tarfile.open(fileobj=framed, mode="w|", format=tarfile.PAX_FORMAT, bufsize=CHUNK,
-                              copybufsize=CHUNK) as tar:
+            # whole MiBs handed on (tarfile's 10 KiB records cost more than the compression); copybufsize is
+            # TarFile's, missing from typeshed's open()
+            opened = tarfile.open(fileobj=framed, mode="w|", format=tarfile.PAX_FORMAT,  # type: ignore[call-overload]
+                                  bufsize=CHUNK, copybufsize=CHUNK)
+            with opened as tar:
                 for entry in sorted(e for e in src.iterdir() if e.name not in skip):
                     tar.add(entry, arcname=entry.name)
             framed.finish()
