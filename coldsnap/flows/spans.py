@@ -28,15 +28,3 @@ class Timeline:
     def add(self, name: str, start_mono: float, end_mono: float) -> None:
         self.spans.append(Span(name=name, start_s=round(start_mono - self.t0, 6),
                                duration_s=round(end_mono - start_mono, 6)))
-
-    def to_dict(self) -> dict:
-        """The timeline as JSON data: a container's travels from the shim (create) to the hook (poststart)."""
-        return {"t0": self.t0, "origin": self.origin.model_dump(), "spans": [s.model_dump() for s in self.spans]}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "Timeline":
-        tl = cls()
-        tl.t0 = data["t0"]
-        tl.origin = Origin.model_validate(data["origin"])
-        tl.spans = [Span.model_validate(s) for s in data["spans"]]
-        return tl
