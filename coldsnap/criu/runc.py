@@ -123,6 +123,8 @@ def restore_container(runc: str, parsed: RuncArgv, images: Path, criu_options: l
         raise ColdSnapError(ErrorCode.CRIU_FAILED,
                             f"runc restore failed (exit {rc}): {_runc_error(work / 'runc.log')}; "
                             f"CRIU: {first_error_line(work / 'restore.log')}" + (f" (log: {kept})" if kept else ""))
+    if settings().debug:  # where a successful restore's time went (CRIU logs with timestamps)
+        _keep_log(work / "restore.log", receipts / f"{parsed.container_id}.restore.log")
     try:
         return int(Path(pid_file).read_text().strip()), argv
     except (OSError, ValueError):

@@ -15,10 +15,12 @@ exec $PY -c 'import sys; from ${tool#*:} import main; sys.exit(main())' "\$@"
 WRAP
   chmod +x "$BIN/${tool%%:*}"
 done
-export PATH="$BIN:$PATH" COLDSNAP_TEST_RUNTIME="$BIN/coldsnap-runtime"; mkdir -p "${OUT:-/tmp/out}"
+export PATH="$BIN:$PATH" COLDSNAP_TEST_RUNTIME="$BIN/coldsnap-runtime" COLDSNAP_DEBUG=1; mkdir -p "${OUT:-/tmp/out}"
 runc --version | head -1; nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader
 timeout ${TEST_TIMEOUT:-500} $PY -m pytest -q -s -p no:cacheprovider -o addopts="" -o tmp_path_retention_policy=all tests/test_gpu_container.py ${CASE:+-k "$CASE"} \
     -rfs > "${OUT:-/tmp/out}/gpu-container.log" 2>&1
 grep -E "measured|passed|failed|Error|assert|SKIP" "${OUT:-/tmp/out}/gpu-container.log" | tail -20
 
-find /tmp/pytest-of-root -path '*/home/receipts/*.json' 2>/dev/null | tar czf "${OUT:-/tmp/out}/receipts-gpu-container.tgz" -T -
+# receipts, and CRIU's restore logs (COLDSNAP_DEBUG=1 keeps them for successful restores too: where the time went)
+find /tmp/pytest-of-root -path '*/home/receipts/*' \( -name '*.json' -o -name '*.restore.log' \) 2>/dev/null \
+    | tar czf "${OUT:-/tmp/out}/receipts-gpu-container.tgz" -T -
