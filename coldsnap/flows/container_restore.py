@@ -1,12 +1,11 @@
-"""Container restore: what coldsnap-runtime does at `create` of a bundle annotated with io.coldsnap.capsule, and
-what the poststart hook says once the container is started.
+"""Container restore: what coldsnap-runtime does at `create` of a bundle annotated with io.coldsnap.capsule
+(coldsnap.hooks.poststart says afterwards how it went).
 
   create     admit → stage → `runc restore --detach` → hydrate → validate → receipt, then a record that `start`,
              the poststart hook and `delete` read. The container counts as restored only once it has served a real
              completion equal to the one validated at capture. A refusal, a failed restore or a failed validation
              falls back to a cold `runc create` with the caller's argv when the policy allows, and never leaves a
              half-restored container behind.
-  poststart  one line: restored and validated (with the first token's time), or started cold and why.
 
 Annotations (keys in coldsnap.contracts.capsule):
   io.coldsnap.capsule       capsule reference, pinned (sha256:… or NAME@sha256:…)
@@ -311,24 +310,3 @@ def _record_cold_start(creq: ContainerRequest, parsed: RuncArgv, tl: Timeline, r
     finish_receipt(creq.request, cid, "restore", tl, "fell-back", result=result)
     records.save(cid, ShimRecord(outcome=Outcome.FELL_BACK, id=cid, root=parsed.root, bundle=parsed.bundle,
                                  reason=reason, receipt=str(receipt_path(cid))))
-
-
-# --- poststart ---------------------------------------------------------------------------------------------------
-@dataclass
-class Validated:
-    ok: bool
-    message: str
-
-
-def validated_at_create(state: dict) -> Validated | None:
-    """What the poststart hook says of the container in `state` (OCI state JSON): None when the shim did not handle
-    it; else how its create went (restored and validated there, or started cold and why)."""
-    cid = state["id"]
-    record = records.load(cid)
-    if record is None:
-        return None
-    if record.outcome == Outcome.FELL_BACK:
-        return Validated(True, f"{cid} started cold: {record.reason} (receipt {record.receipt})")
-    if record.outcome == Outcome.RESTORED and record.validated:
-        return Validated(True, record.summary or f"{cid} restored and validated (receipt {record.receipt})")
-    return Validated(False, f"{cid} was not validated at its create: it cannot start as a restore")
