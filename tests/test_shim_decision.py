@@ -122,7 +122,7 @@ def test_a_shim_record_is_typed_and_survives_its_file(tmp_path, monkeypatch):
     monkeypatch.setenv("COLDSNAP_RUN", str(tmp_path))
     monkeypatch.setattr(records, "MARKERS", str(tmp_path / "markers"))
     record = ShimRecord(outcome=Outcome.RESTORING, id="c1", root=ROOT, bundle="/b", runc="/usr/bin/runc",
-                        owner=Owner(pid=7, start=11), criu_options=["--tcp-established"])
+                        owner=Owner(pid=7, start=11), summary="c1 restored and validated")
     records.save("c1", record)
     assert json.loads((tmp_path / "shim" / "c1.json").read_text())["outcome"] == "restoring"  # the file's word
     assert records.load("c1") == record
