@@ -23,6 +23,10 @@ from coldsnap.contracts.parse import short
 
 FRAME = 16 << 20  # of the tar stream per frame: enough to compress well, small enough to spread over cores
 FRAME_MAX = 64 << 20  # a frame claiming more is decompressed as a stream (never a buffer of its claimed size)
+MAX_RATIO = 1000  # zeros become holes; a layer whose other bytes expand more than this is a bomb
+MAX_FILE = 1 << 40  # no file of a capsule is a terabyte
+SLACK = 64 << 20
+CHUNK = 1 << 20
 
 
 def _workers() -> int:
@@ -99,6 +103,7 @@ def _frames(fd: int, size: int) -> list[tuple[int, int, int]] | None:
     or claiming more than FRAME_MAX, a skippable or unknown frame, or a layout that does not add up (the stream
     reader then reads it, and says what is wrong)."""
     frames, at = [], 0
+    walk = size // 1024 + 4096  # a compressor's blocks hold up to 128 KiB: far more headers is not one of ours
     while at < size:
         head = os.pread(fd, 18, at)
         try:
@@ -110,8 +115,9 @@ def _frames(fd: int, size: int) -> list[tuple[int, int, int]] | None:
         if content in (zstandard.CONTENTSIZE_UNKNOWN, zstandard.CONTENTSIZE_ERROR) or content > FRAME_MAX:
             return None
         while True:  # blocks: a 3-byte header (last flag, type, size); an RLE block stores one byte
+            walk -= 1
             block = os.pread(fd, 3, pos)
-            if len(block) < 3:
+            if len(block) < 3 or walk < 0:
                 return None
             word = int.from_bytes(block, "little")
             kind, length = (word >> 1) & 3, word >> 3
@@ -173,12 +179,6 @@ class _FrameStream(io.RawIOBase):
     def close(self) -> None:
         self.pool.shutdown(cancel_futures=True)
         super().close()
-
-
-MAX_RATIO = 1000  # zeros become holes; a layer whose other bytes expand more than this is a bomb
-MAX_FILE = 1 << 40  # no file of a capsule is a terabyte
-SLACK = 64 << 20
-CHUNK = 1 << 20
 
 
 def _member_path(dest: Path, name: str) -> Path:
