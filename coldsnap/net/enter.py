@@ -8,7 +8,6 @@ containerd, plain runc) set up, is from inside: a forked child setns()es into /p
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import os
 import pickle
@@ -18,24 +17,7 @@ import time
 from typing import Any, Callable
 
 from coldsnap.contracts import ColdSnapError, ErrorCode
-
-CLONE_NEWNET = 0x40000000
-libc = ctypes.CDLL(None, use_errno=True)
-
-
-def check_rc(rc: int, what: str) -> None:
-    if rc != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
-
-
-def setns(path: str, what: str = "") -> None:
-    """The calling thread enters the network namespace at path."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        check_rc(libc.setns(fd, CLONE_NEWNET), what or f"setns({path})")
-    finally:
-        os.close(fd)
+from coldsnap.net.setns import setns
 
 
 def call_in_netns(pid: int, fn: Callable[..., Any], *args: Any, timeout: float = 900.0) -> Any:

@@ -4,13 +4,12 @@ would lengthen for every container restore."""
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
-import os
 import socket
 import struct
 
-CLONE_NEWNET = 0x40000000
+from coldsnap.net.setns import setns
+
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 IFREQ = "16sH22x"  # struct ifreq on Linux: the name, then ifr_flags at the start of a 24-byte union
 
@@ -18,14 +17,7 @@ IFREQ = "16sH22x"  # struct ifreq on Linux: the name, then ifr_flags at the star
 def loopback_up_in(pid: int) -> bool:
     """Enter pid's network namespace (this whole process: call it from a process of its own, e.g. a hook) and bring
     `lo` up there; whether it was down. Raises OSError (the errno and what failed)."""
-    fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.setns(fd, CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"setns into the network namespace of pid {pid}: {os.strerror(err)}")
-    finally:
-        os.close(fd)
+    setns(f"/proc/{pid}/ns/net", f"setns into the network namespace of pid {pid}")
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # made after setns: it belongs to that namespace
         flags = struct.unpack(IFREQ, fcntl.ioctl(s.fileno(), SIOCGIFFLAGS, struct.pack(IFREQ, b"lo", 0)))[1]
         if flags & IFF_UP:

@@ -22,7 +22,7 @@ from pyroute2 import IPRoute, netns
 
 from coldsnap.base.locks import locked
 from coldsnap.contracts import ColdSnapError, ErrorCode, NetworkPlan
-from coldsnap.net.enter import CLONE_NEWNET, check_rc, libc, setns
+from coldsnap.net.setns import CLONE_NEWNET, check_rc, libc, setns
 
 BASE = "169.254.237."
 MAX_SLOTS = 63
