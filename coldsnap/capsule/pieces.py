@@ -51,7 +51,7 @@ class Arrivals:
     (listed, or failed), and whoever waits stops waiting.
 
     While a restore reads them, the pull leaves the disk alone: no write-behind, and each blob's final fsync waits
-    for `sync_allowed` (the restore's first token, or its end). Writing gigabytes back meanwhile made every other
+    for `allow_sync` (the restore's first token, or its end). Writing gigabytes back meanwhile made every other
     fsync on that file system (the restore's own, the staging's) wait behind them, on the restore's clock."""
 
     SYNC_WAIT_S = 900.0  # a restore that never says (it cannot: whoever waits for the pull allows it first)
