@@ -73,3 +73,85 @@ def test_arrivals_announce_checked_pieces_as_they_come_and_stop_when_the_pull_en
     reader.join(10)
     assert not reader.is_alive() and left == [(0, 256)] and not failed.whole("sha256:a")
     assert failed.partial("sha256:a", timeout=0) is None
+
+
+class RangeServer:
+    """A real HTTP server on loopback answering Range requests for one blob (as a registry does)."""
+
+    def __init__(self, blob: bytes) -> None:
+        import http.server
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                first, last = (int(x) for x in self.headers["Range"].removeprefix("bytes=").split("-"))
+                self.send_response(206)
+                self.send_header("Content-Range", f"bytes {first}-{last}/{len(blob)}")
+                self.send_header("Content-Length", str(last - first + 1))
+                self.end_headers()
+                self.wfile.write(blob[first:last + 1])
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/blob"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class Client:
+    """What fetch_by_pieces asks of a registry client: request(method, url, ..., headers, stream)."""
+
+    def __init__(self) -> None:
+        import requests
+
+        self.session = requests.Session()
+
+    def request(self, method, url, ok, what, headers, stream, not_found):
+        return self.session.request(method, url, headers=headers, stream=stream)
+
+
+def test_spooled_pieces_reach_the_file_only_when_asked_and_the_head_at_once(tmp_path, monkeypatch):
+    """A pull a restore reads while it streams: each checked piece lands in the spool (memory) and is announced;
+    the partial on disk gets the file's head at once (engines read their header from the file) and the rest only
+    once someone asks (file_now) or the restore is past its first token; then it is the whole blob."""
+    import hashlib
+    import os
+
+    from coldsnap.capsule.pieces import fetch_by_pieces
+    from coldsnap.contracts import WeightFile
+
+    monkeypatch.setenv("COLDSNAP_PULL_SPOOL", "1")
+    blob = safetensors_bytes(40_000)
+    cb = 4096
+    pins = [hashlib.sha256(blob[o:o + cb]).hexdigest() for o in range(0, len(blob), cb)]
+    wf = WeightFile(path=str(tmp_path / "w.safetensors"), sha256=hashlib.sha256(blob).hexdigest(), size=len(blob),
+                    chunks=pins, chunk_bytes=cb)
+    server, arrivals, part = RangeServer(blob), Arrivals(), tmp_path / "blob.partial"
+    done: dict = {}
+    pull = threading.Thread(target=lambda: done.update(r=fetch_by_pieces(Client, server.url, part, len(blob), wf,
+                                                                          "test", arrivals=arrivals, digest="d")))
+    pull.start()
+    try:
+        assert arrivals.whole("d", timeout=30) and arrivals.partial("d", 0) == part and "d" in arrivals.spooled
+        spool = arrivals.spool("d")
+        assert spool is not None
+        try:
+            assert os.pread(spool, len(blob), 0) == blob  # every piece in memory, checked
+        finally:
+            os.close(spool)
+        head = 8 + int.from_bytes(blob[:8], "little")
+        on_disk = part.read_bytes()
+        assert on_disk[:head] == blob[:head]  # the head is there for the engine's own reads
+        assert on_disk[cb:] == bytes(len(blob) - cb)  # the rest is not, until asked
+        assert not arrivals.filed("d", timeout=0) or part.read_bytes() == blob  # asking starts it
+        assert arrivals.filed("d", timeout=30) and part.read_bytes() == blob
+        assert arrivals.spool("d") is None  # closed once filed
+    finally:
+        arrivals.allow_sync()
+        pull.join(30)
+        server.close()
+    assert not pull.is_alive() and done["r"] == (len(blob), 0)

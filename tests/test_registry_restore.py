@@ -128,11 +128,13 @@ def test_a_restore_streaming_its_weights_by_pieces_restores_with_criu_while_they
         registry, tmp_path, monkeypatch):  # noqa: F811
     """Weights pinned piece by piece (1 MiB pieces here, so that the test's small model has several): the pull
     fetches them by pieces into a partial file of full size, the restore links it at the weights' path and CRIU
-    restores the engine while the pieces still arrive (through a throttling proxy); the engine resumes once every
-    piece is checked, the disk and the store's listing catching up behind; after the restore its file is the
-    store's listed blob."""
+    restores the engine while the pieces still arrive (through a throttling proxy); the pieces land in memory
+    first (the spool) and, this engine reading its file itself (no prefetcher on CPU), reach the file once all are
+    checked; the engine resumes then, the disk's sync and the store's listing catching up behind; after the restore
+    its file is the store's listed blob."""
     origin_host(tmp_path, monkeypatch)
     monkeypatch.setenv("COLDSNAP_PIN_PIECE_MIB", "1")
+    monkeypatch.setenv("COLDSNAP_PULL_SPOOL", "1")
     cap, weights = captured_and_pushed(registry, "pyt-reg-pieces", "one", "pieces")
     assert len(weights.chunks) >= 3, weights.size
     become_a_fresh_host(tmp_path, monkeypatch, weights)
@@ -150,6 +152,7 @@ def test_a_restore_streaming_its_weights_by_pieces_restores_with_criu_while_they
         criu = next(s for s in r.spans if s.name == "criu-restore")
         assert criu.start_s + criu.duration_s < r.result.pull["seconds"], (r.spans, r.result.pull)  # mid-stream
         assert r.result.hydrate.weights_wait_s > 0  # the engine's resume waited for the rest
+        assert r.result.pull.get("spooled") == 1, r.result.pull  # in memory first, filed for the engine's reads
         store = CapsuleStore(settings().store)
         assert any(m["digest"] == cap.capsule for m in store.index())
         assert os.path.samefile(weights.path, store.blob_path("sha256:" + weights.sha256))

@@ -89,6 +89,7 @@ class Settings:
     registry_password: str | None = field(default=None, repr=False)
     insecure_registries: frozenset[str] = frozenset()
     pull_pieces: bool = True
+    pull_spool: str = "auto"
     pin_piece_mib: str = "256"
     writeback_mib: str = ""
     layer_max_mib: str = "1024"
@@ -147,6 +148,7 @@ def settings() -> Settings:
         insecure_registries=frozenset(h.strip() for h in os.environ.get("COLDSNAP_INSECURE_REGISTRIES", "").split(",")
                                       if h.strip()),
         pull_pieces=_flag("COLDSNAP_PULL_PIECES", True),
+        pull_spool=os.environ.get("COLDSNAP_PULL_SPOOL", "auto"),
         pin_piece_mib=os.environ.get("COLDSNAP_PIN_PIECE_MIB", "256"),
         writeback_mib=os.environ.get("COLDSNAP_WRITEBACK_MIB", ""),
         layer_max_mib=os.environ.get("COLDSNAP_LAYER_MAX_MIB", "1024"),

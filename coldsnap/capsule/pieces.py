@@ -7,11 +7,17 @@ hashes each against its pin as it arrives and writes it in place, and never comp
 kept that way is recorded in the digest memo with its pieces only (coldsnap.base.digests.remember_pieces), and the
 store treats it as verified only for capsules that pin those pieces (registry._present_for).
 
-Bytes a broken pull left in the partial file are kept piece by piece where they match their pins."""
+Bytes a broken pull left in the partial file are kept piece by piece where they match their pins.
+
+A pull that a restore reads while it streams (Arrivals) lands its pieces in memory first (a Spool), where the
+restore's prefetchers read them at the network's pace, and files them into the partial on the node's disk once the
+restore is past its first token (or when a reader of the file itself asks): a disk that has enough dirty pages
+holds every writer to its own rate, and would set the restore's pace."""
 
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +32,7 @@ from coldsnap.base.paths import settings
 from coldsnap.contracts import ColdSnapError, ErrorCode, WeightFile
 
 READ = 1 << 20
+COPY = 16 << 20  # bytes per write when a spool's pieces go to disk
 ATTEMPTS = 3  # a piece whose connection breaks is fetched again, this many times in all
 BROKEN = (requests.exceptions.ConnectionError, requests.exceptions.ChunkedEncodingError, requests.exceptions.Timeout)
 
@@ -59,15 +66,57 @@ class Arrivals:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._sync_ok = threading.Event()
+        self._file_ok = threading.Event()  # the spooled pieces may go into the partial files now
         self._partial: dict[str, Path] = {}  # blob digest → its partial file, once at full size
+        self._spool: dict[str, int] = {}  # blob digest → the memfd its pieces land in first (those with a Spool)
         self._checked: dict[str, list[tuple[int, int]]] = {}  # blob digest → (offset, length) checked, in order
         self._done: set[str] = set()  # blobs fetched whole (every piece checked)
+        self._filed: set[str] = set()  # blobs whose partial file holds every piece
+        self.spooled: set[str] = set()  # blobs whose pieces landed in a Spool first
         self.ended = False
 
-    def sized(self, digest: str, path: Path) -> None:
+    def sized(self, digest: str, path: Path, spool: int | None = None) -> None:
+        """The blob's partial file has its full size; spool: the memfd holding its checked pieces (the partial
+        then holds only the file's head until they are filed)."""
         with self._cond:
             self._partial[digest] = path
+            if spool is not None:
+                self._spool[digest] = spool
+                self.spooled.add(digest)
             self._cond.notify_all()
+
+    def spool(self, digest: str) -> int | None:
+        """A descriptor of its own (the caller closes it) of the memfd where the blob's checked pieces are, for a
+        prefetcher to read; None: they are in its partial file."""
+        with self._cond:
+            fd = self._spool.get(digest)
+            return None if fd is None else os.dup(fd)
+
+    def unspooled(self, digest: str) -> None:
+        """The spool is about to close (filed, or the pull failed): no descriptor of it is handed out any more."""
+        with self._cond:
+            self._spool.pop(digest, None)
+
+    def mark_filed(self, digest: str) -> None:
+        with self._cond:
+            self._filed.add(digest)
+            self._cond.notify_all()
+
+    def file_now(self) -> None:
+        """A reader of the files themselves needs them: the pull files its spooled pieces without waiting for
+        the first token."""
+        self._file_ok.set()
+
+    def wait_file_allowed(self) -> None:
+        self._file_ok.wait(self.SYNC_WAIT_S)
+
+    def filed(self, digest: str, timeout: float | None = None) -> bool:
+        """Whether the blob's partial file holds every piece, asking for it (file_now) and waiting up to
+        `timeout` (None: until it does, or the pull ends)."""
+        self.file_now()
+        with self._cond:
+            self._cond.wait_for(lambda: digest in self._filed or self.ended, timeout)
+            return digest in self._filed
 
     def checked(self, digest: str, offset: int, length: int) -> None:
         with self._cond:
@@ -85,7 +134,9 @@ class Arrivals:
             self._cond.notify_all()
 
     def allow_sync(self) -> None:
-        """The restore is past its first token (or over): the pull may make its blobs durable now."""
+        """The restore is past its first token (or over): the pull may file its spooled pieces and make its
+        blobs durable now."""
+        self._file_ok.set()
         self._sync_ok.set()
 
     def wait_sync_allowed(self) -> None:
@@ -122,6 +173,57 @@ class Arrivals:
             return digest in self._done
 
 
+HEAD_MAX = 8 + (100 << 20)  # a safetensors file's head (its length, then its header) lies within this many bytes
+
+
+class Spool:
+    """A blob's pieces in memory, at their offsets: a memfd of the blob's size (pages only where pieces are),
+    gone with the last process holding it, so a killed restore leaves nothing behind. A restore's prefetchers
+    read it (they are handed the descriptor); `file` writes its pieces into the partial on disk."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.fd = os.memfd_create("coldsnap-weights", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, size)
+        except OSError:
+            os.close(self.fd)
+            raise
+
+    def file(self, fd: int, ranges: list[tuple[int, int]]) -> None:
+        """The ranges written from here into the file `fd` at the same offsets (one thread per range, up to
+        workers(): each write is a copy out of the spool's own pages)."""
+        if not ranges or self.size == 0:
+            return
+        with mmap.mmap(self.fd, self.size, prot=mmap.PROT_READ) as m, memoryview(m) as view:
+            def write(r: tuple[int, int]) -> None:
+                offset, length = r
+                for at in range(offset, offset + length, COPY):
+                    n = min(COPY, offset + length - at)
+                    if os.pwrite(fd, view[at:at + n], at) != n:
+                        raise OSError(f"short write at byte {at} of the partial")
+
+            with ThreadPoolExecutor(workers()) as pool:
+                list(pool.map(write, ranges))
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def spool_wanted(size: int) -> bool:
+    """COLDSNAP_PULL_SPOOL: 1 always, 0 never, auto (default) when the node has memory for the spool and the
+    partial's page cache beside it, with room to spare (MemAvailable ≥ 2 × size + 4 GiB)."""
+    mode = settings().pull_spool
+    if mode in ("0", "1"):
+        return mode == "1"
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return False
+    return avail >= 2 * size + (4 << 30)
+
+
 def covers(wf: WeightFile, size: int) -> bool:
     """Whether wf's pins cover exactly `size` bytes (a pull trusts them only then)."""
     n, cb = len(wf.chunks), wf.chunk_bytes or 0
@@ -156,12 +258,15 @@ def fetch_by_pieces(new_client: Callable[[], object], url: str, part: Path, size
     """Bring `part` to the blob of `size` bytes that wf pins, piece by piece. Returns (bytes received, bytes kept
     from an earlier partial). Raises NoRanges (the caller fetches it as one stream) or CAPSULE_CORRUPT (a piece does
     not match its pin: the partial is removed). arrivals: told the partial once at full size, and each piece once
-    checked (those kept from an earlier partial first)."""
+    checked (those kept from an earlier partial first); the pieces land in a Spool when the node has the memory
+    (spool_wanted), the file's head written through to the partial (engines read it from the file), the rest
+    filed once the arrivals allow it."""
     cb = wf.chunk_bytes
     if cb is None:  # callers check covers() first
         raise ValueError(f"{what}: the weights are not pinned by pieces")
     pieces = [(i, i * cb, min(cb, size - i * cb)) for i in range(len(wf.chunks))]
     fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    spool: Spool | None = None
     try:
         had = os.fstat(fd).st_size
         there = [p for p in pieces if p[1] + p[2] <= had]
@@ -169,14 +274,24 @@ def fetch_by_pieces(new_client: Callable[[], object], url: str, part: Path, size
             ok = pool.map(lambda p: chunk_sha256(fd, p[1], p[2]) == wf.chunks[p[0]], there)
             kept = {p[0] for p, good in zip(there, ok) if good}
         os.ftruncate(fd, size)
+        if arrivals is not None and spool_wanted(size):
+            spool = Spool(size)
+            for i, offset, length in pieces:  # what an earlier pull left: where the prefetchers read the rest
+                if i in kept:
+                    _copy_range(fd, spool.fd, offset, length)
         if arrivals is not None:
-            arrivals.sized(digest, part)
+            arrivals.sized(digest, part, spool.fd if spool else None)
             for i, offset, length in pieces:
                 if i in kept:
                     arrivals.checked(digest, offset, length)
         todo = [p for p in pieces if p[0] not in kept]
         lock, local = threading.Lock(), threading.local()
         done = [sum(p[2] for p in pieces if p[0] in kept), 0]  # bytes in place, bytes received
+        head: list[int] = []  # bytes at the file's head (8 + its header's length), once its first piece is here
+        early: list[tuple[int, int, int]] = []  # pieces checked before that one
+        through: set[int] = set()  # pieces written through to the partial
+        if spool is not None and 0 in kept:  # the head is on disk already, as far as kept pieces go
+            head.append(min(HEAD_MAX, 8 + int.from_bytes(os.pread(fd, 8, 0), "little")))
 
         def counted(n: int) -> None:
             with lock:
@@ -185,16 +300,33 @@ def fetch_by_pieces(new_client: Callable[[], object], url: str, part: Path, size
                 if progress:
                     progress(done[0], size)
 
+        def announce(i: int, offset: int, length: int) -> None:
+            """A checked piece, spooled: pieces in the file's head go to the partial before the first piece is
+            announced (whoever reads the spool waits for that one; the engines read the head from the file)."""
+            if spool is not None:
+                with lock:
+                    if offset == 0:
+                        head.append(min(HEAD_MAX, 8 + int.from_bytes(os.pread(spool.fd, 8, 0), "little")))
+                        now = [(i, offset, length)] + [p for p in early if p[1] < head[0]]
+                    else:
+                        now = [(i, offset, length)] if head and offset < head[0] else []
+                        if not head:
+                            early.append((i, offset, length))
+                    through.update(p[0] for p in now)
+                spool.file(fd, [(o, n) for _, o, n in now])
+            assert arrivals is not None
+            arrivals.checked(digest, offset, length)
+
         def fetch(piece: tuple[int, int, int]) -> bool:
             if not hasattr(local, "client"):  # a connection (and its auth) of its own per thread
                 local.client = new_client()
             i, offset, length = piece
             for attempt in range(ATTEMPTS):
                 try:
-                    good = _fetch_piece(local.client, url, fd, offset, length, wf.chunks[i], what, counted,
-                                        write_behind=arrivals is None)
+                    good = _fetch_piece(local.client, url, spool.fd if spool else fd, offset, length, wf.chunks[i],
+                                        what, counted, write_behind=arrivals is None)
                     if good and arrivals is not None:
-                        arrivals.checked(digest, offset, length)
+                        announce(i, offset, length)
                     return good
                 except BROKEN:
                     if attempt == ATTEMPTS - 1:
@@ -212,8 +344,24 @@ def fetch_by_pieces(new_client: Callable[[], object], url: str, part: Path, size
                                 "pin of the capsule's weights: refused, nothing kept")
         if arrivals is not None:  # every piece checked: what streams onward has it all; the disk catches up below,
             arrivals.complete(digest)  # once the restore reading them is past its first token
+            if spool is not None:
+                arrivals.wait_file_allowed()
+                spool.file(fd, [(o, n) for i, o, n in todo if i not in through])
+                arrivals.unspooled(digest)
+            arrivals.mark_filed(digest)
             arrivals.wait_sync_allowed()
         os.fsync(fd)
         return done[1], sum(p[2] for p in pieces if p[0] in kept)
     finally:
+        if spool is not None:
+            if arrivals is not None:
+                arrivals.unspooled(digest)
+            spool.close()
         os.close(fd)
+
+
+def _copy_range(src: int, dst: int, offset: int, length: int) -> None:
+    for at in range(offset, offset + length, COPY):
+        data = os.pread(src, min(COPY, offset + length - at), at)
+        if os.pwrite(dst, data, at) != len(data) or not data:
+            raise OSError(f"could not copy the byte at {at}")

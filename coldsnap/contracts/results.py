@@ -62,7 +62,8 @@ class Hydrate(Strict):
     engine_resume: Account | None = None
     prefetch: Account | None = None
     weights_wait_s: float | None = Field(default=None, description="A streamed pull: how long the engine's resume "
-                                         "waited for the rest of its weights (CRIU and the driver restored meanwhile).")
+                                         "waited for the rest of its weights (CRIU and the driver restored "
+                                         "meanwhile): on its GPUs where prefetchers load them, else in its files.")
 
 
 class Ranks(Strict):

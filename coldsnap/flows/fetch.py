@@ -56,7 +56,8 @@ class Arriving:
         if "error" in self.outcome:
             raise self.outcome["error"]
         result = self.outcome["result"]
-        self.facts.update(bytes=result.bytes_transferred, seconds=result.seconds)
+        self.facts.update(bytes=result.bytes_transferred, seconds=result.seconds,
+                          **({"spooled": len(self.pieces.spooled)} if self.pieces.spooled else {}))
 
     def checked(self, digests: list[str]) -> None:
         """Until every piece of these blobs (fetched by pieces) is checked against its pin: their bytes are all
@@ -65,6 +66,14 @@ class Arriving:
         for digest in digests:
             if not self.pieces.whole(digest):
                 self.wait()  # the pull ended without them: its error, or they came whole some other way
+
+    def filed(self, digests: list[str]) -> None:
+        """Until the partial files of these blobs hold every piece (checked pieces land in memory first, for the
+        prefetchers, and reach the files once someone asks or the restore is past its first token): for an engine
+        that reads its files itself. Raises what failed the pull."""
+        for digest in digests:
+            if not self.pieces.filed(digest):
+                self.wait()
 
     def failed(self) -> BaseException | None:
         """What ended the pull, if it has ended that way: a refused pull takes the capsule's blobs with it, so

@@ -150,7 +150,8 @@ def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timel
     # The weights go onto the GPU meanwhile, when they can (a process of its own; the engine takes them at resume);
     # weights still streaming in, piece by piece as each is checked against its pin.
     arriving_blobs = linked_blobs(staged, linked.paths) if linked is not None and arriving is not None else {}
-    streaming = {path: arriving.pieces.pieces(digest, timeout=120.0)
+    streaming = {path: gpu_steps.Streaming(arriving.pieces.pieces(digest, timeout=120.0),
+                                           arriving.pieces.spool(digest))
                  for path, digest in arriving_blobs.items()} if arriving is not None and arriving_blobs else None
     prefetch_started = gpu_steps.start_prefetch_soon(
         profile, adapter.supports_prefetch and reloads_weights(staged.capsule), request.gpu_map,
@@ -181,11 +182,13 @@ def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timel
         criu_account = criu_stats(work, "restore")
         with tl.span("hydrate"):
             gpu = gpu_steps.restore_after_criu(pid, gpu_pairs=list(request.gpu_map.items()) or None)
-            if linked is not None and arriving is not None:  # the engine takes them next: every piece, checked
-                t = time.monotonic()
-                arriving.checked(list(arriving_blobs.values()))
-                weights_wait_s = round(time.monotonic() - t, 4)
             prefetch = prefetch_started()
+            if linked is not None and arriving is not None:  # the engine takes them next: every piece, checked,
+                t = time.monotonic()  # on its GPUs, or else in its files
+                arriving.checked(list(arriving_blobs.values()))
+                if not prefetch.loaded(timeout=60.0):
+                    arriving.filed(list(arriving_blobs.values()))
+                weights_wait_s = round(time.monotonic() - t, 4)
             engine = adapter.after_restore(plan.workload_address, plan.port, profile.kv_discarded,
                                            profile.weights_mode, prefetched=prefetch.for_engine())
         probe = ValidationProbe(plan.workload_address, plan.port, validation)

@@ -452,7 +452,7 @@ MODES = ("buffered", "mapped")
 
 def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float, hold: bool = False,
           pieces: list[Piece] | None = None, mode: str = "buffered", arrivals: Iterable[str] | None = None,
-          linger: bool = False) -> dict:
+          linger: bool = False, spool: int | None = None) -> dict:
     """Listen at sock_path, load, hand the memory to the first engine that connects; return what happened.
     pieces: load only these parts of the data section, packed (a tensor-parallel rank's shards); default all of it.
     mode: "buffered" (fill_buffered) or "mapped" (fill_mapped; fill_buffered where it can't be, the report says
@@ -464,7 +464,11 @@ def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float
     until stdin closes: its teardown then happens after the first token, not beside the engine's mapping.
     arrivals: the file is still arriving (a streamed pull's partial, linked at its path at full size): "OFFSET
     LENGTH" lines name each range once checked against its pin, "end" (or the lines' end) that no more come. Each is
-    loaded as it comes, and only those: a data section not wholly named is an error (the engine reads the file)."""
+    loaded as it comes, and only those: a data section not wholly named is an error (the engine reads the file).
+    spool: with arrivals, a descriptor of the memory holding the checked ranges (the pull's Spool), read instead of
+    the file, whose pieces reach the disk later.
+    Once the memory is loaded (or can't be), one line says so before the engine is awaited: {"loaded": true} or
+    {"loaded": false, "error": ...}; the restore lets the engine take the memory only after the first."""
     t0 = time.monotonic()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(sock_path)
@@ -484,7 +488,7 @@ def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float
             report["cuda_init_s"] = round(time.monotonic() - t0, 4)
             if arrivals is not None:  # still arriving: each piece as it is checked
                 report["mode"] = "arriving"
-                buf, base, size, load_s = _load_arriving(driver, device, path, arrivals, threads)
+                buf, base, size, load_s = _load_arriving(driver, device, path, arrivals, threads, spool)
             else:
                 base, length = data_section(path)
                 if pieces is not None:
@@ -515,6 +519,8 @@ def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float
         except Exception as e:  # noqa: BLE001 - whatever it is, the engine hears it and reloads from the file
             message = {"error": f"{type(e).__name__}: {e}"}
             report["error"] = message["error"]
+        print(json.dumps({"loaded": "error" not in message, **({"error": message["error"]} if "error" in message
+                                                                else {})}), flush=True)
         try:
             conn, _ = listener.accept()
         except socket.timeout:
@@ -551,9 +557,10 @@ def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float
             os.unlink(sock_path)
 
 
-def _load_arriving(driver, device: int, path: str, arrivals: Iterable[str], threads: int):
-    """serve's load of a file still arriving: (buffer, section offset, bytes, seconds)."""
-    fd = os.open(path, os.O_RDONLY)
+def _load_arriving(driver, device: int, path: str, arrivals: Iterable[str], threads: int, spool: int | None = None):
+    """serve's load of a file still arriving: (buffer, section offset, bytes, seconds). spool: a descriptor of the
+    memory the pull puts its checked pieces in, read instead of the file."""
+    fd = os.open(path, os.O_RDONLY) if spool is None else spool
     buf = None
     try:
         t1 = time.monotonic()
@@ -643,6 +650,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arrivals", action="store_true",
                    help="the file is still arriving: stdin names each range checked against its pin, as 'OFFSET "
                         "LENGTH' lines, then 'end'; only those are loaded, as they come")
+    p.add_argument("--spool-fd", type=int,
+                   help="with --arrivals: an inherited descriptor of the memory the pull puts the checked ranges in "
+                        "(read instead of --file, whose ranges reach the disk later)")
     p.add_argument("--plan", help="JSON file: [[offset, width, rows, pitch], ...] of the data section to load, "
                                   "packed (a tensor-parallel rank's part); default the whole data section")
     a = p.parse_args(argv)
@@ -655,7 +665,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"served": False, "error": f"--plan {a.plan}: {e}"}), flush=True)
         return 1
     report = serve(a.file, a.gpu, a.socket, max(1, a.threads), a.timeout, a.hold, pieces, a.mode,
-                   sys.stdin if a.arrivals else None, a.linger)
+                   sys.stdin if a.arrivals else None, a.linger, a.spool_fd if a.arrivals else None)
     print(json.dumps(report), flush=True)
     return 0 if report.get("served") and "error" not in report else 1
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 import threading
+import time
 from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
@@ -93,6 +95,31 @@ class Prefetch:
     skipped: str | None = None
     by_file: bool = False
     feeders: list = field(default_factory=list)  # threads telling prefetchers of a file still arriving its pieces
+    said: list = field(default_factory=list)  # what each prefetcher printed before its report, once read (loaded)
+
+    def loaded(self, timeout: float) -> bool:
+        """Whether every prefetcher has its weights on the GPU, waiting up to `timeout` for each to say (its first
+        line): the engine may then take them without reading its files. False when there are none."""
+        if not self.procs:
+            return False
+        deadline = time.monotonic() + timeout
+        while len(self.said) < len(self.procs):
+            proc, got = self.procs[len(self.said)], b""
+            while b"\n" not in got:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([proc.stdout], [], [], left)[0]:
+                    break
+                chunk = os.read(proc.stdout.fileno(), 4096)
+                if not chunk:
+                    break
+                got += chunk
+            self.said.append(got)
+            if b"\n" not in got:
+                return False
+        try:
+            return all(json.loads(said.split(b"\n", 1)[0]).get("loaded") is True for said in self.said)
+        except ValueError:
+            return False
 
     def for_engine(self):
         """What the engine's resume is given: the socket (one GPU), {GPU UUID: socket} (ranks), {file: socket}
@@ -122,15 +149,23 @@ def _prefetch_refusal(profile, supported: bool, by_file: bool = False) -> str | 
     return None
 
 
+@dataclass
+class Streaming:
+    """A weights file still arriving (a streamed pull): the ranges of it checked against their pins, as they come,
+    and a descriptor of the memory they land in first (None: the file itself), which start_prefetch closes."""
+    ranges: Iterable[tuple[int, int]]
+    spool: int | None = None
+
+
 def start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir, by_file: bool = False,
-                   arrivals: Mapping[str, Iterable[tuple[int, int]]] | None = None) -> Prefetch:
+                   arrivals: Mapping[str, Streaming] | None = None) -> Prefetch:
     """Start a prefetcher on each GPU of the workload when the restore will reload weights from one file, each GPU
     has room for a second copy of what it loads for a moment, and COLDSNAP_PREFETCH is not 0. A tensor-parallel
     capsule's plan (profile.prefetch_plans) has each GPU load only its rank's part. by_file (an engine that takes
     its weights file by file, on one GPU): a prefetcher for each weights file, the readers shared among them.
     arrivals: weights files still arriving (a streamed pull), each with the ranges of it checked against their pins
-    as they come: their prefetchers load those, as they come, and nothing else. Never raises: no prefetch is only
-    slower."""
+    as they come: their prefetchers load those, as they come, and nothing else, from the spool where there is one.
+    Never raises: no prefetch is only slower."""
     from coldsnap.base.files import write_run_state
     from coldsnap.gpu.nvml import free_bytes
     from coldsnap.gpu.prefetch import MODES, gpu_key, packed_layout
@@ -178,15 +213,18 @@ def start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir, b
             if pieces:
                 write_run_state(name + ".plan.json", json.dumps(pieces).encode())
                 plan = ["--plan", name + ".plan.json"]
-            ranges = (arrivals or {}).get(weights.path)
+            streaming = (arrivals or {}).get(weights.path)
+            spool = streaming.spool if streaming else None
             proc = subprocess.Popen(
                 [sys.executable, "-m", "coldsnap.gpu.prefetch", "--file", weights.path, "--gpu", gpu,
-                 "--socket", sock, *once_served, "--threads", threads,
-                 "--mode", mode, *plan, *(["--arrivals"] if ranges is not None else [])], env=env,
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                 "--socket", sock, *once_served, "--threads", threads, "--mode", mode, *plan,
+                 *(["--arrivals"] if streaming else []), *(["--spool-fd", str(spool)] if spool is not None else [])],
+                env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                start_new_session=True, pass_fds=(spool,) if spool is not None else ())
             p.procs.append(proc)
-            if ranges is not None:
-                feeder = threading.Thread(target=_feed, args=(proc, ranges), daemon=True, name="coldsnap-arrivals")
+            if streaming:
+                feeder = threading.Thread(target=_feed, args=(proc, streaming.ranges), daemon=True,
+                                          name="coldsnap-arrivals")
                 feeder.start()
                 p.feeders.append(feeder)
         except OSError as e:
@@ -207,7 +245,7 @@ def _feed(proc, ranges: Iterable[tuple[int, int]]) -> None:
 
 
 def start_prefetch_soon(profile, supported: bool, gpu_map: dict[str, str], run_dir,
-                        by_file: bool = False, arrivals: Mapping[str, Iterable[tuple[int, int]]] | None = None
+                        by_file: bool = False, arrivals: Mapping[str, Streaming] | None = None
                         ) -> Callable[[], Prefetch]:
     """start_prefetch on a thread of its own, so the restore does not wait for its NVML queries and process starts
     (~10 ms); the answer, called, waits for it and returns the Prefetch."""
@@ -218,6 +256,10 @@ def start_prefetch_soon(profile, supported: bool, gpu_map: dict[str, str], run_d
             box["p"] = start_prefetch(profile, supported, gpu_map, run_dir, by_file, arrivals)
         except Exception as e:  # noqa: BLE001 - no prefetch is only slower; say why in the receipt
             box["p"] = Prefetch(skipped=f"starting the prefetchers failed: {e}")
+        finally:  # the prefetchers have their own descriptors of the spools by now
+            for streaming in (arrivals or {}).values():
+                if streaming.spool is not None:
+                    os.close(streaming.spool)
 
     thread = threading.Thread(target=start, name="coldsnap-prefetch-start", daemon=True)
     thread.start()
@@ -252,7 +294,7 @@ def finish_prefetch(p: Prefetch, wait_s: float = 10.0) -> dict:
     if not p.procs:
         return {"skipped": p.skipped}
     reports = {}
-    for (key, sock), proc in zip(p.sockets.items(), p.procs):
+    for i, ((key, sock), proc) in enumerate(zip(p.sockets.items(), p.procs)):
         if os.path.exists(sock):
             proc.kill()
         try:
@@ -261,7 +303,9 @@ def finish_prefetch(p: Prefetch, wait_s: float = 10.0) -> dict:
             proc.kill()
             out, err = proc.communicate()
         _remove_files(sock)
-        lines = [line for line in out.decode(errors="replace").splitlines() if line.startswith("{")]
+        out = (p.said[i] if i < len(p.said) else b"") + out
+        lines = [line for line in out.decode(errors="replace").splitlines()
+                 if line.startswith("{") and not line.startswith('{"loaded"')]  # its report, not the first line
         if lines:
             reports[key] = json.loads(lines[-1])
         else:
