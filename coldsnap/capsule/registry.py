@@ -19,6 +19,7 @@ import queue
 import re
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http.cookiejar import DefaultCookiePolicy
 from pathlib import Path
@@ -679,43 +680,66 @@ def _present_for(store: CapsuleStore, d: Descriptor, wf: WeightFile | None) -> b
     return False
 
 
+BLOB_STREAMS = 4  # blobs fetched at once (the CRIU images' layers side by side; a weights blob by pieces has its own)
+
+
 def _fetch_missing(store: CapsuleStore, client: "_Client", descs: list[Descriptor], progress,
                    pins: dict[str, WeightFile] | None = None, arrivals: pieces.Arrivals | None = None) -> _Fetched:
-    """Fetch the blobs the store lacks, then publish them once every one verified (a refused one: none, and no
-    partial kept). A weights blob in `pins` is fetched and checked piece by piece. The caller holds their locks."""
+    """Fetch the blobs the store lacks, up to BLOB_STREAMS at once, then publish them once every one verified (a
+    refused one: none, and no partial kept). A weights blob in `pins` is fetched and checked piece by piece. The
+    caller holds their locks."""
     got = _Fetched()
-    staged: list[tuple[Path, Descriptor]] = []
+    missing = [(d, (pins or {}).get(d.digest)) for d in descs]
+    missing = [(d, wf) for d, wf in missing if not _present_for(store, d, wf)]
     by_pieces: dict[str, WeightFile] = {}
-    try:
-        for d in descs:
-            wf = (pins or {}).get(d.digest)
-            if _present_for(store, d, wf):
-                continue
-            if wf is not None and pieces.wanted() and pieces.covers(wf, d.size) and \
-                    (got_pieces := _fetch_pieces(client, store, d, wf, progress, arrivals)):
-                received, resumed = got_pieces
-                by_pieces[d.digest] = wf
-            else:
-                received, resumed = _fetch_blob(client, store, d, progress)
-            got.received += received
-            got.resumed += resumed
-            got.digests.append(d.digest)
-            staged.append((partial_path(store, d.digest), d))
-    except ColdSnapError as e:
-        if e.code == ErrorCode.CAPSULE_CORRUPT:  # a refused pull leaves the store as it was
-            for p, _ in staged:
-                p.unlink(missing_ok=True)
-        raise
-    for p, d in staged:
-        os.replace(p, store.blob_path(d.digest))
+    clients = [client]  # one per thread (a session is not shared between threads); the first is the caller's
+    local = threading.local()
+
+    def fetch(item: tuple[Descriptor, WeightFile | None]) -> tuple[int, int]:
+        if not hasattr(local, "client"):
+            with _clients_lock:
+                local.client = clients.pop() if clients else None
+            local.client = local.client or _Client(client.ref, client.scheme == "http")
+        d, wf = item
+        if wf is not None and pieces.wanted() and pieces.covers(wf, d.size) and \
+                (got_pieces := _fetch_pieces(local.client, store, d, wf, progress, arrivals)):
+            by_pieces[d.digest] = wf
+            return got_pieces
+        return _fetch_blob(local.client, store, d, progress)
+
+    outcomes: list[tuple[int, int] | BaseException] = []
+    with ThreadPoolExecutor(max(1, min(BLOB_STREAMS, len(missing))), thread_name_prefix="coldsnap-blob") as pool:
+        for future in [pool.submit(fetch, item) for item in missing]:
+            try:
+                outcomes.append(future.result())
+            except BaseException as e:  # noqa: BLE001 - raised below, once every fetch has ended
+                outcomes.append(e)
+    failed = [e for e in outcomes if isinstance(e, BaseException)]
+    fetched = [d for (d, _), out in zip(missing, outcomes) if not isinstance(out, BaseException)]
+    if failed:
+        corrupt = [e for e in failed if isinstance(e, ColdSnapError) and e.code == ErrorCode.CAPSULE_CORRUPT]
+        if corrupt:  # a refused pull leaves the store as it was
+            for d in fetched:
+                partial_path(store, d.digest).unlink(missing_ok=True)
+        raise (corrupt or failed)[0]
+    for d, out in zip(fetched, outcomes):
+        assert not isinstance(out, BaseException)
+        got.received += out[0]
+        got.resumed += out[1]
+        got.digests.append(d.digest)
+    for d in fetched:
+        os.replace(partial_path(store, d.digest), store.blob_path(d.digest))
         if wf := by_pieces.get(d.digest):  # its pieces checked as they came in; its whole digest never computed
             assert wf.chunk_bytes is not None  # pieces.covers held for it
             remember_pieces(store.blob_path(d.digest), wf.chunks, wf.chunk_bytes)
         else:
             remember_hashed(store.blob_path(d.digest), d.digest)  # hashed while it streamed in: not read again
-    if staged:
+    if fetched:
         _fsync_dir(store.blobs)
     return got
+
+
+_clients_lock = threading.Lock()
 
 
 def _provenance(client: "_Client", store: CapsuleStore, remote: RemoteRef, digest: str) -> int:

@@ -6,6 +6,7 @@ stdout says it all)."""
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from typing import IO
 
@@ -50,8 +51,13 @@ class Shown:
         self.step: TaskID | None = None
         self.blobs: dict[str, tuple[TaskID, float]] = {}  # moving: its bar and when it started
         self.finished: set[str] = set()
+        self._lock = threading.RLock()
 
     def __call__(self, message: str) -> None:
+        with self._lock:
+            self._step(message)
+
+    def _step(self, message: str) -> None:
         if self.quiet:
             return
         if self.console is not None:  # the step under way, drawn with its elapsed time
@@ -62,6 +68,10 @@ class Shown:
         self._line(message)
 
     def transfer(self, blob: str, done: int, total: int) -> None:
+        with self._lock:  # blobs move side by side, each reporting from its own threads
+            self._transfer(blob, done, total)
+
+    def _transfer(self, blob: str, done: int, total: int) -> None:
         if self.quiet or blob in self.finished:  # a repeated final report adds no line
             return
         if blob not in self.blobs:
