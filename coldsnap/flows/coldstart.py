@@ -6,10 +6,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from coldsnap import net  # its names load pyroute2 on first use
 from coldsnap.base.journal import Journal, Network, Thing, Workload, start_time
 from coldsnap.base.procfs import alive
 from coldsnap.contracts import ColdSnapError, ErrorCode, NetworkPlan, Validation
-from coldsnap.net import create_network, destroy_network, new_network
 from coldsnap.workload.probe import ProbeResult, ValidationProbe
 from coldsnap.workload.process import kill_tree, start_in_namespaces, workload_env
 from coldsnap.workload.state import WorkloadState, run_dir
@@ -53,9 +53,9 @@ def start_cold(name: str, plan: NetworkPlan | int, argv: list[str], env: dict[st
     try:
         if isinstance(plan, NetworkPlan):
             record(plan)
-            create_network(plan)
+            net.create_network(plan)
         else:
-            plan = new_network(name, plan, before=record)
+            plan = net.new_network(name, plan, before=record)
     except BaseException:  # refused: nothing of ours to clean (the netns, address or veth is someone else's)
         if network is not None:
             journal.drop(network)
@@ -77,7 +77,7 @@ def start_cold(name: str, plan: NetworkPlan | int, argv: list[str], env: dict[st
     except BaseException as e:
         if pid is not None:
             kill_tree(pid)
-        destroy_network(plan)
+        net.destroy_network(plan)
         journal.drop(workload)
         journal.drop(network)
         if own:

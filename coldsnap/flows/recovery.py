@@ -22,6 +22,7 @@ import time
 from contextlib import suppress
 from pathlib import Path
 
+from coldsnap import net  # its names load pyroute2 on first use: every command recovers first
 from coldsnap.base import journal as journals
 from coldsnap.base.journal import (
     CudaTree,
@@ -40,7 +41,6 @@ from coldsnap.base.progress import Progress, quiet
 from coldsnap.contracts import ColdSnapError, NetworkPlan
 from coldsnap.engines import get_adapter
 from coldsnap.gpu import steps as gpu_steps
-from coldsnap.net import destroy_network, netns_inode
 from coldsnap.oci import records
 from coldsnap.oci.runtime import Runc
 from coldsnap.workload.claim import CLAIM
@@ -72,7 +72,7 @@ def recover(progress: Progress = quiet) -> list[str]:
 def kill_network_namespace(netns: str) -> int:
     """SIGKILL every process in the named network namespace and wait until they are gone; how many there were."""
     try:
-        inode = netns_inode(netns)
+        inode = net.netns_inode(netns)
     except OSError:
         return 0
     pids = in_network_namespace(inode)
@@ -128,7 +128,7 @@ def _undo(j: Journal) -> str:
         elif isinstance(t, Network) and not kept:
             plan = NetworkPlan.model_validate(t.plan)
             if not _claimed(plan.netns, j):
-                destroy_network(plan)
+                net.destroy_network(plan)
         elif isinstance(t, (ShmFiles, Linked)) and not kept:
             for path in t.paths:
                 Path(path).unlink(missing_ok=True)

@@ -5,11 +5,14 @@ A refused or failed restore falls back to a cold start when the policy allows it
 
 from __future__ import annotations
 
+import importlib
 import shutil
+import threading
 import time
 import uuid
 from contextlib import ExitStack
 
+from coldsnap import net  # its names load pyroute2 on first use
 from coldsnap.base.files import private_dir
 from coldsnap.base.journal import Dir, Journal, Linked, Network, Workload, start_time
 from coldsnap.base.paths import settings
@@ -39,7 +42,6 @@ from coldsnap.flows.staging import (
     unlink_all,
 )
 from coldsnap.gpu import steps as gpu_steps
-from coldsnap.net import destroy_network, netns_path, new_network
 from coldsnap.workload.claim import claimed
 from coldsnap.workload.probe import ValidationProbe
 from coldsnap.workload.process import kill_tree
@@ -55,6 +57,8 @@ def restore(request: RestoreRequest, progress: Progress = quiet) -> Receipt:
         pulled: dict = {}
         arriving = None
         if is_registry_reference(request.capsule):
+            # the network step's library loads while the pull waits on the registry, not on the restore's clock
+            threading.Thread(target=importlib.import_module, args=("coldsnap.net.netns",), daemon=True).start()
             with tl.span("pull"):  # until the capsule's own blobs are in: its weights follow
                 request, pulled, arriving = fetch(request, progress)
             if arriving is not None:
@@ -163,7 +167,7 @@ def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timel
             # go over loopback, and N restores of one capsule each get a namespace and addresses of their own.
             # Journaled between its choice and its making (new_network's `before`).
             assert profile.network is not None, "admission lets only process capsules restore here"
-            plan = new_network(name, profile.network.port,
+            plan = net.new_network(name, profile.network.port,
                                before=lambda chosen: journal.add(Network(chosen.model_dump())))
             workload = journal.add(Workload(name=name, netns=plan.netns))
         progress("restoring with CRIU")
@@ -177,7 +181,7 @@ def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timel
             # copies (replaced, not rewritten, so an earlier restore keeps the ones it has)
             put_back_files(staged)
             options = CriuOptions(host_mounts=True, lazy_pages=lazy_pages_wanted())
-            pid, lazy = criu.restore(staged.images, work, options, netns_path(plan.netns))
+            pid, lazy = criu.restore(staged.images, work, options, net.netns_path(plan.netns))
         journal.update(workload, pid=pid, start=start_time(pid))
         criu_account = criu_stats(work, "restore")
         with tl.span("hydrate"):
@@ -235,7 +239,7 @@ def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timel
             if lazy is not None:
                 lazy.kill()
             for network in journal.of(Network):  # ours: chosen (and perhaps made) by this restore
-                destroy_network(NetworkPlan.model_validate(network.plan))
+                net.destroy_network(NetworkPlan.model_validate(network.plan))
         for d in journal.of(Dir):
             shutil.rmtree(d.path, ignore_errors=True)
         for early in journal.of(Linked):  # still the partial's: nothing may read them (the fallback places them)
@@ -306,7 +310,7 @@ def cold_start(profile, request: RestoreRequest, progress: Progress) -> RestoreF
             cold.first = cold.probe.complete(expected=profile.expected_text)
         except BaseException:
             kill_tree(cold.state.pid)
-            destroy_network(cold.state.plan)
+            net.destroy_network(cold.state.plan)
             raise
     cold.state.engine, cold.state.weights_mode = profile.engine.name, profile.weights_mode
     save_state(cold.state)

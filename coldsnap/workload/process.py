@@ -17,9 +17,9 @@ import time
 from contextlib import suppress
 from pathlib import Path
 
+from coldsnap import net  # its names load pyroute2 on first use
 from coldsnap.base.procfs import descendants, read_children, session_of
 from coldsnap.contracts import ColdSnapError, ErrorCode, NetworkPlan
-from coldsnap.net import destroy_network, netns_path
 from coldsnap.workload.state import WorkloadState
 
 # The environment a workload starts with: nothing of the caller's (secrets, and restores must not depend on it)
@@ -41,7 +41,7 @@ def start_in_namespaces(argv: list[str], env: dict[str, str], plan: NetworkPlan,
     """Start argv inside plan's netns as a session leader and PID 1 of new PID and mount namespaces (a private copy
     of the host's mounts with its own /proc). Returns the host PID of the workload's root."""
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    prefix = ["nsenter", f"--net={netns_path(plan.netns)}",
+    prefix = ["nsenter", f"--net={net.netns_path(plan.netns)}",
               "unshare", "--pid", "--fork", "--mount", "--mount-proc", "--propagation", "private",
               sys.executable, "-m", "coldsnap.workload.mountns", str(log_path)]
     try:
@@ -108,6 +108,6 @@ def kill_tree(pid: int, timeout: float = 30.0) -> None:
 
 def stop_workload(ws: WorkloadState) -> None:
     kill_tree(ws.pid)
-    destroy_network(ws.plan)
+    net.destroy_network(ws.plan)
     if ws.run_dir:
         (Path(ws.run_dir) / "state.json").unlink(missing_ok=True)
