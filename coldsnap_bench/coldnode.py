@@ -333,7 +333,11 @@ def _first_restore(node: Path, ref: str, expected: str, one_command: bool = True
                              "spans": [(x["name"], round(x["start_s"], 4), round(x["duration_s"], 4))
                                        for x in receipt["spans"]],
                              "stage_parts": result.get("stage_parts") or {},
-                             "weights_wait_s": (result.get("hydrate") or {}).get("weights_wait_s")},
+                             "weights_wait_s": (result.get("hydrate") or {}).get("weights_wait_s"),
+                             # the weights' pieces: sized → last checked; and the prefetcher's own account
+                             "pieces_s": facts.get("pieces_s"),
+                             "prefetch": {k: v for k, v in ((result.get("hydrate") or {}).get("prefetch") or {}).items()
+                                          if k in ("mode", "cuda_init_s", "load_s", "gb_per_s", "ready_s", "error")}},
                 "validated": result["validated_text"] == expected and receipt["state"] == "succeeded"}
     finally:
         _cli(env, "stop", result["workload"])

@@ -90,6 +90,7 @@ class Settings:
     insecure_registries: frozenset[str] = frozenset()
     pull_pieces: bool = True
     pull_spool: str = "auto"
+    pull_connections: str = ""
     pin_piece_mib: str = "256"
     writeback_mib: str = ""
     layer_max_mib: str = "1024"
@@ -149,6 +150,7 @@ def settings() -> Settings:
                                       if h.strip()),
         pull_pieces=_flag("COLDSNAP_PULL_PIECES", True),
         pull_spool=os.environ.get("COLDSNAP_PULL_SPOOL", "auto"),
+        pull_connections=os.environ.get("COLDSNAP_PULL_CONNECTIONS", ""),
         pin_piece_mib=os.environ.get("COLDSNAP_PIN_PIECE_MIB", "256"),
         writeback_mib=os.environ.get("COLDSNAP_WRITEBACK_MIB", ""),
         layer_max_mib=os.environ.get("COLDSNAP_LAYER_MAX_MIB", "1024"),

@@ -17,9 +17,11 @@ holds every writer to its own rate, and would set the restore's pace."""
 from __future__ import annotations
 
 import hashlib
+import http.client
 import mmap
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterator
@@ -47,7 +49,11 @@ def wanted() -> bool:
 
 
 def workers() -> int:
-    """Connections at once: receiving, hashing and writing all release the GIL, so one per core, at least two."""
+    """Connections at once: receiving, hashing and writing all release the GIL, so one per core up to 8, at least
+    two; COLDSNAP_PULL_CONNECTIONS sets another number (1–64)."""
+    n = settings().pull_connections
+    if n.isdigit() and 1 <= int(n) <= 64:
+        return int(n)
     return max(2, min(8, os.cpu_count() or 1))
 
 
@@ -73,6 +79,8 @@ class Arrivals:
         self._done: set[str] = set()  # blobs fetched whole (every piece checked)
         self._filed: set[str] = set()  # blobs whose partial file holds every piece
         self.spooled: set[str] = set()  # blobs whose pieces landed in a Spool first
+        self.took: dict[str, float] = {}  # blob digest → seconds from its partial's sizing to its last piece checked
+        self._sized_at: dict[str, float] = {}
         self.ended = False
 
     def sized(self, digest: str, path: Path, spool: int | None = None) -> None:
@@ -80,6 +88,7 @@ class Arrivals:
         then holds only the file's head until they are filed)."""
         with self._cond:
             self._partial[digest] = path
+            self._sized_at[digest] = time.monotonic()
             if spool is not None:
                 self._spool[digest] = spool
                 self.spooled.add(digest)
@@ -126,6 +135,8 @@ class Arrivals:
     def complete(self, digest: str) -> None:
         with self._cond:
             self._done.add(digest)
+            if digest in self._sized_at:
+                self.took[digest] = round(time.monotonic() - self._sized_at[digest], 4)
             self._cond.notify_all()
 
     def end(self) -> None:
@@ -230,9 +241,24 @@ def covers(wf: WeightFile, size: int) -> bool:
     return n > 0 and cb > 0 and (n - 1) * cb < size <= n * cb
 
 
+def _received(r, buf: memoryview) -> Iterator[memoryview | bytes]:
+    """The body of response r as it comes, read into `buf` (reused: each view is valid until the next one) straight
+    from the connection where the response is plain bytes, so no chunk is allocated or copied on the way; through
+    requests otherwise. A broken connection raises requests' ConnectionError, as requests' own reads do."""
+    fp = getattr(r.raw, "_fp", None)  # urllib3's http.client response: the body not yet read, not decoded
+    if fp is None or not hasattr(fp, "readinto") or r.headers.get("Content-Encoding", "identity") != "identity":
+        yield from r.iter_content(len(buf))
+        return
+    try:
+        while n := fp.readinto(buf):
+            yield buf[:n]
+    except (OSError, http.client.HTTPException) as e:
+        raise requests.exceptions.ConnectionError(f"{type(e).__name__}: {e}") from None
+
+
 def _fetch_piece(client, url: str, fd: int, offset: int, length: int, pin: str, what: str,
-                 counted: Callable[[int], None], write_behind: bool = True) -> bool:
-    """One piece into the file at its offset; whether its bytes match the pin."""
+                 counted: Callable[[int], None], write_behind: bool = True, buf: memoryview | None = None) -> bool:
+    """One piece into the file at its offset; whether its bytes match the pin. buf: the thread's receive buffer."""
     last = offset + length - 1
     r = client.request("GET", url, ok=(200, 206), what=what, headers={"Range": f"bytes={offset}-{last}"},
                        stream=True, not_found=ErrorCode.CAPSULE_NOT_FOUND)
@@ -240,7 +266,7 @@ def _fetch_piece(client, url: str, fd: int, offset: int, length: int, pin: str, 
         if r.status_code != 206 or not r.headers.get("Content-Range", "").startswith(f"bytes {offset}-{last}/"):
             raise NoRanges()
         h, behind, at = hashlib.sha256(), WriteBehind(fd, offset) if write_behind else None, offset
-        for chunk in r.iter_content(READ):
+        for chunk in _received(r, buf if buf is not None else memoryview(bytearray(READ))):
             if at + len(chunk) > offset + length:
                 return False  # more than asked for: not this piece
             h.update(chunk)
@@ -318,13 +344,13 @@ def fetch_by_pieces(new_client: Callable[[], object], url: str, part: Path, size
             arrivals.checked(digest, offset, length)
 
         def fetch(piece: tuple[int, int, int]) -> bool:
-            if not hasattr(local, "client"):  # a connection (and its auth) of its own per thread
-                local.client = new_client()
+            if not hasattr(local, "client"):  # a connection (and its auth) of its own per thread, and a buffer
+                local.client, local.buf = new_client(), memoryview(bytearray(READ))
             i, offset, length = piece
             for attempt in range(ATTEMPTS):
                 try:
                     good = _fetch_piece(local.client, url, spool.fd if spool else fd, offset, length, wf.chunks[i],
-                                        what, counted, write_behind=arrivals is None)
+                                        what, counted, write_behind=arrivals is None, buf=local.buf)
                     if good and arrivals is not None:
                         announce(i, offset, length)
                     return good

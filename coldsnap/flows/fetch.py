@@ -57,7 +57,8 @@ class Arriving:
             raise self.outcome["error"]
         result = self.outcome["result"]
         self.facts.update(bytes=result.bytes_transferred, seconds=result.seconds,
-                          **({"spooled": len(self.pieces.spooled)} if self.pieces.spooled else {}))
+                          **({"spooled": len(self.pieces.spooled)} if self.pieces.spooled else {}),
+                          **({"pieces_s": max(self.pieces.took.values())} if self.pieces.took else {}))
 
     def checked(self, digests: list[str]) -> None:
         """Until every piece of these blobs (fetched by pieces) is checked against its pin: their bytes are all

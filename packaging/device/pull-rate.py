@@ -1,0 +1,101 @@
+"""Where a streamed pull's time goes, on the machine it runs on: one weights-sized blob in a registry on loopback,
+fetched (1) as plain ranged GETs (the ceiling: no hashing, nothing kept), (2) by a pull by pieces to disk (`coldsnap
+pull`), (3) by a restore's pull by pieces into memory (the spool), each checked against its pins, with 8 and 16
+connections. Prints one JSON line per variant (GB/s) and a summary line.
+
+    python3 packaging/device/pull-rate.py [GIB]     (docker-registry on PATH; default 8 GiB)"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from coldsnap.base.digests import chunk_sha256s
+from coldsnap.capsule import pieces
+from coldsnap.contracts import WeightFile
+from coldsnap_bench.coldnode import _read_range, _spans, _timed_parallel
+from coldsnap_bench.registry import LocalRegistry
+
+
+class Client:
+    """What fetch_by_pieces asks of a registry client, over one requests session."""
+
+    def __init__(self) -> None:
+        import requests
+
+        self.session = requests.Session()
+
+    def request(self, method, url, ok, what, headers, stream, not_found):
+        return self.session.request(method, url, headers=headers, stream=stream)
+
+
+def main() -> None:
+    gib = float(sys.argv[1]) if len(sys.argv) > 1 else 8.0
+    size = int(gib * (1 << 30))
+    tmp = Path(tempfile.mkdtemp(dir=os.environ.get("TMPDIR", "/tmp")))
+    blob = tmp / "blob"
+    block = os.urandom(64 << 20)
+    with open(blob, "wb") as f:
+        for at in range(0, size, len(block)):
+            f.write(block[:size - at])
+    cb = 256 << 20
+    pins = chunk_sha256s(blob, cb)
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(blob, "rb") as f:
+        while data := f.read(64 << 20):
+            h.update(data)
+    digest = "sha256:" + h.hexdigest()
+    wf = WeightFile(path=str(tmp / "w"), sha256=digest[7:], size=size, chunks=pins, chunk_bytes=cb)
+    reg = LocalRegistry.start(tmp / "registry")
+    try:
+        assert reg.hold("t/b", digest, blob)
+        url = f"http://{reg}/v2/t/b/blobs/{digest}"
+        _read_range(url, 0, size)  # the registry's storage in the page cache
+        rows = []
+        for n in (8, 16):
+            rows.append({"variant": "plain ranged GETs", "connections": n,
+                         "gb_per_s": round(_timed_parallel(lambda o, k: _read_range(url, o, k), _spans(size, n)), 2)})
+        for n in (8, 16):
+            os.environ["COLDSNAP_PULL_CONNECTIONS"] = str(n)
+            for spool in ("0", "1"):
+                os.environ["COLDSNAP_PULL_SPOOL"] = spool
+                part = tmp / f"part-{n}-{spool}"
+                arrivals = pieces.Arrivals() if spool == "1" else None
+                t = time.monotonic()
+                done: dict = {}
+                pull = threading.Thread(target=lambda d=done, p=part, a=arrivals: d.update(
+                    r=pieces.fetch_by_pieces(Client, url, p, size, wf, "bench", arrivals=a, digest=digest)))
+                pull.start()
+                if arrivals is not None:
+                    arrivals.whole(digest, timeout=600)  # every piece checked, in memory
+                    took = time.monotonic() - t
+                    arrivals.allow_sync()
+                    pull.join()
+                    written = time.monotonic() - t
+                else:
+                    pull.join()
+                    took = written = time.monotonic() - t
+                rows.append({"variant": "pull by pieces into memory (spool)" if arrivals else "pull by pieces to disk",
+                             "connections": n, "gb_per_s": round(size / took / 1e9, 2),
+                             "on_disk_s": round(written, 2), "checked": "r" in done})
+                part.unlink(missing_ok=True)
+        for row in rows:
+            print(json.dumps(row), flush=True)
+        print(json.dumps({"summary": {f"{r['variant']} x{r['connections']}": r["gb_per_s"] for r in rows},
+                          "bytes": size, "cpus": os.cpu_count()}))
+    finally:
+        reg.stop()
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
