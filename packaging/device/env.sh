@@ -6,8 +6,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     $(ls .carry/registry/whl/*.whl 2>/dev/null)  # the registry client, where the cold-node bench's carry brought it
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 # bytecode, as an installed ColdSnap has it (pip compiles at install; this image's python writes none on import)
-[ -f /tmp/site/.compiled ] || { python3 -m compileall -q -j 0 /tmp/site coldsnap coldsnap_bench coldsnap_reference \
-    coldsnap_sparkrun >/dev/null && touch /tmp/site/.compiled; }
+python3 -m compileall -q -j 0 /tmp/site coldsnap coldsnap_bench coldsnap_reference coldsnap_sparkrun >/dev/null || true
 export COLDSNAP_CRIU_PREFIX=$PWD/.carry/criu COLDSNAP_HOME=/tmp/coldsnap COLDSNAP_RUN=/tmp/coldsnap-run
 export TORCHINDUCTOR_COMPILE_THREADS=1
 [ -x .carry/registry/docker-registry ] && export PATH=$PWD/.carry/registry:$PATH
