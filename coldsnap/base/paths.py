@@ -34,6 +34,10 @@ VARIABLES = (
     Variable("COLDSNAP_REGISTRY_PASSWORD", "", "registry password or token (never logged)"),
     Variable("COLDSNAP_INSECURE_REGISTRIES", "", "comma-separated HOST[:PORT]s pulled from over plain HTTP"),
     Variable("COLDSNAP_PULL_PIECES", "1", "0: pull each blob in one stream instead of parallel pinned pieces"),
+    Variable("COLDSNAP_PULL_SPOOL", "auto", "a restore's streamed weights land in memory first (1), straight in the "
+             "store's file (0), or in memory when the node has twice their size free (auto)"),
+    Variable("COLDSNAP_PULL_CONNECTIONS", "", "connections a pull by pieces uses at once (1-64); default one per "
+             "core, 2 to 16"),
     Variable("COLDSNAP_PIN_PIECE_MIB", "256", "the pieces (MiB, at least 1) a weights file is pinned by at capture; "
              "a file of more than one piece pulls by pieces and streams into a restore"),
     Variable("COLDSNAP_WRITEBACK_MIB", "32", "write-back window of large files; 0 leaves it to the kernel"),

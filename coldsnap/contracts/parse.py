@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
-
-from pydantic import ValidationError
+from typing import TYPE_CHECKING, Any
 
 from coldsnap.contracts.errors import ColdSnapError, ErrorCode
-from coldsnap.contracts.request import OPERATIONS, REQUEST_ADAPTER, CaptureRequest, RestoreRequest, WorkloadRequest
 
-_ALL_TOP_LEVEL = set(CaptureRequest.model_fields) | set(RestoreRequest.model_fields) | set(WorkloadRequest.model_fields)
+if TYPE_CHECKING:  # the models load with the first request parsed: strict JSON alone needs none of them
+    from pydantic import ValidationError
+
 MAX_BYTES = 1 << 20  # a request or an annotation is small; a manifest too (its layers are blobs of their own)
 MAX_DEPTH = 32
 MAX_INT_DIGITS = 40
@@ -116,6 +115,8 @@ def strict_json(raw: str | bytes, what: str = "document", max_bytes: int = MAX_B
 
 
 def _location(loc: tuple[Any, ...]) -> str:
+    from coldsnap.contracts.request import OPERATIONS
+
     # pydantic puts the union tag first ("capture", ...): drop it, callers think in document paths.
     parts = [str(p) for p in loc]
     return ".".join(parts[1:] if parts and parts[0] in OPERATIONS else parts) or "(document)"
@@ -129,10 +130,15 @@ def first_error(exc: ValidationError) -> str:
 
 def parse_request(text: str | bytes):
     """Return CaptureRequest | RestoreRequest | WorkloadRequest or raise ColdSnapError(INVALID_REQUEST)."""
+    from pydantic import ValidationError
+
+    from coldsnap.contracts.request import OPERATIONS, REQUEST_ADAPTER, CaptureRequest, RestoreRequest, WorkloadRequest
+
+    top_level = set(CaptureRequest.model_fields) | set(RestoreRequest.model_fields) | set(WorkloadRequest.model_fields)
     data = strict_json(text, "request")
     if not isinstance(data, dict):
         raise _reject("a request must be a JSON object")
-    unknown = sorted(set(data) - _ALL_TOP_LEVEL)
+    unknown = sorted(set(data) - top_level)
     if unknown:
         raise _reject(f"{short(unknown[0])}: unknown field")
     fmt = data.get("format")
