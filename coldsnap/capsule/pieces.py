@@ -17,13 +17,14 @@ holds every writer to its own rate, and would set the restore's pace."""
 from __future__ import annotations
 
 import hashlib
-import http.client
+import json
 import mmap
 import os
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import suppress
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -50,13 +51,12 @@ def wanted() -> bool:
 
 
 def workers() -> int:
-    """Connections at once: receiving, hashing and writing all release the GIL, and one connection does them one
-    after the other (about 0.4 GB/s each on the GPU machine), so one per core up to 16, at least two;
-    COLDSNAP_PULL_CONNECTIONS sets another number (1–64)."""
+    """Connections at once in one process: receiving, hashing and writing release the GIL, but each chunk takes it
+    back, so one per core up to 8, at least two; COLDSNAP_PULL_CONNECTIONS sets another number (1–64)."""
     n = settings().pull_connections
     if n.isdigit() and 1 <= int(n) <= 64:
         return int(n)
-    return max(2, min(16, os.cpu_count() or 1))
+    return max(2, min(8, os.cpu_count() or 1))
 
 
 class Arrivals:
@@ -191,54 +191,36 @@ HEAD_MAX = 8 + (100 << 20)  # a safetensors file's head (its length, then its he
 
 class Spool:
     """A blob's pieces in memory, at their offsets: a memfd of the blob's size (pages only where pieces are),
-    gone with the last process holding it, so a killed restore leaves nothing behind. Pieces are received straight
-    into its mapping (`region`); a restore's prefetchers read it (they are handed the descriptor); `file` writes
-    its pieces into the partial on disk."""
+    gone with the last process holding it, so a killed restore leaves nothing behind. A restore's prefetchers
+    read it (they are handed the descriptor); `file` writes its pieces into the partial on disk."""
 
     def __init__(self, size: int) -> None:
         self.size = size
         self.fd = os.memfd_create("coldsnap-weights", os.MFD_CLOEXEC)
         try:
             os.ftruncate(self.fd, size)
-            self.map = mmap.mmap(self.fd, size) if size else None
         except OSError:
             os.close(self.fd)
             raise
-        self.view = memoryview(self.map) if self.map is not None else memoryview(b"")
-
-    def region(self, offset: int, length: int) -> memoryview:
-        """Where the piece at offset goes, its pages made at once (one call instead of a fault per page, where
-        the kernel can: MADV_POPULATE_WRITE, Linux 5.14)."""
-        if self.map is not None:
-            with suppress(OSError, ValueError):
-                self.map.madvise(POPULATE_WRITE, offset, length)
-        return self.view[offset:offset + length]
 
     def file(self, fd: int, ranges: list[tuple[int, int]]) -> None:
         """The ranges written from here into the file `fd` at the same offsets (one thread per range, up to
         workers(): each write is a copy out of the spool's own pages)."""
         if not ranges or self.size == 0:
             return
+        with mmap.mmap(self.fd, self.size, prot=mmap.PROT_READ) as m, memoryview(m) as view:
+            def write(r: tuple[int, int]) -> None:
+                offset, length = r
+                for at in range(offset, offset + length, COPY):
+                    n = min(COPY, offset + length - at)
+                    if os.pwrite(fd, view[at:at + n], at) != n:
+                        raise OSError(f"short write at byte {at} of the partial")
 
-        def write(r: tuple[int, int]) -> None:
-            offset, length = r
-            for at in range(offset, offset + length, COPY):
-                n = min(COPY, offset + length - at)
-                if os.pwrite(fd, self.view[at:at + n], at) != n:
-                    raise OSError(f"short write at byte {at} of the partial")
-
-        with ThreadPoolExecutor(workers()) as pool:
-            list(pool.map(write, ranges))
+            with ThreadPoolExecutor(workers()) as pool:
+                list(pool.map(write, ranges))
 
     def close(self) -> None:
-        self.view.release()
-        if self.map is not None:
-            with suppress(BufferError):  # a view of it still held somewhere: unmapped when that goes
-                self.map.close()
         os.close(self.fd)
-
-
-POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
 def spool_wanted(size: int) -> bool:
@@ -261,70 +243,17 @@ def covers(wf: WeightFile, size: int) -> bool:
     return n > 0 and cb > 0 and (n - 1) * cb < size <= n * cb
 
 
-def _plain_body(r):
-    """urllib3's http.client response under r, its body not yet read, when that body is plain bytes (no content
-    coding): read straight from the connection, no chunk is allocated or copied on the way. None otherwise."""
-    fp = getattr(r.raw, "_fp", None)
-    if fp is None or not hasattr(fp, "readinto") or r.headers.get("Content-Encoding", "identity") != "identity":
-        return None
-    return fp
-
-
-def _received(r, buf: memoryview) -> Iterator[memoryview | bytes]:
-    """The body of response r as it comes, read into `buf` (reused: each view is valid until the next one) where
-    it is plain bytes; through requests otherwise. A broken connection raises requests' ConnectionError, as
-    requests' own reads do."""
-    fp = _plain_body(r)
-    if fp is None:
-        yield from r.iter_content(len(buf))
-        return
-    try:
-        while n := fp.readinto(buf):
-            yield buf[:n]
-    except (OSError, http.client.HTTPException) as e:
-        raise requests.exceptions.ConnectionError(f"{type(e).__name__}: {e}") from None
-
-
-def _received_into(r, region: memoryview, pin: str, counted: Callable[[int], None]) -> bool:
-    """The body of response r straight into `region` (its place in a Spool), hashed as it lands there; whether it
-    fills the region exactly and matches the pin."""
-    h, at, fp = hashlib.sha256(), 0, _plain_body(r)
-    try:
-        if fp is None:
-            for chunk in r.iter_content(READ):
-                if at + len(chunk) > len(region):
-                    return False  # more than asked for: not this piece
-                region[at:at + len(chunk)] = chunk
-                h.update(chunk)
-                at += len(chunk)
-                counted(len(chunk))
-        else:
-            while at < len(region) and (n := fp.readinto(region[at:at + READ])):
-                h.update(region[at:at + n])
-                at += n
-                counted(n)
-            if at == len(region) and fp.read(1):
-                return False  # more than asked for: not this piece
-    except (OSError, http.client.HTTPException) as e:
-        raise requests.exceptions.ConnectionError(f"{type(e).__name__}: {e}") from None
-    return at == len(region) and h.hexdigest() == pin
-
-
-def _fetch_piece(client, url: str, fd: int, offset: int, length: int, pin: str, what: str,
-                 counted: Callable[[int], None], write_behind: bool = True, buf: memoryview | None = None,
-                 spool: Spool | None = None) -> bool:
-    """One piece into the file at its offset, or into the spool's memory there; whether its bytes match the pin.
-    buf: the thread's receive buffer."""
+def fetch_piece(client, url: str, fd: int, offset: int, length: int, pin: str, what: str,
+                 counted: Callable[[int], None], write_behind: bool = True) -> bool:
+    """One piece into the file at its offset; whether its bytes match the pin."""
     last = offset + length - 1
     r = client.request("GET", url, ok=(200, 206), what=what, headers={"Range": f"bytes={offset}-{last}"},
                        stream=True, not_found=ErrorCode.CAPSULE_NOT_FOUND)
     with r:
         if r.status_code != 206 or not r.headers.get("Content-Range", "").startswith(f"bytes {offset}-{last}/"):
             raise NoRanges()
-        if spool is not None:
-            return _received_into(r, spool.region(offset, length), pin, counted)
         h, behind, at = hashlib.sha256(), WriteBehind(fd, offset) if write_behind else None, offset
-        for chunk in _received(r, buf if buf is not None else memoryview(bytearray(READ))):
+        for chunk in r.iter_content(READ):
             if at + len(chunk) > offset + length:
                 return False  # more than asked for: not this piece
             h.update(chunk)
@@ -402,13 +331,13 @@ def fetch_by_pieces(new_client: Callable[[], object], url: str, part: Path, size
             arrivals.checked(digest, offset, length)
 
         def fetch(piece: tuple[int, int, int]) -> bool:
-            if not hasattr(local, "client"):  # a connection (and its auth) of its own per thread, and a buffer
-                local.client, local.buf = new_client(), memoryview(bytearray(READ))
+            if not hasattr(local, "client"):  # a connection (and its auth) of its own per thread
+                local.client = new_client()
             i, offset, length = piece
             for attempt in range(ATTEMPTS):
                 try:
-                    good = _fetch_piece(local.client, url, fd, offset, length, wf.chunks[i], what, counted,
-                                        write_behind=arrivals is None, buf=local.buf, spool=spool)
+                    good = fetch_piece(local.client, url, spool.fd if spool else fd, offset, length, wf.chunks[i],
+                                        what, counted, write_behind=arrivals is None)
                     if good and arrivals is not None:
                         announce(i, offset, length)
                     return good
@@ -419,8 +348,15 @@ def fetch_by_pieces(new_client: Callable[[], object], url: str, part: Path, size
                                             "the next pull resumes them") from None
             return False
 
-        with ThreadPoolExecutor(workers()) as pool:
-            results = list(pool.map(fetch, todo))
+        def spooled(i: int, offset: int, length: int) -> None:  # a piece a fetching process put in the spool
+            counted(length)
+            announce(i, offset, length)
+
+        results = _fetch_in_processes(new_client, url, spool, todo, wf.chunks, what, spooled) \
+            if spool is not None and todo else None
+        if results is None:  # on threads of this process: to disk, or where no fetching process could start
+            with ThreadPoolExecutor(workers()) as pool:
+                results = list(pool.map(fetch, todo))
         if not all(results):
             bad = next(p[1] for p, good in zip(todo, results) if not good)
             part.unlink(missing_ok=True)
@@ -442,6 +378,81 @@ def fetch_by_pieces(new_client: Callable[[], object], url: str, part: Path, size
                 arrivals.unspooled(digest)
             spool.close()
         os.close(fd)
+
+
+FETCHERS = 4  # processes a spooled pull spreads its connections over (each has a GIL of its own)
+
+
+def _fetch_in_processes(new_client: Callable[[], object], url: str, spool: Spool, todo: list[tuple[int, int, int]],
+                        pins: list[str], what: str, spooled: Callable[[int, int, int], None]) -> list[bool] | None:
+    """The pieces fetched into the spool by a few processes of their own (coldsnap.capsule.fetcher), one per core
+    up to 16 connections in all; spooled(i, offset, length) hears of each piece there and matching its pin.
+    Returns whether each piece matched its pin, in todo's order; None when no process could start (the caller
+    fetches on its own threads). Raises NoRanges, or REGISTRY when a piece could not be fetched."""
+    client = new_client()
+    r = client.request("GET", url, ok=(200, 206), what=what, headers={"Range": "bytes=0-0"},  # type: ignore[attr-defined]
+                       stream=True, not_found=ErrorCode.CAPSULE_NOT_FOUND)
+    with r:  # the registry answers ranges, and with which authorization (the first request's, before a redirect)
+        if r.status_code != 206:
+            raise NoRanges()
+        authorization = (r.history[0] if r.history else r).request.headers.get("Authorization")
+    connections = max(workers(), min(16, os.cpu_count() or 1))
+    n = max(1, min(FETCHERS, connections // 4, len(todo)))
+    by_offset = {offset: (i, length) for i, offset, length in todo}
+    procs = []
+    try:
+        for k in range(n):
+            proc = subprocess.Popen([sys.executable, "-m", "coldsnap.capsule.fetcher", "--spool-fd", str(spool.fd)],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    pass_fds=(spool.fd,))
+            procs.append(proc)
+            job = {"url": url, "authorization": authorization, "threads": -(-connections // n),
+                   "pieces": [[o, length, pins[i]] for i, o, length in todo[k::n]]}
+            assert proc.stdin is not None
+            proc.stdin.write(json.dumps(job).encode() + b"\n")
+            proc.stdin.close()
+    except OSError:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        return None
+    good: dict[int, bool] = {}
+    broken: list[int] = []
+    noranges: list[bool] = []
+
+    def read(proc) -> None:
+        for raw in proc.stdout:
+            word, *rest = raw.decode(errors="replace").split()
+            if word == "ok" and len(rest) == 2 and int(rest[0]) in by_offset:
+                offset = int(rest[0])
+                spooled(by_offset[offset][0], offset, by_offset[offset][1])
+                good[offset] = True
+            elif word == "bad" and rest:
+                good[int(rest[0])] = False
+            elif word == "broken" and rest:
+                broken.append(int(rest[0]))
+            elif word == "noranges":
+                noranges.append(True)
+
+    readers = [threading.Thread(target=read, args=(proc,), daemon=True) for proc in procs]
+    for t in readers:
+        t.start()
+    ended = []  # how a fetching process that failed ended
+    for t, proc in zip(readers, procs):
+        t.join()
+        assert proc.stderr is not None
+        err = proc.stderr.read().decode(errors="replace").strip().splitlines()
+        if proc.wait() != 0:
+            ended.append(f"exit {proc.returncode}" + (f": {err[-1][:200]}" if err else ""))
+    if noranges:
+        raise NoRanges()
+    missing = sorted(set(broken) | {o for _, o, _ in todo if o not in good})
+    if missing:
+        why = f"the connection broke {ATTEMPTS} times" if broken else f"its fetching process ended ({ended[0]})" \
+            if ended else "it never came"
+        raise ColdSnapError(ErrorCode.REGISTRY, f"{what}: the piece at byte {missing[0]} is missing: {why}; the "
+                            "next pull fetches it again")
+    return [good[o] for _, o, _ in todo]
 
 
 def _copy_range(src: int, dst: int, offset: int, length: int) -> None:
