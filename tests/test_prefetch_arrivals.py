@@ -11,6 +11,8 @@ import random
 import struct
 import threading
 
+import pytest
+
 from coldsnap.capsule.pieces import Arrivals
 from coldsnap.gpu.prefetch import SectionArrivals
 
@@ -115,14 +117,15 @@ class Client:
 
 
 def test_spooled_pieces_reach_the_file_only_when_asked_and_the_head_at_once(tmp_path, monkeypatch):
-    """A pull a restore reads while it streams: each checked piece lands in the spool (memory) and is announced;
+    """A pull a restore reads while it streams: each checked piece lands in the spool (memory: a memfd a piece, put
+    there by a fetching process of its own) and is announced;
     the partial on disk gets the file's head at once (engines read their header from the file) and the rest only
     once someone asks (file_now) or the restore is past its first token; then it is the whole blob."""
     import hashlib
-    import os
 
     from coldsnap.capsule.pieces import fetch_by_pieces
     from coldsnap.contracts import WeightFile
+    from coldsnap.gpu.prefetch import PrefetchError, spool_reader
 
     monkeypatch.setenv("COLDSNAP_PULL_SPOOL", "1")
     blob = safetensors_bytes(40_000)
@@ -138,11 +141,17 @@ def test_spooled_pieces_reach_the_file_only_when_asked_and_the_head_at_once(tmp_
     try:
         assert arrivals.whole("d", timeout=30) and arrivals.partial("d", 0) == part and "d" in arrivals.spooled
         spool = arrivals.spool("d")
-        assert spool is not None
+        assert spool is not None and spool.piece_bytes == cb and len(spool.fds) == len(pins)  # a memfd a piece
         try:
-            assert os.pread(spool, len(blob), 0) == blob  # every piece in memory, checked
+            read = spool_reader(spool.fds, spool.piece_bytes)  # as a prefetcher reads it
+            got = bytearray(len(blob))
+            for o in range(0, len(blob), cb):
+                read(memoryview(got)[o:o + cb], o)
+            assert bytes(got) == blob  # every piece in memory, checked
+            with pytest.raises(PrefetchError):  # a read across two pieces is a bug, not garbage
+                read(memoryview(got)[:cb], cb // 2)
         finally:
-            os.close(spool)
+            spool.close()
         head = 8 + int.from_bytes(blob[:8], "little")
         on_disk = part.read_bytes()
         assert on_disk[:head] == blob[:head]  # the head is there for the engine's own reads

@@ -1,13 +1,13 @@
-"""`python -m coldsnap.capsule.fetcher --spool-fd N`: pieces of one weights blob fetched into a restore's spool by a
-process of its own (coldsnap.capsule.pieces starts a few). The restore's own process admits, stages and runs CRIU
-meanwhile; pull threads there take its GIL back for every chunk they move, and on the GPU machine that held the
-pull to about 2 GB/s and slowed the restore's own steps several-fold.
+"""`python -m coldsnap.capsule.fetcher`: pieces of one weights blob fetched into a restore's spool by a process of
+its own (coldsnap.capsule.pieces starts a few). The restore's own process admits, stages and runs CRIU meanwhile;
+pull threads there take its GIL back for every chunk they move, and on the GPU machine that slowed the restore's own
+steps several-fold.
 
-stdin: one JSON line {"url", "authorization" (a header value, or null), "threads", "pieces": [[offset, length,
-pin], ...]}: the header travels on stdin, never in arguments or the environment. stdout, one line per piece:
-`ok OFFSET LENGTH` (in the spool, matching its pin), `bad OFFSET` (not matching it), `broken OFFSET` (its connection
-broke ATTEMPTS times); or `noranges` when the registry does not answer Range requests. It exits once every piece is
-told, or when whoever reads its lines is gone."""
+stdin: one JSON line {"url", "authorization" (a header value, or null), "threads", "pieces": [[offset, length, pin,
+fd], ...]}, each fd an inherited descriptor of the piece's memfd; the header travels on stdin, never in arguments
+or the environment. stdout, one line per piece: `ok OFFSET LENGTH` (in the spool, matching its pin), `bad OFFSET`
+(not matching it), `broken OFFSET` (its connection broke ATTEMPTS times); or `noranges` when the registry does not
+answer Range requests. It exits once every piece is told, or when whoever reads its lines is gone."""
 
 from __future__ import annotations
 
@@ -37,9 +37,8 @@ class _Plain:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m coldsnap.capsule.fetcher", description=__doc__.split("\n\n")[0])
-    p.add_argument("--spool-fd", type=int, required=True, help="an inherited descriptor of the spool (a memfd)")
-    a = p.parse_args(argv)
+    argparse.ArgumentParser(prog="python -m coldsnap.capsule.fetcher", description=__doc__.split("\n\n")[0]) \
+        .parse_args(argv)
     job = json.loads(sys.stdin.readline())
     lock, local = threading.Lock(), threading.local()
 
@@ -52,13 +51,14 @@ def main(argv: list[str] | None = None) -> int:
             os._exit(1)  # nobody reads: the restore is gone, and with it the spool's use
 
     def one(piece: list) -> None:
-        offset, length, pin = int(piece[0]), int(piece[1]), str(piece[2])
+        offset, length, pin, fd = int(piece[0]), int(piece[1]), str(piece[2]), int(piece[3])
         if not hasattr(local, "client"):
             local.client = _Plain(job.get("authorization"))
         for _ in range(ATTEMPTS):
             try:
-                good = fetch_piece(local.client, job["url"], a.spool_fd, offset, length, pin,
-                                   f"fetching the piece at byte {offset}", lambda n: None, write_behind=False)
+                good = fetch_piece(local.client, job["url"], fd, offset, length, pin,
+                                   f"fetching the piece at byte {offset}", lambda n: None, write_behind=False,
+                                   base=offset)
             except NoRanges:
                 say("noranges")
                 return

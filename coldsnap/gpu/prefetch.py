@@ -208,20 +208,39 @@ def fill_buffered(driver, device: int, ptr: int, fd: int, base: int, pieces: lis
     """GPU memory at ptr := the pieces of the file's data section at base, packed (packed_layout): `threads`
     threads, each a run of copy_jobs, each reading into two pinned buffers in turn and copying on its own stream (a
     read overlaps the previous copy). Each byte crosses host memory three times: read, written, read by the DMA."""
-    _on_threads(driver, device, split_jobs(copy_jobs(pieces), threads), _pinned_copies(driver, ptr, fd, base))
+    _on_threads(driver, device, split_jobs(copy_jobs(pieces), threads),
+                _pinned_copies(driver, ptr, _reader(fd), base))
 
 
-def fill_arriving(driver, device: int, ptr: int, fd: int, base: int, pieces: Iterable[Piece], threads: int) -> None:
+def _reader(fd: int) -> Callable[[memoryview, int], None]:
+    """read(view, offset): fill view from the file at offset."""
+    return lambda view, offset: pread_full(fd, view, offset)
+
+
+def spool_reader(fds: list[int], piece_bytes: int) -> Callable[[memoryview, int], None]:
+    """read(view, offset) of a blob spooled a memfd per piece (coldsnap.capsule.pieces.Spool): a read stays inside
+    one piece (the arriving ranges are pieces, and their jobs are cut inside them)."""
+    def read(view: memoryview, offset: int) -> None:
+        piece, at = divmod(offset, piece_bytes)
+        if at + len(view) > piece_bytes:
+            raise PrefetchError(f"a read at byte {offset} crosses the spool's piece {piece}")
+        pread_full(fds[piece], view, at)
+
+    return read
+
+
+def fill_arriving(driver, device: int, ptr: int, read: Callable[[memoryview, int], None], base: int,
+                  pieces: Iterable[Piece], threads: int) -> None:
     """GPU memory at ptr := each piece of the data section at its own offset there, as `pieces` yields them (a
-    streamed pull's pieces, each once it is checked): fill_buffered's threads and pinned buffers, set up once, take
-    the pieces' copy jobs from one queue as they come."""
+    streamed pull's pieces, each once it is checked), read by read(view, file offset): fill_buffered's threads and
+    pinned buffers, set up once, take the pieces' copy jobs from one queue as they come."""
     jobs: queue.SimpleQueue = queue.SimpleQueue()
     failed: list[BaseException] = []
 
     def copy() -> None:
         try:
             _on_threads(driver, device, [iter(jobs.get, None) for _ in range(threads)],
-                        _pinned_copies(driver, ptr, fd, base))
+                        _pinned_copies(driver, ptr, read, base))
         except BaseException as e:  # noqa: BLE001 - raised below, once the feeding stops
             failed.append(e)
 
@@ -281,7 +300,7 @@ class SectionArrivals:
         return self.base is not None and self.covered == self.size - self.base
 
 
-def _pinned_copies(driver, ptr: int, fd: int, base: int):
+def _pinned_copies(driver, ptr: int, read: Callable[[memoryview, int], None], base: int):
     """A thread's work for fill_buffered and fill_arriving: its jobs read into two pinned buffers in turn, each
     copied to the GPU on the thread's stream while the next is read."""
     def run(jobs, stream) -> None:
@@ -301,7 +320,7 @@ def _pinned_copies(driver, ptr: int, fd: int, base: int):
                 k = i % 2
                 if i >= 2:
                     driver.call("cuEventSynchronize", events[k])  # this buffer's previous copy is done
-                pread_full(fd, views[k][:read_bytes(job)], base + job[0])
+                read(views[k][:read_bytes(job)], base + job[0])
                 _copy_async(driver, descs[k], addrs[k], job, ptr, stream)
                 driver.call("cuEventRecord", events[k], stream)
             driver.call("cuStreamSynchronize", stream)
@@ -452,7 +471,7 @@ MODES = ("buffered", "mapped")
 
 def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float, hold: bool = False,
           pieces: list[Piece] | None = None, mode: str = "buffered", arrivals: Iterable[str] | None = None,
-          linger: bool = False, spool: int | None = None) -> dict:
+          linger: bool = False, spool: tuple[list[int], int] | None = None) -> dict:
     """Listen at sock_path, load, hand the memory to the first engine that connects; return what happened.
     pieces: load only these parts of the data section, packed (a tensor-parallel rank's shards); default all of it.
     mode: "buffered" (fill_buffered) or "mapped" (fill_mapped; fill_buffered where it can't be, the report says
@@ -465,8 +484,8 @@ def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float
     arrivals: the file is still arriving (a streamed pull's partial, linked at its path at full size): "OFFSET
     LENGTH" lines name each range once checked against its pin, "end" (or the lines' end) that no more come. Each is
     loaded as it comes, and only those: a data section not wholly named is an error (the engine reads the file).
-    spool: with arrivals, a descriptor of the memory holding the checked ranges (the pull's Spool), read instead of
-    the file, whose pieces reach the disk later.
+    spool: with arrivals, (descriptors, piece size) of the memory holding the checked ranges (the pull's Spool: a
+    memfd per piece), read instead of the file, whose pieces reach the disk later.
     Once the memory is loaded (or can't be), one line says so before the engine is awaited: {"loaded": true} or
     {"loaded": false, "error": ...}; the restore lets the engine take the memory only after the first."""
     t0 = time.monotonic()
@@ -557,14 +576,22 @@ def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float
             os.unlink(sock_path)
 
 
-def _load_arriving(driver, device: int, path: str, arrivals: Iterable[str], threads: int, spool: int | None = None):
-    """serve's load of a file still arriving: (buffer, section offset, bytes, seconds). spool: a descriptor of the
-    memory the pull puts its checked pieces in, read instead of the file."""
-    fd = os.open(path, os.O_RDONLY) if spool is None else spool
+def _load_arriving(driver, device: int, path: str, arrivals: Iterable[str], threads: int,
+                   spool: tuple[list[int], int] | None = None):
+    """serve's load of a file still arriving: (buffer, section offset, bytes, seconds). spool: descriptors of the
+    memory the pull puts its checked pieces in (a memfd per piece) and the pieces' size, read instead of the file."""
+    fd = os.open(path, os.O_RDONLY)
     buf = None
     try:
         t1 = time.monotonic()
-        section = SectionArrivals(os.fstat(fd).st_size, lambda: struct.unpack("<Q", os.pread(fd, 8, 0))[0])
+        read = _reader(fd) if spool is None else spool_reader(*spool)
+
+        def header_length() -> int:
+            head = bytearray(8)
+            read(memoryview(head), 0)
+            return struct.unpack("<Q", head)[0]
+
+        section = SectionArrivals(os.fstat(fd).st_size, header_length)
 
         def pieces() -> Iterator[Piece]:
             for line in arrivals:
@@ -579,7 +606,7 @@ def _load_arriving(driver, device: int, path: str, arrivals: Iterable[str], thre
             raise PrefetchError("the weights stopped arriving before their data did")
         length = section.size - section.base
         buf = vmm.ExportableBuffer(driver, device, length)
-        fill_arriving(driver, device, buf.ptr, fd, section.base, itertools.chain([first], coming), threads)
+        fill_arriving(driver, device, buf.ptr, read, section.base, itertools.chain([first], coming), threads)
         if not section.complete:
             raise PrefetchError(f"the weights stopped arriving: {section.covered} of {length} bytes checked")
         return buf, section.base, length, time.monotonic() - t1
@@ -589,6 +616,8 @@ def _load_arriving(driver, device: int, path: str, arrivals: Iterable[str], thre
         raise
     finally:
         os.close(fd)
+        for spooled in spool[0] if spool else []:  # the pull keeps its own until the pieces are filed
+            os.close(spooled)
 
 
 class Session:
@@ -650,9 +679,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arrivals", action="store_true",
                    help="the file is still arriving: stdin names each range checked against its pin, as 'OFFSET "
                         "LENGTH' lines, then 'end'; only those are loaded, as they come")
-    p.add_argument("--spool-fd", type=int,
-                   help="with --arrivals: an inherited descriptor of the memory the pull puts the checked ranges in "
-                        "(read instead of --file, whose ranges reach the disk later)")
+    p.add_argument("--spool-fds",
+                   help="with --arrivals: inherited descriptors, comma-separated, of the memfds the pull puts the "
+                        "file's pieces in, in order (read instead of --file, whose ranges reach the disk later)")
+    p.add_argument("--spool-piece-bytes", type=int, default=0, help="with --spool-fds: the pieces' size")
     p.add_argument("--plan", help="JSON file: [[offset, width, rows, pitch], ...] of the data section to load, "
                                   "packed (a tensor-parallel rank's part); default the whole data section")
     a = p.parse_args(argv)
@@ -665,7 +695,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"served": False, "error": f"--plan {a.plan}: {e}"}), flush=True)
         return 1
     report = serve(a.file, a.gpu, a.socket, max(1, a.threads), a.timeout, a.hold, pieces, a.mode,
-                   sys.stdin if a.arrivals else None, a.linger, a.spool_fd if a.arrivals else None)
+                   sys.stdin if a.arrivals else None, a.linger,
+                   ([int(fd) for fd in a.spool_fds.split(",")], a.spool_piece_bytes)
+                   if a.arrivals and a.spool_fds and a.spool_piece_bytes > 0 else None)
     print(json.dumps(report), flush=True)
     return 0 if report.get("served") and "error" not in report else 1
 

@@ -13,7 +13,7 @@ import threading
 import time
 from contextlib import suppress
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 from uuid import uuid4
 
 from coldsnap.base.paths import settings
@@ -152,9 +152,10 @@ def _prefetch_refusal(profile, supported: bool, by_file: bool = False) -> str | 
 @dataclass
 class Streaming:
     """A weights file still arriving (a streamed pull): the ranges of it checked against their pins, as they come,
-    and a descriptor of the memory they land in first (None: the file itself), which start_prefetch closes."""
+    and descriptors of the memory they land in first (coldsnap.capsule.pieces.SpoolFds; None: the file itself),
+    which start_prefetch_soon closes."""
     ranges: Iterable[tuple[int, int]]
-    spool: int | None = None
+    spool: Any = None
 
 
 def start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir, by_file: bool = False,
@@ -215,12 +216,14 @@ def start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir, b
                 plan = ["--plan", name + ".plan.json"]
             streaming = (arrivals or {}).get(weights.path)
             spool = streaming.spool if streaming else None
+            spooled = ["--spool-fds", ",".join(map(str, spool.fds)), "--spool-piece-bytes", str(spool.piece_bytes)] \
+                if spool is not None else []
             proc = subprocess.Popen(
                 [sys.executable, "-m", "coldsnap.gpu.prefetch", "--file", weights.path, "--gpu", gpu,
                  "--socket", sock, *once_served, "--threads", threads, "--mode", mode, *plan,
-                 *(["--arrivals"] if streaming else []), *(["--spool-fd", str(spool)] if spool is not None else [])],
+                 *(["--arrivals"] if streaming else []), *spooled],
                 env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                start_new_session=True, pass_fds=(spool,) if spool is not None else ())
+                start_new_session=True, pass_fds=spool.fds if spool is not None else ())
             p.procs.append(proc)
             if streaming:
                 feeder = threading.Thread(target=_feed, args=(proc, streaming.ranges), daemon=True,
@@ -259,7 +262,7 @@ def start_prefetch_soon(profile, supported: bool, gpu_map: dict[str, str], run_d
         finally:  # the prefetchers have their own descriptors of the spools by now
             for streaming in (arrivals or {}).values():
                 if streaming.spool is not None:
-                    os.close(streaming.spool)
+                    streaming.spool.close()
 
     thread = threading.Thread(target=start, name="coldsnap-prefetch-start", daemon=True)
     thread.start()
