@@ -1,7 +1,9 @@
 """Where a streamed pull's time goes, on the machine it runs on: one weights-sized blob in a registry on loopback,
 fetched (1) as plain ranged GETs (the ceiling: no hashing, nothing kept), (2) by a pull by pieces to disk (`coldsnap
-pull`), (3) by a restore's pull by pieces into memory (the spool), each checked against its pins, with 8 and 16
-connections. Prints one JSON line per variant (GB/s) and a summary line.
+pull`: threads of the pulling process, into the one partial file), (3) by a restore's pull by pieces into memory
+(the spool: a memfd per piece, fetched by processes of their own), each checked against its pins, with 8 and 16
+connections. Prints one JSON line per variant (GB/s) and a summary line. `pull-rate.py hash` measures only what
+each byte costs: sha256 and blake3 on one core and on all, and writes into memfds.
 
     python3 packaging/device/pull-rate.py [GIB]     (docker-registry on PATH; default 8 GiB)"""
 
