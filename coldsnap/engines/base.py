@@ -107,6 +107,13 @@ class EngineAdapter:
         (prefetch_by_file) {weights file: socket}."""
         return {}
 
+    def prefetch_taken(self, resumed: dict) -> bool | None:
+        """Whether the engine's resume (after_restore's answer) took its weights from the prefetchers (False: it
+        read its files instead); None when the answer does not say. A restore whose weights are still arriving
+        resumes the engine before its files hold them, once the prefetchers have them all: an engine that read
+        the files then read holes, and is not let serve."""
+        return None
+
     def after_capture_left_running(self, host: str, port: int, kv_discarded: bool, weights_mode: str) -> dict:
         return self.after_restore(host, port, kv_discarded, weights_mode)
 

@@ -109,6 +109,12 @@ class ReferenceAdapter(EngineAdapter):
         return EngineRelease.model_validate(
             post_json(host, port, "/coldsnap/release", {"weights": weights_mode == "recovery", **stash}))
 
+    def prefetch_taken(self, resumed: dict) -> bool | None:
+        reload = resumed.get("weights_reload")  # the hydrate account of a resume that reloaded weights
+        if not isinstance(reload, dict):
+            return None
+        return reload.get("prefetched") is True and "prefetch_error" not in reload
+
     def after_restore(self, host: str, port: int, kv_discarded: bool, weights_mode: str,
                       prefetched: str | dict[str, str] | None = None) -> dict:
         if prefetched:

@@ -212,6 +212,14 @@ class VllmAdapter(EngineAdapter):
             facts["stack_bytes_released"] = stack.get("stack_bytes")
         return EngineRelease.model_validate(facts)
 
+    def prefetch_taken(self, resumed: dict) -> bool | None:
+        if "reload_fallback" in resumed:  # vLLM's own reload_weights read the files
+            return False
+        reload = resumed.get("reload")  # ColdSnap's worker extension: files taken from prefetchers, files read
+        if not isinstance(reload, dict) or "filled" not in reload:
+            return None
+        return reload["filled"] == 0 and reload.get("prefetched", 0) > 0
+
     def after_restore(self, host: str, port: int, kv_discarded: bool, weights_mode: str,
                       prefetched: str | dict[str, str] | None = None) -> dict:
         if not kv_discarded or not has_sleep_mode(host, port):  # a CPU build released nothing: nothing to wake

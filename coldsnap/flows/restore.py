@@ -187,14 +187,19 @@ def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timel
         with tl.span("hydrate"):
             gpu = gpu_steps.restore_after_criu(pid, gpu_pairs=list(request.gpu_map.items()) or None)
             prefetch = prefetch_started()
+            on_gpus_only = False  # the engine resumes before its files hold the weights (they are on its GPUs)
             if linked is not None and arriving is not None:  # the engine takes them next: every piece, checked,
                 t = time.monotonic()  # on its GPUs, or else in its files
                 arriving.checked(list(arriving_blobs.values()))
-                if not prefetch.loaded(timeout=60.0):
+                on_gpus_only = prefetch.loaded(timeout=60.0)
+                if not on_gpus_only:
                     arriving.filed(list(arriving_blobs.values()))
                 weights_wait_s = round(time.monotonic() - t, 4)
             engine = adapter.after_restore(plan.workload_address, plan.port, profile.kv_discarded,
                                            profile.weights_mode, prefetched=prefetch.for_engine())
+            if on_gpus_only and adapter.prefetch_taken(engine) is False:
+                raise ColdSnapError(ErrorCode.GPU_FAILED, "the engine read its weights files instead of the "
+                                    "prefetched copy while the files were still arriving: not let serve")
         probe = ValidationProbe(plan.workload_address, plan.port, validation)
         with tl.span("validate"):
             probe.wait_ready(alive=lambda: alive(pid), timeout=validation.ready_timeout_s)
