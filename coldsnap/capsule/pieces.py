@@ -21,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -435,12 +436,13 @@ def _fetch_in_processes(new_client: Callable[[], object], url: str, spool: Spool
     connections = max(workers(), min(16, os.cpu_count() or 1))
     n = max(1, min(FETCHERS, connections // 4, len(todo)))
     by_offset = {offset: (i, length) for i, offset, length in todo}
-    procs = []
+    procs, errs = [], []  # each one's stderr in a file: a pipe nobody reads until the end could fill and block it
     try:
         for k in range(n):
             mine = todo[k::n]
+            errs.append(tempfile.TemporaryFile())
             proc = subprocess.Popen([sys.executable, "-m", "coldsnap.capsule.fetcher"], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=errs[-1],
                                     pass_fds=[spool.fds[i] for i, _, _ in mine])
             procs.append(proc)
             job = {"url": url, "authorization": authorization, "threads": -(-connections // n),
@@ -452,6 +454,8 @@ def _fetch_in_processes(new_client: Callable[[], object], url: str, spool: Spool
         for proc in procs:
             proc.kill()
             proc.wait()
+        for f in errs:
+            f.close()
         return None
     good: dict[int, bool] = {}
     broken: list[int] = []
@@ -459,7 +463,7 @@ def _fetch_in_processes(new_client: Callable[[], object], url: str, spool: Spool
 
     def read(proc) -> None:
         for raw in proc.stdout:
-            word, *rest = raw.decode(errors="replace").split()
+            word, *rest = raw.decode(errors="replace").split() or [""]
             if word == "ok" and len(rest) == 2 and int(rest[0]) in by_offset:
                 offset = int(rest[0])
                 spooled(by_offset[offset][0], offset, by_offset[offset][1])
@@ -475,12 +479,13 @@ def _fetch_in_processes(new_client: Callable[[], object], url: str, spool: Spool
     for t in readers:
         t.start()
     ended = []  # how a fetching process that failed ended
-    for t, proc in zip(readers, procs):
+    for t, proc, f in zip(readers, procs, errs):
         t.join()
-        assert proc.stderr is not None
-        err = proc.stderr.read().decode(errors="replace").strip().splitlines()
         if proc.wait() != 0:
+            f.seek(0)
+            err = f.read().decode(errors="replace").strip().splitlines()
             ended.append(f"exit {proc.returncode}" + (f": {err[-1][:200]}" if err else ""))
+        f.close()
     if noranges:
         raise NoRanges()
     missing = sorted(set(broken) | {o for _, o, _ in todo if o not in good})
