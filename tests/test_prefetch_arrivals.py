@@ -104,17 +104,6 @@ class RangeServer:
         self.server.server_close()
 
 
-class Client:
-    """What fetch_by_pieces asks of a registry client: request(method, url, ..., headers, stream)."""
-
-    def __init__(self) -> None:
-        import requests
-
-        self.session = requests.Session()
-
-    def request(self, method, url, ok, what, headers, stream, not_found):
-        return self.session.request(method, url, headers=headers, stream=stream)
-
 
 def test_spooled_pieces_reach_the_file_only_when_asked_and_the_head_at_once(tmp_path, monkeypatch):
     """A pull a restore reads while it streams: each checked piece lands in the spool (memory: a memfd a piece, put
@@ -123,6 +112,7 @@ def test_spooled_pieces_reach_the_file_only_when_asked_and_the_head_at_once(tmp_
     once someone asks (file_now) or the restore is past its first token; then it is the whole blob."""
     import hashlib
 
+    from coldsnap.capsule.fetcher import PlainClient
     from coldsnap.capsule.pieces import fetch_by_pieces
     from coldsnap.contracts import WeightFile
     from coldsnap.gpu.prefetch import PrefetchError, spool_reader
@@ -135,7 +125,7 @@ def test_spooled_pieces_reach_the_file_only_when_asked_and_the_head_at_once(tmp_
                     chunks=pins, chunk_bytes=cb)
     server, arrivals, part = RangeServer(blob), Arrivals(), tmp_path / "blob.partial"
     done: dict = {}
-    pull = threading.Thread(target=lambda: done.update(r=fetch_by_pieces(Client, server.url, part, len(blob), wf,
+    pull = threading.Thread(target=lambda: done.update(r=fetch_by_pieces(PlainClient, server.url, part, len(blob), wf,
                                                                           "test", arrivals=arrivals, digest="d")))
     pull.start()
     try:

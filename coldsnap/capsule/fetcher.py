@@ -25,10 +25,11 @@ from coldsnap.capsule.pieces import ATTEMPTS, BROKEN, NoRanges, fetch_piece
 TIMEOUT = (30, 300)  # seconds to connect, and between reads (as the registry client's own)
 
 
-class _Plain:
-    """What fetch_piece asks of a registry client, over one requests session with the pull's authorization."""
+class PlainClient:
+    """What fetch_piece (and fetch_by_pieces) asks of a registry client, over one requests session, with the pull's
+    authorization where it has one."""
 
-    def __init__(self, authorization: str | None) -> None:
+    def __init__(self, authorization: str | None = None) -> None:
         self.session = requests.Session()
         self.headers = {"Authorization": authorization} if authorization else {}
 
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     def one(piece: list) -> None:
         offset, length, pin, fd = int(piece[0]), int(piece[1]), str(piece[2]), int(piece[3])
         if not hasattr(local, "client"):
-            local.client = _Plain(job.get("authorization"))
+            local.client = PlainClient(job.get("authorization"))
         for _ in range(ATTEMPTS):
             try:
                 good = fetch_piece(local.client, job["url"], fd, offset, length, pin,

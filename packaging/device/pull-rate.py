@@ -19,21 +19,10 @@ from pathlib import Path
 
 from coldsnap.base.digests import chunk_sha256s
 from coldsnap.capsule import pieces
+from coldsnap.capsule.fetcher import PlainClient
 from coldsnap.contracts import WeightFile
 from coldsnap_bench.coldnode import _read_range, _spans, _timed_parallel
 from coldsnap_bench.registry import LocalRegistry
-
-
-class Client:
-    """What fetch_by_pieces asks of a registry client, over one requests session."""
-
-    def __init__(self) -> None:
-        import requests
-
-        self.session = requests.Session()
-
-    def request(self, method, url, ok, what, headers, stream, not_found):
-        return self.session.request(method, url, headers=headers, stream=stream)
 
 
 def hash_rates() -> dict:
@@ -131,7 +120,7 @@ def main() -> None:
                 t = time.monotonic()
                 done: dict = {}
                 pull = threading.Thread(target=lambda d=done, p=part, a=arrivals: d.update(
-                    r=pieces.fetch_by_pieces(Client, url, p, size, wf, "bench", arrivals=a, digest=digest)))
+                    r=pieces.fetch_by_pieces(PlainClient, url, p, size, wf, "bench", arrivals=a, digest=digest)))
                 pull.start()
                 if arrivals is not None:
                     arrivals.whole(digest, timeout=600)  # every piece checked, in memory
