@@ -4,6 +4,8 @@ Cold start (unannotated: runc's own path) → two greedy completions → capture
 engine releases weights and KV, the CUDA state of the container's processes is checkpointed by host PID, then
 `runc checkpoint`) → the container is gone → an annotated create + start through the shim restores it, the CUDA
 state comes back, the engine reloads its weights → coldsnap-hook validates → the same completion text.
+A node that never saw the capsule (empty store, no weights file) restores it from a registry the same way, the
+container restored while its weights stream in (coldsnap.flows.streaming).
 
 The container runs the adapter's container launch (prepare_container: this interpreter, ColdSnap and the
 PYTHONPATH read-only, the model directory read-write, all at their host paths). On a GPU it sees the GPUs as a device
@@ -18,7 +20,9 @@ import os
 import shutil
 import stat
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterator
 
 import pytest
 from containers_fixture import (
@@ -37,6 +41,7 @@ from containers_fixture import (
     unique,
     wait_for,
 )
+from registry_fixture import Throttle, registry  # noqa: F401  (fixture)
 from test_engine_vllm import completions
 
 from coldsnap.contracts import CaptureRequest
@@ -51,7 +56,7 @@ PORT = 8000
 SHAPES = {"bench": {"layers": 6, "hidden": 6144, "heads": 48, "kv_mib": 4096}}
 OPTIONS = {"cuda": SHAPES.get(os.environ.get("COLDSNAP_TEST_CONTAINER_SHAPE", ""),
                               {"layers": 4, "hidden": 2048, "heads": 16, "kv_mib": 1024}),
-           "cpu": {"layers": 2, "hidden": 64, "heads": 2, "kv_mib": 4, "compile": False, "threads": 1}}
+           "cpu": {"layers": 2, "hidden": 256, "heads": 4, "kv_mib": 4, "compile": False, "threads": 1}}
 PROMPTS = ["The GPU in a container says", "Restored from a capsule:"]
 
 
@@ -107,10 +112,24 @@ def shim(lab, *args: str):
                           capture_output=True, text=True, timeout=900)
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_container_captured_and_restored_through_the_shim(lab, device):
+@dataclass
+class Captured:
+    device: str
+    capsule: str
+    profile: object  # the capsule's profile
+    before: list  # the cold container's completions
+    cold_s: float
+    bundle: Callable[..., Path]  # bundle(name, capsule reference or None): an engine bundle of this launch
+
+
+@pytest.fixture(scope="module", params=["cpu", "cuda"])
+def captured(request, lab) -> Iterator[Captured]:
+    """Cold start (unannotated: runc's own path) → two greedy completions → capture_container in recovery mode; the
+    cold container is gone afterwards. On the CPU the weights are pinned by 1 MiB pieces (so that the small model
+    has several, for the streamed restore); on a GPU by the default 256 MiB."""
     from coldsnap.flows.container_capture import capture_container
 
+    device = request.param
     if device == "cuda" and not any(d["path"][len("/dev/nvidia"):].isdigit() for d in gpu_devices()):
         pytest.skip("no NVIDIA GPU here: the cuda case runs on the GPU machine (packaging/device/gpu-container.sh)")
     launch = get_adapter("reference").prepare_container(CaptureRequest(
@@ -133,39 +152,97 @@ def test_container_captured_and_restored_through_the_shim(lab, device):
              f"the engine on {device} to answer /health")
     assert healthy_at(ns.address, PORT), f"the {device} container stopped before it served"
     cold_s = time.monotonic() - t0
-    before = completions(ns.address, PORT, MODEL_ID,
-                         prompts=PROMPTS)
+    before = completions(ns.address, PORT, MODEL_ID, prompts=PROMPTS)
 
-    captured = capture_container(cid, root, engine="reference", weights_mode="recovery", tag=f"{device}-container")
-    rec = captured.receipt.model_dump(mode="json")
+    with pytest.MonkeyPatch.context() as mp:
+        if device == "cpu":
+            mp.setenv("COLDSNAP_PIN_PIECE_MIB", "1")
+        made = capture_container(cid, root, engine="reference", weights_mode="recovery", tag=f"{device}-container")
+    rec = made.receipt.model_dump(mode="json")
     assert rec["state"] == "succeeded", rec.get("error")
     # On a GPU, the container's CUDA state was checkpointed by host PID.
     assert (rec["result"]["cuda_processes"] >= 1) == (device == "cuda")
-    assert captured.profile.snapshot_driver == "criu-runc" and captured.profile.weights_mode == "recovery"
+    assert made.profile.snapshot_driver == "criu-runc" and made.profile.weights_mode == "recovery"
     # the weights file it reloads, seen at its host path: pinned, so the restore checks it (and prefetches it)
-    assert captured.profile.model and captured.profile.model.weights, "the container's weights file was not pinned"
+    assert made.profile.model and made.profile.model.weights, "the container's weights file was not pinned"
     assert state(root, cid) is None or state(root, cid).get("status") != "running"
     runc(root, "delete", "-f", cid)
+    print(f"\n[measured] {device} container: cold start to /health {cold_s:.1f} s; capture zero pages "
+          f"{rec['result'].get('zero_pages')}")
+    yield Captured(device, made.capsule, made.profile, before, cold_s, bundle)
 
-    rid = unique(f"{device}-restored")
-    created = shim(lab, "create", "--bundle", str(bundle("restored", captured.capsule)), rid)
+
+def restored_through_the_shim(lab, captured: Captured, name: str, reference: str) -> dict:
+    """An annotated create + start through the shim; the restored container's receipt, once it served the same
+    completions as the cold one (and is deleted: the next case serves at the same address)."""
+    ns, root = lab["ns"], lab["runc_root"]
+    rid = unique(f"{captured.device}-{name}")
+    created = shim(lab, "create", "--bundle", str(captured.bundle(name, reference)), rid)
     assert created.returncode == 0, created.stderr
     started = shim(lab, "start", rid)
     assert started.returncode == 0, started.stderr
     restored = receipt(rid)
-    assert restored["state"] == "succeeded" and restored["operation"] == "restore", restored  # not fell-back
-    assert restored["result"]["validated_text"] == captured.profile.expected_text
     try:
+        assert restored["state"] == "succeeded" and restored["operation"] == "restore", restored  # not fell-back
+        assert restored["result"]["validated_text"] == captured.profile.expected_text
         after = completions(ns.address, PORT, MODEL_ID, prompts=PROMPTS)
     finally:
-        runc(root, "delete", "-f", rid)  # the next case serves at the same address
-    assert after == before
-    if device == "cuda":  # the weights came onto the GPU while CRIU and the driver restored, as in process mode
+        runc(root, "delete", "-f", rid)
+    assert after == captured.before
+    print(f"\n[measured] {captured.device} container, {name}: restore receipt "
+          f"{json.dumps({k: restored['result'].get(k) for k in ('time_to_first_token_s', 'hydrate', 'pull')})}; "
+          f"spans {[(s['name'], round(s['start_s'], 2), round(s['duration_s'], 2)) for s in restored['spans']]}; "
+          f"CRIU's own {restored['result'].get('criu_stats')}")
+    return restored
+
+
+def test_container_captured_and_restored_through_the_shim(lab, captured):
+    restored = restored_through_the_shim(lab, captured, "restored", captured.capsule)
+    if captured.device == "cuda":  # the weights came onto the GPU while CRIU and the driver restored
         assert restored["result"]["hydrate"]["prefetch"].get("served"), restored["result"]["hydrate"]
-    print(f"\n[measured] {device} container: cold start to /health {cold_s:.1f} s; restore receipt "
-          f"{json.dumps({k: restored['result'].get(k) for k in ('time_to_first_token_s', 'hydrate')})}; spans "
-          f"{[(s['name'], round(s['start_s'], 2), round(s['duration_s'], 2)) for s in restored['spans']]}; "
-          f"CRIU's own {restored['result'].get('criu_stats')}; capture zero pages {rec['result'].get('zero_pages')}")
+
+
+def test_a_fresh_node_restores_the_container_while_its_weights_stream_in(lab, captured, registry, tmp_path,
+                                                                         monkeypatch):  # noqa: F811
+    """The capsule pushed to a registry; a node with an empty store and staging area and no weights file: the
+    shim pulls the annotation's reference, links the weights file to its blob's partial file and `runc restore`s
+    the container while the pieces still arrive (on the CPU through a throttling proxy, so that they take ~3 s);
+    the engine resumes once every piece is checked (on a GPU from the prefetched copy, else from its file); the
+    container serves the cold container's completions, and the weights file is the store's listed blob."""
+    from coldsnap.base.paths import settings
+    from coldsnap.capsule import CapsuleStore
+    from coldsnap.capsule.registry import push
+
+    push(CapsuleStore(settings().store), captured.capsule, f"{registry}/coldsnap/stream:{captured.device}",
+         insecure=True)
+    weights = captured.profile.model.weights[0]
+    node = tmp_path / "node"
+    monkeypatch.setenv("COLDSNAP_STORE", str(node / "store"))
+    monkeypatch.setenv("COLDSNAP_STAGED", str(node / "staged"))
+    monkeypatch.setenv("COLDSNAP_PULL_SPOOL", "1")
+    # the weights take a few seconds, the rest comes at full speed
+    upstream = Throttle(registry, rate=max(weights.size // 3, 1 << 20),
+                        only=weights.sha256) if captured.device == "cpu" else None
+    address = upstream.address if upstream else str(registry)
+    monkeypatch.setenv("COLDSNAP_INSECURE_REGISTRIES", address)
+    os.rename(weights.path, weights.path + ".gone")
+    try:
+        restored = restored_through_the_shim(lab, captured, "streamed",
+                                             f"{address}/coldsnap/stream@{captured.capsule}")
+        result, names = restored["result"], [s["name"] for s in restored["spans"]]
+        assert result["pull"]["streamed"] is True, result["pull"]
+        assert "weights" not in names, names  # nothing waited for them before CRIU
+        if upstream is not None:  # CRIU restored the container mid-stream
+            criu = next(s for s in restored["spans"] if s["name"] == "criu-restore")
+            assert criu["start_s"] + criu["duration_s"] < result["pull"]["seconds"], (restored["spans"], result)
+            assert result["hydrate"]["weights_wait_s"] > 0, result["hydrate"]
+        store = CapsuleStore(node / "store")
+        assert any(m["digest"] == captured.capsule for m in store.index())
+        assert os.path.samefile(weights.path, store.blob_path("sha256:" + weights.sha256))
+    finally:
+        if upstream is not None:
+            upstream.close()
+        os.replace(weights.path + ".gone", weights.path)
 
 
 def test_vllm_on_a_gpu_in_a_container_through_the_shim(lab):

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 from conftest import CRIU_PREFIX, needs_root_criu
-from registry_fixture import registry  # noqa: F401  (fixture)
+from registry_fixture import Throttle, registry  # noqa: F401  (fixture)
 
 from coldsnap.base.paths import settings
 from coldsnap.capsule import CapsuleStore
@@ -198,52 +198,6 @@ def test_a_streamed_restore_whose_weights_fail_their_pin_fails_and_lists_nothing
     finally:
         blob.write_bytes(original)
         os.replace(weights.path + ".gone", weights.path)
-
-
-class Throttle:
-    """A TCP proxy in front of the registry sending its answers at about `rate` bytes/s: slow enough for a test to
-    catch a pull in the middle of its weights."""
-
-    def __init__(self, upstream: str, rate: int) -> None:
-        import socket
-        import threading
-
-        host, port = upstream.rsplit(":", 1)
-        self.upstream, self.rate = (host, int(port)), rate
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        import socket
-        import threading
-
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection(self.upstream)
-            threading.Thread(target=self._pipe, args=(client, server, None), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(server, client, self.rate), daemon=True).start()
-
-    @staticmethod
-    def _pipe(src, dst, rate) -> None:
-        import time
-
-        try:
-            while data := src.recv(64 << 10):
-                dst.sendall(data)
-                if rate:
-                    time.sleep(len(data) / rate)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                s.close()
-
-    def close(self) -> None:
-        self.listener.close()
 
 
 @pytest.mark.parametrize("pieces", [False, True], ids=["one-stream", "by-pieces"])

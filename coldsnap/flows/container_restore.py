@@ -29,7 +29,7 @@ from typing import Literal
 from pydantic import ValidationError
 
 from coldsnap.base.files import private_dir
-from coldsnap.base.journal import start_time
+from coldsnap.base.journal import Journal, start_time
 from coldsnap.base.paths import settings
 from coldsnap.capsule import LoadedCapsule
 from coldsnap.contracts import ColdSnapError, ErrorCode, Policy, RestoreRequest, Validation
@@ -40,9 +40,10 @@ from coldsnap.criu import criu_stats
 from coldsnap.criu.creds import exceeds_spec, image_creds
 from coldsnap.criu.runc import restore_container
 from coldsnap.engines import get_adapter
+from coldsnap.flows import streaming
 from coldsnap.flows.admission import admit_capsule, load_capsule
 from coldsnap.flows.fallback import may_fall_back
-from coldsnap.flows.fetch import fetch, is_registry_reference
+from coldsnap.flows.fetch import Arriving, fetch, is_registry_reference
 from coldsnap.flows.receipts import failed_state, finish_receipt, receipt_path
 from coldsnap.flows.spans import Timeline
 from coldsnap.flows.staging import StagedForRestore, reloads_weights, stage
@@ -135,7 +136,8 @@ def restore_at_create(runc: str, parsed: RuncArgv, spec: dict) -> CreateOutcome:
         return CreateOutcome("fail", f"coldsnap-runtime: cannot update {parsed.bundle}/config.json: {e}")
 
     tl = Timeline()
-    capsule = arriving = None
+    capsule = arriving = staged = None
+    pull_facts: dict = {}
     attempted = False
     try:
         if parsed.command == "run" and not parsed.detach:
@@ -144,34 +146,39 @@ def restore_at_create(runc: str, parsed: RuncArgv, spec: dict) -> CreateOutcome:
         ref = creq.request.capsule
         if is_registry_reference(ref):  # a node whose store lacks it pulls it here (the request stays as written)
             with tl.span("pull"):
-                pulled, _, arriving = fetch(creq.request, lambda _: None)
+                pulled, pull_facts, arriving = fetch(creq.request, lambda _: None)
                 ref = pulled.capsule
         with tl.span("admit"):
             capsule = load_capsule(ref, creq.request.policy.allow_unpinned)
             verdict = admit_capsule(capsule, creq.request.policy, "criu-runc", creq.image_digest, spec)
         if not verdict.admitted:
             raise verdict.refusal()
-        with tl.span("stage"):
+        with tl.span("stage"):  # the images unpacked while the weights arrive (linked, or waited for, next)
             staged = stage(capsule, arriving.wait if arriving else None)
-            if staged.weights_later is not None:  # the images unpacked while the weights arrived
-                staged.weights_later()
             # what the images would give the processes, held to this container's spec before anything runs
             beyond = exceeds_spec(image_creds(staged.images), spec)
             if beyond:
                 raise ColdSnapError(ErrorCode.UNTRUSTED, f"the capsule would restore more than this container "
                                     f"grants: {beyond}")
         attempted = True
-        restored = _restore(runc, parsed, staged, spec, creq, tl)
+        restored = _restore(runc, parsed, staged, spec, creq, tl, arriving)
     except Exception as e:  # noqa: BLE001 - whatever went wrong, the container must still come up (or say why)
         error: Exception = e
         if arriving is not None:
             arriving.settle()  # the pull ends first; a refused one is the cause
             if isinstance(refused := arriving.failed(), ColdSnapError):
                 error = refused
+            elif staged is not None and staged.weights_later is not None:  # the cold start reads them: in place
+                try:
+                    with tl.span("weights"):
+                        staged.weights_later()
+                except Exception:  # noqa: BLE001 - the restore's own failure is the one to report
+                    pass
         cause = error if isinstance(error, ColdSnapError) else ColdSnapError(ErrorCode.INTERNAL,
                                                                              f"{type(error).__name__}: {error}")
         return _fall_back(runc, parsed, creq, tl, capsule, cause, attempted, netns_path(spec))
 
+    restored.facts.pull = pull_facts or None  # completed by the pull's end, which the restore waited for
     message = (f"{cid} restored from {capsule.digest[:19]}… and validated: first token "
                f"{restored.facts.time_to_first_token_s:.3f} s after the restore began (receipt {receipt_path(cid)})")
     # the receipt, then the record that start, the poststart hook and delete read
@@ -190,12 +197,23 @@ class _Restored:
 
 
 def _restore(runc: str, parsed: RuncArgv, staged: StagedForRestore, spec: dict, creq: ContainerRequest,
-             tl: Timeline) -> _Restored:
+             tl: Timeline, arriving: Arriving | None = None) -> _Restored:
     """criu-restore, hydrate and validate spans. spec: the new container's. The container counts as restored only
     once it served the completion validated at capture, here at create: a restore that fails it is undone and the
-    caller falls back to a cold create, as for any other failure (the runtime's start then finds it ready)."""
+    caller falls back to a cold create, as for any other failure (the runtime's start then finds it ready).
+    arriving: the weights of a streamed pull, still moving (coldsnap.flows.streaming, as in process mode)."""
+    journal = Journal.begin("container-restore", container=parsed.id, capsule=staged.capsule.digest)
+    try:
+        return _restore_journaled(runc, parsed, staged, spec, creq, tl, arriving, journal)
+    finally:
+        journal.close()
+
+
+def _restore_journaled(runc: str, parsed: RuncArgv, staged: StagedForRestore, spec: dict, creq: ContainerRequest,
+                       tl: Timeline, arriving: Arriving | None, journal: Journal) -> _Restored:
     profile = staged.capsule.profile
     cid = parsed.id
+    weights = streaming.link_or_wait(staged, arriving, journal, tl)
     # Recorded before runc restores anything: whoever looks next (the next runc call for this id, coldsnap gc)
     # deletes a container whose restore this shim did not live to validate.
     records.save(cid, ShimRecord(outcome=Outcome.RESTORING, id=cid, root=parsed.root, bundle=parsed.bundle,
@@ -213,7 +231,8 @@ def _restore(runc: str, parsed: RuncArgv, staged: StagedForRestore, spec: dict, 
     # container (coldsnap.gpu.relay): the prefetchers' sockets are host paths it cannot see.
     prefetch_started = gpu_steps.start_prefetch_soon(
         profile, adapter.supports_prefetch and reloads_weights(staged.capsule), {},
-        private_dir(settings().run / "prefetch"), by_file=adapter.prefetch_by_file)
+        private_dir(settings().run / "prefetch"), by_file=adapter.prefetch_by_file,
+        arrivals=weights.for_prefetch() if weights else None)
     prefetched: dict | None = None
     try:
         rootfs = root_path(spec, parsed.bundle)
@@ -226,10 +245,17 @@ def _restore(runc: str, parsed: RuncArgv, staged: StagedForRestore, spec: dict, 
         target = Target(pid=pid, port=creq.port or profile.launch.port, host=creq.host)
         with tl.span("hydrate"):
             gpu = gpu_steps.restore_after_criu(pid) if profile.cuda_pids else gpu_steps.GpuCheckpoint()
-            with relay.into_container(pid, prefetch_started().for_engine()) as inside:
+            prefetch = prefetch_started()
+            if weights is not None:  # the engine takes them next: every piece checked, on its GPUs or in its files
+                weights.before_resume(prefetch)
+            with relay.into_container(pid, prefetch.for_engine()) as inside:
                 resumed = target.call(adapter.after_restore, profile.kv_discarded, profile.weights_mode, inside)
+            if weights is not None:
+                weights.check_taken(adapter, resumed)
         with tl.span("validate"):
             res = validate(target, creq.validation(profile.validation), profile.expected_text)
+        if weights is not None:  # written behind the first token: the blob listed, in the links' place
+            weights.settle()
         # the engine has taken the copies (or read the files itself) and served: the prefetchers can go
         prefetched = gpu_steps.finish_prefetch(prefetch_started())
     except BaseException:
@@ -239,15 +265,19 @@ def _restore(runc: str, parsed: RuncArgv, staged: StagedForRestore, spec: dict, 
     finally:
         if prefetched is None:
             gpu_steps.finish_prefetch(prefetch_started())
+        if weights is not None:  # links still the partial's: nothing may read them (the fallback places them)
+            weights.undo()
     layer.settle()
     hydrate = {"cuda_restore_s": gpu.seconds, "engine_resume": resumed,
-               "prefetch": prefetched if profile.cuda_pids else None}
+               "prefetch": prefetched if profile.cuda_pids else None,
+               "weights_wait_s": weights.wait_s if weights else None}
     facts = RestoreFacts(
         container=cid, capsule=staged.capsule.digest, pid=pid, address=target.describe(),
         time_to_first_token_s=round(res.first_token_s - t0, 4), validated_text=res.text,
         cuda_processes=len(gpu.pids), criu_options=profile.criu_options, runc_restore=argv,
         weights_mode=profile.weights_mode,
-        hydrate=Hydrate.model_validate({k: v for k, v in hydrate.items() if v}), criu_stats=criu_account or None)
+        hydrate=Hydrate.model_validate({k: v for k, v in hydrate.items() if v}), criu_stats=criu_account or None,
+        stage_parts=staged.parts or None)
     return _Restored(facts=facts, work_dir=work)
 
 

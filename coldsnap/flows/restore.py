@@ -14,7 +14,7 @@ from contextlib import ExitStack
 
 from coldsnap import net  # its names load pyroute2 on first use
 from coldsnap.base.files import private_dir
-from coldsnap.base.journal import Dir, Journal, Linked, Network, Workload, start_time
+from coldsnap.base.journal import Dir, Journal, Network, Workload, start_time
 from coldsnap.base.paths import settings
 from coldsnap.base.procfs import alive, descendants
 from coldsnap.base.progress import Progress, quiet
@@ -26,21 +26,14 @@ from coldsnap.criu import CriuDriver, CriuOptions, criu_stats, lazy_pages_wanted
 from coldsnap.engines import get_adapter
 from coldsnap.engines.base import engine_info
 from coldsnap.engines.lease import hold as hold_lease
+from coldsnap.flows import streaming
 from coldsnap.flows.admission import admit_capsule, load_capsule
 from coldsnap.flows.coldstart import start_cold
 from coldsnap.flows.fallback import may_fall_back
 from coldsnap.flows.fetch import Arriving, fetch, is_registry_reference
 from coldsnap.flows.receipts import finish_receipt, receipt_on_failure
 from coldsnap.flows.spans import Timeline
-from coldsnap.flows.staging import (
-    StagedForRestore,
-    link_arriving,
-    linked_blobs,
-    put_back_files,
-    reloads_weights,
-    stage,
-    unlink_all,
-)
+from coldsnap.flows.staging import StagedForRestore, put_back_files, reloads_weights, stage
 from coldsnap.gpu import steps as gpu_steps
 from coldsnap.workload.claim import claimed
 from coldsnap.workload.probe import ValidationProbe
@@ -146,21 +139,17 @@ def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timel
     # Journaled before it exists: a restore killed before its validation leaves nothing running once someone looks.
     journal = Journal.begin("restore", workload=name, capsule=staged.capsule.digest)
     try:
-        linked = _link_or_wait(staged, arriving, journal, tl)
+        weights = streaming.link_or_wait(staged, arriving, journal, tl)
     except BaseException:
         journal.close()
         raise
     t0 = time.monotonic()  # the restore clock: staging is excluded, as for a vanilla start
-    # The weights go onto the GPU meanwhile, when they can (a process of its own; the engine takes them at resume);
-    # weights still streaming in, piece by piece as each is checked against its pin.
-    arriving_blobs = linked_blobs(staged, linked.paths) if linked is not None and arriving is not None else {}
-    streaming = {path: gpu_steps.Streaming(arriving.pieces.pieces(digest, timeout=120.0),
-                                           arriving.pieces.spool(digest))
-                 for path, digest in arriving_blobs.items()} if arriving is not None and arriving_blobs else None
+    # The weights go onto the GPU meanwhile, when they can (a process of its own; the engine takes them at resume),
+    # weights still streaming in piece by piece as each is checked against its pin.
     prefetch_started = gpu_steps.start_prefetch_soon(
         profile, adapter.supports_prefetch and reloads_weights(staged.capsule), request.gpu_map,
-        private_dir(settings().run / "prefetch"), by_file=adapter.prefetch_by_file, arrivals=streaming)
-    weights_wait_s = None
+        private_dir(settings().run / "prefetch"), by_file=adapter.prefetch_by_file,
+        arrivals=weights.for_prefetch() if weights else None)
     try:
         with tl.span("network"):
             # A network of its own, whatever the capture's was: the engine listens on 0.0.0.0, its own connections
@@ -187,28 +176,19 @@ def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timel
         with tl.span("hydrate"):
             gpu = gpu_steps.restore_after_criu(pid, gpu_pairs=list(request.gpu_map.items()) or None)
             prefetch = prefetch_started()
-            on_gpus_only = False  # the engine resumes before its files hold the weights (they are on its GPUs)
-            if linked is not None and arriving is not None:  # the engine takes them next: every piece, checked,
-                t = time.monotonic()  # on its GPUs, or else in its files
-                arriving.checked(list(arriving_blobs.values()))
-                on_gpus_only = prefetch.loaded(timeout=60.0)
-                if not on_gpus_only:
-                    arriving.filed(list(arriving_blobs.values()))
-                weights_wait_s = round(time.monotonic() - t, 4)
+            if weights is not None:  # the engine takes them next: every piece checked, on its GPUs or in its files
+                weights.before_resume(prefetch)
             engine = adapter.after_restore(plan.workload_address, plan.port, profile.kv_discarded,
                                            profile.weights_mode, prefetched=prefetch.for_engine())
-            if on_gpus_only and adapter.prefetch_taken(engine) is False:
-                raise ColdSnapError(ErrorCode.GPU_FAILED, "the engine read its weights files instead of the "
-                                    "prefetched copy while the files were still arriving: not let serve")
+            if weights is not None:
+                weights.check_taken(adapter, engine)
         probe = ValidationProbe(plan.workload_address, plan.port, validation)
         with tl.span("validate"):
             probe.wait_ready(alive=lambda: alive(pid), timeout=validation.ready_timeout_s)
             res = probe.complete(expected=profile.expected_text)
         ttft = res.first_token_s - t0
-        if linked is not None and staged.weights_later is not None:  # written behind the first token: the blob
-            staged.weights_later(linked.paths)  # listed, in the links' place, remembered checked
-            staged.weights_later = None
-            journal.drop(linked)
+        if weights is not None:  # written behind the first token: the blob listed, in the links' place
+            weights.settle()
         pages_in_s = None
         if lazy is not None:  # the tree counts as restored once every page is in
             lazy.finish()
@@ -230,7 +210,8 @@ def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timel
             time_to_first_token_s=round(ttft, 4), validated_text=res.text, cuda_processes=len(gpu.pids),
             first_token_monotonic_s=round(res.first_token_s, 6), criu_options=options.cli_flags(),
             hydrate=Hydrate(cuda_restore_s=gpu.seconds, cuda_restore_per_pid_s=gpu.per_pid if len(gpu.pids) > 1
-                            else None, engine_resume=engine, prefetch=prefetched, weights_wait_s=weights_wait_s),
+                            else None, engine_resume=engine, prefetch=prefetched,
+                            weights_wait_s=weights.wait_s if weights else None),
             criu_stats=criu_account, lazy_pages={"all_in_s": pages_in_s} if lazy else None,
             weights_mode=profile.weights_mode, ranks=ranks)
     finally:
@@ -247,27 +228,9 @@ def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timel
                 net.destroy_network(NetworkPlan.model_validate(network.plan))
         for d in journal.of(Dir):
             shutil.rmtree(d.path, ignore_errors=True)
-        for early in journal.of(Linked):  # still the partial's: nothing may read them (the fallback places them)
-            unlink_all(early.paths)
+        if weights is not None:  # links still the partial's: nothing may read them (the fallback places them)
+            weights.undo()
         journal.close()
-
-
-def _link_or_wait(staged: StagedForRestore, arriving: Arriving | None, journal: Journal, tl: Timeline) -> Linked | None:
-    """Weights still streaming in: linked at their paths, so that CRIU restores while they arrive (the journal's
-    entry, returned, says which: staging.link_arriving); or, where some file comes as one stream, waited for and put
-    in place first (span "weights"). None: nothing is linked."""
-    if staged.weights_later is None:
-        return None
-    entry = journal.add(Linked([]))
-    paths = link_arriving(staged, arriving.pieces, lambda p: journal.update(entry, paths=p)) \
-        if arriving is not None else None
-    if paths is not None:
-        return entry
-    journal.drop(entry)
-    with tl.span("weights"):
-        staged.weights_later()
-        staged.weights_later = None
-    return None
 
 
 def _ranks_restored(profile, plan, root_pid: int) -> Ranks | None:

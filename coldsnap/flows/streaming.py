@@ -1,0 +1,97 @@
+"""Weights that arrive while a restore goes on (a streamed pull: coldsnap.flows.fetch): what a restore does with
+them, one owner for process and container restores alike.
+
+  link_or_wait   each missing weight file linked at its path to its blob's partial file (journaled first), so that
+                 CRIU restores the processes that map it while its pieces arrive; where a file comes as one stream,
+                 the weights are waited for and put in place before CRIU instead (span "weights")
+  for_prefetch   the prefetchers take each piece as it is checked against its pin, from memory (the spool)
+  before_resume  every piece checked; the engine may resume before its files hold them only when every prefetcher
+                 says it holds its weights; otherwise the files are written first
+  check_taken    an engine resumed ahead of its files must have taken the prefetched copy, or it does not serve
+  settle         after the first token: the listed blob in the links' place, remembered checked
+  undo           a restore that ends before that removes its links (its journal does, if it is killed)
+
+Nothing unverified reaches a serving engine: the links' pieces are read only once checked."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from coldsnap.base.journal import Journal, Linked
+from coldsnap.contracts import ColdSnapError, ErrorCode
+from coldsnap.flows.fetch import Arriving
+from coldsnap.flows.spans import Timeline
+from coldsnap.flows.staging import StagedForRestore, link_arriving, linked_blobs, unlink_all
+from coldsnap.gpu.steps import Prefetch, Streaming
+
+
+@dataclass
+class ArrivingWeights:
+    staged: StagedForRestore
+    arriving: Arriving
+    journal: Journal
+    linked: Linked  # the journal's entry: the paths linked to partial files
+    blobs: dict[str, str]  # {linked path: digest of its blob}
+    ahead_of_files: bool = False  # the engine resumes with its weights on its GPUs, its files still being written
+    wait_s: float | None = None  # what the engine's resume waited for them (the receipt's hydrate.weights_wait_s)
+
+    def for_prefetch(self) -> dict[str, Streaming] | None:
+        """The prefetchers' view of the files still arriving: the ranges checked so far, and the memory they land
+        in; None when every file was in place already."""
+        pieces = self.arriving.pieces
+        return {path: Streaming(pieces.pieces(digest, timeout=120.0), pieces.spool(digest))
+                for path, digest in self.blobs.items()} or None
+
+    def before_resume(self, prefetch: Prefetch) -> None:
+        """Until the engine may take its weights: every piece checked, and on its GPUs (every prefetcher loaded)
+        or else in its files. Raises what failed the pull."""
+        if not self.blobs:
+            return
+        t = time.monotonic()
+        digests = list(self.blobs.values())
+        self.arriving.checked(digests)
+        self.ahead_of_files = prefetch.loaded(timeout=60.0)
+        if not self.ahead_of_files:
+            self.arriving.filed(digests)
+        self.wait_s = round(time.monotonic() - t, 4)
+
+    def check_taken(self, adapter, resumed) -> None:
+        """An engine resumed ahead of its files that read them instead of the prefetched copy read pieces not yet
+        written: it must not serve."""
+        if self.ahead_of_files and adapter.prefetch_taken(resumed) is False:
+            raise ColdSnapError(ErrorCode.GPU_FAILED, "the engine read its weights files instead of the prefetched "
+                                "copy while the files were still arriving: not let serve")
+
+    def settle(self) -> None:
+        """After the first token: the pull's end waited for, and the listed blob put in the links' place."""
+        assert self.staged.weights_later is not None
+        self.staged.weights_later(self.linked.paths)
+        self.staged.weights_later = None
+        self.journal.drop(self.linked)
+
+    def undo(self) -> None:
+        """A restore that ends before settle: the links go (the partial's: nothing may read them later); the
+        weights, if someone still needs them (a cold start), come through staged.weights_later."""
+        if self.linked in self.journal.things:
+            unlink_all(self.linked.paths)
+            self.journal.drop(self.linked)
+
+
+def link_or_wait(staged: StagedForRestore, arriving: Arriving | None, journal: Journal,
+                 tl: Timeline) -> ArrivingWeights | None:
+    """Weights still streaming in: linked at their paths, so that CRIU restores while they arrive; or, where some
+    file comes as one stream (or nothing streams), waited for and put in place first (span "weights"). None:
+    nothing is linked, every weight file is in place."""
+    if staged.weights_later is None:
+        return None
+    if arriving is not None:
+        entry = journal.add(Linked([]))
+        paths = link_arriving(staged, arriving.pieces, lambda p: journal.update(entry, paths=p))
+        if paths is not None:
+            return ArrivingWeights(staged, arriving, journal, entry, linked_blobs(staged, paths))
+        journal.drop(entry)
+    with tl.span("weights"):
+        staged.weights_later()
+        staged.weights_later = None
+    return None
