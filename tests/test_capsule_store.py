@@ -86,6 +86,57 @@ def test_a_large_layer_is_frames_unpacked_on_several_cores_and_a_cut_one_is_refu
     assert e.value.code == ErrorCode.CAPSULE_CORRUPT
 
 
+def test_a_layer_is_unpacked_while_it_arrives_and_a_broken_stream_stops_the_follower(tmp_path):
+    """A restore unpacks its CRIU images while their blob is still being written (coldsnap.capsule.growing): frame
+    by frame, each once its bytes are in the file, to the same files as an unpack of the whole blob; a stream that
+    breaks (a retry, a failed pull) stops the follower, which never waits for bytes that are not coming."""
+    import threading
+
+    from coldsnap.capsule.growing import Growing, StopFollowing
+
+    src = tmp_path / "src"
+    src.mkdir()
+    data = os.urandom(1 << 20) * 24  # 24 MiB: several frames
+    (src / "pages-1.img").write_bytes(data)
+    (src / "core.img").write_bytes(b"c" * 4000)
+    layer = tmp_path / "layer.tar.zst"
+    pack_dir(src, layer)
+    blob = layer.read_bytes()
+
+    def arriving(growing: Growing, part, stop_at: int | None = None) -> threading.Thread:
+        def write() -> None:
+            with open(part, "wb") as f:
+                growing.started(part, len(blob), 0)
+                for at in range(0, len(blob), 1 << 20):
+                    if stop_at is not None and at >= stop_at:
+                        growing.broke()
+                        return
+                    f.write(blob[at:at + (1 << 20)])
+                    f.flush()
+                    growing.wrote(min(at + (1 << 20), len(blob)))
+                    time.sleep(0.01)
+            growing.ended(True)
+        t = threading.Thread(target=write)
+        t.start()
+        return t
+
+    growing = Growing()
+    writer = arriving(growing, tmp_path / "part")
+    unpack_layer(tmp_path / "part", tmp_path / "out", following=growing)
+    writer.join()
+    assert growing.verified(timeout=0)
+    assert (tmp_path / "out" / "pages-1.img").read_bytes() == data
+    assert (tmp_path / "out" / "core.img").read_bytes() == b"c" * 4000
+
+    broken = Growing()
+    writer = arriving(broken, tmp_path / "part2", stop_at=len(blob) // 2)
+    t0 = time.monotonic()
+    with pytest.raises(StopFollowing):
+        unpack_layer(tmp_path / "part2", tmp_path / "out2", following=broken)
+    writer.join()
+    assert time.monotonic() - t0 < 30 and not broken.verified(timeout=0)
+
+
 def test_corrupt_blob_is_refused(store, tmp_path):
     digest = make_capsule(store, tmp_path)
     cap = store.load(digest)

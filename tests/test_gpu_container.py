@@ -232,6 +232,7 @@ def test_a_fresh_node_restores_the_container_while_its_weights_stream_in(lab, ca
         result, names = restored["result"], [s["name"] for s in restored["spans"]]
         assert result["pull"]["streamed"] is True, result["pull"]
         assert "weights" not in names, names  # nothing waited for them before CRIU
+        assert result["stage_parts"].get("unpack_early"), result["stage_parts"]  # the images unpacked as they came
         if upstream is not None:  # CRIU restored the container mid-stream
             criu = next(s for s in restored["spans"] if s["name"] == "criu-restore")
             assert criu["start_s"] + criu["duration_s"] < result["pull"]["seconds"], (restored["spans"], result)

@@ -153,6 +153,7 @@ def test_a_restore_streaming_its_weights_by_pieces_restores_with_criu_while_they
         assert criu.start_s + criu.duration_s < r.result.pull["seconds"], (r.spans, r.result.pull)  # mid-stream
         assert r.result.hydrate.weights_wait_s > 0  # the engine's resume waited for the rest
         assert r.result.pull.get("spooled") == 1, r.result.pull  # in memory first, filed for the engine's reads
+        assert r.result.stage_parts.get("unpack_early"), r.result.stage_parts  # the images unpacked as they came
         store = CapsuleStore(settings().store)
         assert any(m["digest"] == cap.capsule for m in store.index())
         assert os.path.samefile(weights.path, store.blob_path("sha256:" + weights.sha256))

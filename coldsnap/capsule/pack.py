@@ -14,10 +14,11 @@ import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterable, Iterator
 
 import zstandard
 
+from coldsnap.capsule.growing import Growing, StopFollowing
 from coldsnap.contracts import ColdSnapError, ErrorCode
 from coldsnap.contracts.parse import short
 
@@ -102,42 +103,65 @@ def _frames(fd: int, size: int) -> list[tuple[int, int, int]] | None:
     (nothing decompressed); None when they cannot be decompressed one by one: a frame without its content size
     or claiming more than FRAME_MAX, a skippable or unknown frame, or a layout that does not add up (the stream
     reader then reads it, and says what is wrong)."""
-    frames, at = [], 0
+    try:
+        return list(_walk_frames(fd, size))
+    except _NotFramed:
+        return None
+
+
+class _NotFramed(Exception):
+    pass
+
+
+def _walk_frames(fd: int, size: int, wait: Callable[[int], None] = lambda n: None
+                 ) -> Iterator[tuple[int, int, int]]:
+    """_frames one by one; wait(n) returns once the file's first n bytes are there (a file still arriving)."""
+    at = 0
     walk = size // 1024 + 4096  # a compressor's blocks hold up to 128 KiB: far more headers is not one of ours
     while at < size:
+        wait(min(at + 18, size))
         head = os.pread(fd, 18, at)
         try:
             params = zstandard.get_frame_parameters(head)
             pos = at + zstandard.frame_header_size(head)
         except zstandard.ZstdError:
-            return None
+            raise _NotFramed() from None
         content = params.content_size
         if content in (zstandard.CONTENTSIZE_UNKNOWN, zstandard.CONTENTSIZE_ERROR) or content > FRAME_MAX:
-            return None
+            raise _NotFramed()
         while True:  # blocks: a 3-byte header (last flag, type, size); an RLE block stores one byte
             walk -= 1
+            wait(min(pos + 3, size))
             block = os.pread(fd, 3, pos)
             if len(block) < 3 or walk < 0:
-                return None
+                raise _NotFramed()
             word = int.from_bytes(block, "little")
             kind, length = (word >> 1) & 3, word >> 3
             if kind == 3:
-                return None
+                raise _NotFramed()
             pos += 3 + (1 if kind == 1 else length)
             if word & 1:
                 break
         pos += 4 if params.has_checksum else 0
         if pos > size:
-            return None
-        frames.append((at, pos - at, content))
+            raise _NotFramed()
+        wait(pos)
+        yield at, pos - at, content
         at = pos
-    return frames
+
+
+def _following(fd: int, growing: Growing) -> Iterator[tuple[int, int, int]]:
+    """The frames of a file still arriving, each once its bytes are in; StopFollowing when it is not ours."""
+    try:
+        yield from _walk_frames(fd, growing.size, growing.wait_for)
+    except _NotFramed:
+        raise StopFollowing("the layer is not in frames that decompress one by one") from None
 
 
 class _FrameStream(io.RawIOBase):
     """A layer's frames decompressed on several cores, read in order (at most 2 x workers frames ahead)."""
 
-    def __init__(self, fd: int, frames: list[tuple[int, int, int]]):
+    def __init__(self, fd: int, frames: Iterable[tuple[int, int, int]]):
         self.pool = ThreadPoolExecutor(_workers())
         self.todo: Iterator[tuple[int, int, int]] = iter(frames)
         self.ahead: deque[Future[bytes]] = deque()
@@ -191,8 +215,11 @@ def _member_path(dest: Path, name: str) -> Path:
     return dest.joinpath(*parts)
 
 
-def _decompressed(raw) -> io.RawIOBase:
-    """The layer's tar stream: its frames on several cores when they can be, else one stream (across frames)."""
+def _decompressed(raw, following: Growing | None = None) -> io.RawIOBase:
+    """The layer's tar stream: its frames on several cores when they can be, else one stream (across frames);
+    following: frame by frame as the file arrives."""
+    if following is not None:
+        return _FrameStream(raw.fileno(), _following(raw.fileno(), following))
     frames = _frames(raw.fileno(), os.fstat(raw.fileno()).st_size)
     if frames is not None and len(frames) > 1:
         return _FrameStream(raw.fileno(), frames)
@@ -236,22 +263,26 @@ class _ForwardReader(io.RawIOBase):
         return self.pos
 
 
-def unpack_layer(layer: Path, dest: Path) -> int:
+def unpack_layer(layer: Path, dest: Path, following: Growing | None = None) -> int:
     """Extract a tar.zst layer into dest; returns the bytes it took on disk. Only regular files and directories, each
     inside dest (no absolute paths, no `..`, no links, no devices). Runs of zeros become holes (a layer's /dev/shm
     queues are mostly holes; so is a bomb of zeros), and the data written may not exceed MAX_RATIO times the layer's
     size nor dest's free space. Anything else: ColdSnapError(CAPSULE_CORRUPT), one line; what was written stays
     under dest for the caller to remove. A file's bytes go from the decompressor into one buffer and from there to
-    the file (a first restore on a node waits for this: tarfile's own reads copy each byte several times)."""
+    the file (a first restore on a node waits for this: tarfile's own reads copy each byte several times).
+    following: the layer's file is still arriving (coldsnap.capsule.growing): read as it does, raising
+    StopFollowing when it will not come whole that way; its digest is not yet checked, so dest is the caller's to
+    publish only once it is."""
     dest.mkdir(parents=True, exist_ok=True, mode=0o700)
     st = os.statvfs(dest)
-    budget = min(MAX_RATIO * os.path.getsize(layer) + SLACK, st.f_bavail * st.f_frsize)
+    size = following.size if following is not None else os.path.getsize(layer)
+    budget = min(MAX_RATIO * size + SLACK, st.f_bavail * st.f_frsize)
     written = 0
     zeros = bytes(CHUNK)
     buf = bytearray(CHUNK)
     view = memoryview(buf)
     try:
-        with open(layer, "rb") as raw, _decompressed(raw) as zr:
+        with open(layer, "rb") as raw, _decompressed(raw, following) as zr:
             source = _ForwardReader(zr)
             tar = tarfile.open(fileobj=source, mode="r:")  # type: ignore[call-overload]
             for member in tar:

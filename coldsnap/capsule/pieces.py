@@ -35,6 +35,7 @@ import requests
 from coldsnap.base.digests import chunk_sha256
 from coldsnap.base.files import WriteBehind
 from coldsnap.base.paths import settings
+from coldsnap.capsule.growing import Growing
 from coldsnap.contracts import ColdSnapError, ErrorCode, WeightFile
 
 READ = 1 << 20
@@ -69,7 +70,9 @@ class Arrivals:
 
     While a restore reads them, the pull leaves the disk alone: no write-behind, and each blob's final fsync waits
     for `allow_sync` (the restore's first token, or its end). Writing gigabytes back meanwhile made every other
-    fsync on that file system (the restore's own, the staging's) wait behind them, on the restore's clock."""
+    fsync on that file system (the restore's own, the staging's) wait behind them, on the restore's clock.
+
+    It also tells how far each blob someone follows (`follow`: the capsule's CRIU images) is written."""
 
     SYNC_WAIT_S = 900.0  # a restore that never says (it cannot: whoever waits for the pull allows it first)
 
@@ -85,6 +88,7 @@ class Arrivals:
         self.spooled: set[str] = set()  # blobs whose pieces landed in a Spool first
         self.took: dict[str, float] = {}  # blob digest → seconds from its partial's sizing to its last piece checked
         self._sized_at: dict[str, float] = {}
+        self._growing: dict[str, Growing] = {}  # blobs fetched as one stream that someone follows as they land
         self.ended = False
 
     def sized(self, digest: str, path: Path, spool: Spool | None = None) -> None:
@@ -147,6 +151,9 @@ class Arrivals:
         with self._cond:
             self.ended = True
             self._cond.notify_all()
+            growing = list(self._growing.values())
+        for g in growing:  # those it never fetched, or not whole: whoever follows them stops
+            g.broke()
 
     def allow_sync(self) -> None:
         """The restore is past its first token (or over): the pull may file its spooled pieces and make its
@@ -156,6 +163,16 @@ class Arrivals:
 
     def wait_sync_allowed(self) -> None:
         self._sync_ok.wait(self.SYNC_WAIT_S)
+
+    def follow(self, digest: str) -> Growing:
+        """Follow a blob the pull fetches as one stream, while it is written (coldsnap.capsule.growing); asked
+        before the pull fetches it."""
+        with self._cond:
+            return self._growing.setdefault(digest, Growing())
+
+    def followed(self, digest: str) -> Growing | None:
+        with self._cond:
+            return self._growing.get(digest)
 
     def partial(self, digest: str, timeout: float) -> Path | None:
         """The blob's partial file once it has its full size; None when the pull ends (or times out) first, or

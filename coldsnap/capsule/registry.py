@@ -43,6 +43,7 @@ from coldsnap.base.progress import TransferProgress
 from coldsnap.capsule import pieces, referrers, trust
 from coldsnap.capsule.bloblocks import blob_locks as _blob_locks
 from coldsnap.capsule.bloblocks import partial_path
+from coldsnap.capsule.growing import Growing
 from coldsnap.capsule.store import DIGEST_RE, CapsuleStore, Descriptor, manifest_annotations
 from coldsnap.contracts import CapsuleProfile, ColdSnapError, ErrorCode, WeightFile
 from coldsnap.contracts import capsule as mt
@@ -392,13 +393,17 @@ class _Sink:
     """Hash and write received chunks in two threads (both release the GIL) so receiving, hashing and writing
     overlap; at most 2 x 8 chunks in flight. WriteBehind keeps the final fsync down to the last windows."""
 
-    def __init__(self, h, f, offset: int):
+    def __init__(self, h, f, offset: int, growing: Growing | None = None):
         behind = WriteBehind(f.fileno(), offset)
+        at = [offset]
 
         def write(chunk: bytes) -> None:
             f.write(chunk)
             f.flush()
             behind.wrote(len(chunk))
+            at[0] += len(chunk)
+            if growing is not None:  # readable from the file now
+                growing.wrote(at[0])
 
         self.error: BaseException | None = None
         self.queues: list[queue.Queue[bytes | None]] = [queue.Queue(8), queue.Queue(8)]  # None: the end
@@ -430,9 +435,23 @@ class _Sink:
             raise self.error
 
 
-def _download(client: _Client, desc: Descriptor, part: Path,
-              progress: TransferProgress | None) -> tuple[int, int, bool]:
-    """Bring part up to desc.size bytes, resuming what is there: (received, resumed, matches size and digest)."""
+def _download(client: _Client, desc: Descriptor, part: Path, progress: TransferProgress | None,
+              growing: Growing | None = None) -> tuple[int, int, bool]:
+    """Bring part up to desc.size bytes, resuming what is there: (received, resumed, matches size and digest).
+    growing: told how far the file is written, for a reader that follows it (any restart stops the reader)."""
+    try:
+        received, resumed, ok = _download_into(client, desc, part, progress, growing)
+    except BaseException:
+        if growing is not None:
+            growing.broke()
+        raise
+    if growing is not None:
+        growing.ended(ok)
+    return received, resumed, ok
+
+
+def _download_into(client: _Client, desc: Descriptor, part: Path, progress: TransferProgress | None,
+                   growing: Growing | None) -> tuple[int, int, bool]:
     url = f"{client.base}/blobs/{desc.digest}"
     received = attempts = 0
     fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -442,6 +461,8 @@ def _download(client: _Client, desc: Descriptor, part: Path,
             f.truncate(0)
             offset = 0
         resumed = offset
+        if growing is not None:
+            growing.started(part, desc.size, offset)
         h = _hash_prefix(part, offset) if offset else hashlib.sha256()
         while offset < desc.size:
             headers = {"Range": f"bytes={offset}-"} if offset else {}
@@ -451,12 +472,14 @@ def _download(client: _Client, desc: Descriptor, part: Path,
                 if offset and (r.status_code != 206 or
                                not r.headers.get("Content-Range", "").startswith(f"bytes {offset}-")):
                     # Range ignored (200), refused (416) or answered oddly: start again from byte 0
+                    if growing is not None:
+                        growing.broke()
                     f.truncate(0)
                     offset = resumed = 0
                     h = hashlib.sha256()
                     if r.status_code != 200:
                         continue
-                sink = _Sink(h, f, offset)
+                sink = _Sink(h, f, offset, growing)
                 try:
                     try:
                         for chunk in r.iter_content(READ_CHUNK):
@@ -477,6 +500,8 @@ def _download(client: _Client, desc: Descriptor, part: Path,
                         requests.exceptions.Timeout) as e:
                     f.flush()
                     offset = f.tell()
+                    if growing is not None:  # resumed on another connection: not one straight run
+                        growing.broke()
                     h = _hash_prefix(part, offset)  # what reached the file, exactly
                     attempts += 1
                     if attempts >= DOWNLOAD_ATTEMPTS:
@@ -491,9 +516,9 @@ def _download(client: _Client, desc: Descriptor, part: Path,
 
 
 def _fetch_blob(client: _Client, store: CapsuleStore, desc: Descriptor,
-                progress: TransferProgress | None) -> tuple[int, int]:
+                progress: TransferProgress | None, growing: Growing | None = None) -> tuple[int, int]:
     part = partial_path(store, desc.digest)
-    received, resumed, ok = _download(client, desc, part, progress)
+    received, resumed, ok = _download(client, desc, part, progress, growing)
     if not ok and resumed:  # a resumed partial may have been bad locally: one clean retry
         part.unlink(missing_ok=True)
         more, more_resumed, ok = _download(client, desc, part, progress)
@@ -540,13 +565,17 @@ def _the_capsule_listed(client: "_Client", listed: list) -> str | None:
 def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: bool = False,
          progress: TransferProgress | None = None, artifact_type: str = mt.ARTIFACT_TYPE,
          on_blobs: Callable[[str, dict], None] | None = None, pins: dict[str, WeightFile] | None = None,
-         arrivals: pieces.Arrivals | None = None) -> PullResult:
+         arrivals: pieces.Arrivals | None = None, on_manifest: Callable[[str, dict], None] | None = None
+         ) -> PullResult:
     """Fetch the capsule `ref` into `store`; returns its manifest digest (a PullResult: .bytes_transferred …).
     For a capsule whose weights travel apart, on_blobs(digest, manifest) is called once the capsule's own blobs, its
     manifest, provenance and signatures are in the store (verified): it loads and admits from then on, before the
     weights move, and is listed only once they are in. Weights blobs that the
     capsule pins piece by piece (from its verified profile; `pins` for an earlier capsule's payload) are fetched
-    and checked by pieces; `arrivals` hears of each piece checked (a restore that streams them onward)."""
+    and checked by pieces; `arrivals` hears of each piece checked (a restore that streams them onward), and of
+    how far each blob it follows is written (Arrivals.follow: a restore unpacking the images as they arrive);
+    on_manifest(digest, manifest) is called before the capsule's own blobs move (the manifest checked, not yet
+    trusted: for a head start on work that is published only once they are verified)."""
     t0 = time.monotonic()
     remote = parse_remote(ref)
     if not remote.digest and not allow_unpinned:
@@ -575,7 +604,7 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
         if capsule is None:
             raise _corrupt(f"{remote} is a ColdSnap index that lists no capsule")
         return pull(store, f"{remote.tagged}@{capsule}", insecure, True, progress, artifact_type, on_blobs, pins,
-                    arrivals)
+                    arrivals, on_manifest)
     if manifest.get("mediaType") == mt.INDEX_MEDIA_TYPE or "manifests" in manifest:
         listed = [m.get("digest") for m in manifest.get("manifests") or [] if isinstance(m, dict)]
         # A copy tool that rewrites the index (skopeo copy --all) drops its artifactType markers, keeping the
@@ -583,7 +612,7 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
         capsule = _the_capsule_listed(client, listed) if artifact_type == mt.ARTIFACT_TYPE else None
         if capsule is not None:
             return pull(store, f"{remote.tagged}@{capsule}", insecure, True, progress, artifact_type, on_blobs, pins,
-                    arrivals)
+                        arrivals, on_manifest)
         raise _corrupt(f"{remote} names an OCI image index of {len(listed)} manifest(s) "
                        f"({', '.join(str(d) for d in listed[:3])}{'…' if len(listed) > 3 else ''}), not a capsule: "
                        "pull a capsule by its own digest")
@@ -601,8 +630,10 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
         if artifact_type == mt.ARTIFACT_TYPE and (payload or len(own) < len(descs)):
             # The capsule's own blobs first (its profile and CRIU images, small): a restore that pulls can unpack
             # the images while the weights stream in (on_blobs). The capsule is listed only once all is here.
+            if on_manifest is not None:
+                on_manifest(digest, manifest)
             with _blob_locks(store, [d.digest for d in own]):
-                early = _fetch_missing(store, client, own, progress)
+                early = _fetch_missing(store, client, own, progress, arrivals=arrivals)
             if on_blobs is not None:
                 # What admission needs before the weights move: the manifest (stored, not listed), where the capsule
                 # came from and who signed it. A refused pull discards the manifest with the rest.
@@ -705,7 +736,7 @@ def _fetch_missing(store: CapsuleStore, client: "_Client", descs: list[Descripto
                 (got_pieces := _fetch_pieces(local.client, store, d, wf, progress, arrivals)):
             by_pieces[d.digest] = wf
             return got_pieces
-        return _fetch_blob(local.client, store, d, progress)
+        return _fetch_blob(local.client, store, d, progress, arrivals.followed(d.digest) if arrivals else None)
 
     outcomes: list[tuple[int, int] | BaseException] = []
     with ThreadPoolExecutor(max(1, min(BLOB_STREAMS, len(missing))), thread_name_prefix="coldsnap-blob") as pool:

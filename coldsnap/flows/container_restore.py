@@ -154,7 +154,7 @@ def restore_at_create(runc: str, parsed: RuncArgv, spec: dict) -> CreateOutcome:
         if not verdict.admitted:
             raise verdict.refusal()
         with tl.span("stage"):  # the images unpacked while the weights arrive (linked, or waited for, next)
-            staged = stage(capsule, arriving.wait if arriving else None)
+            staged = stage(capsule, arriving.wait if arriving else None, arriving.early if arriving else None)
             # what the images would give the processes, held to this container's spec before anything runs
             beyond = exceeds_spec(image_creds(staged.images), spec)
             if beyond:

@@ -14,6 +14,7 @@ from coldsnap.base.progress import Progress
 from coldsnap.capsule import CapsuleStore
 from coldsnap.capsule.pieces import Arrivals
 from coldsnap.contracts import RestoreRequest
+from coldsnap.flows.staging import UnpackingEarly
 
 
 def is_registry_reference(ref: str) -> bool:
@@ -48,6 +49,7 @@ class Arriving:
     outcome: dict  # "result" (a PullResult) or "error", once the thread ends
     facts: dict  # the receipt's `pull`, completed when it ends
     pieces: Arrivals  # the weights blobs' partial files and the pieces checked so far (those fetched by pieces)
+    early: UnpackingEarly | None = None  # the CRIU images, unpacked while they arrived (stage publishes them)
 
     def wait(self) -> None:
         """Until the weights are in the store, verified and the capsule listed; raises what failed the pull."""
@@ -82,9 +84,12 @@ class Arriving:
         return None if self.thread.is_alive() else self.outcome.get("error")
 
     def settle(self) -> None:
-        """On the way out of a restore, whatever happened to it: the pull ends before the restore does."""
+        """On the way out of a restore, whatever happened to it: the pull ends before the restore does, and an
+        early unpack that staging did not take goes."""
         self.pieces.allow_sync()
         self.thread.join()
+        if self.early is not None:
+            self.early.discard()
 
 
 def fetch(request: RestoreRequest, progress: Progress) -> tuple[RestoreRequest, dict, Arriving | None]:
@@ -102,6 +107,9 @@ def fetch(request: RestoreRequest, progress: Progress) -> tuple[RestoreRequest, 
     outcome: dict = {}
     arrivals = Arrivals()
 
+    def on_manifest(digest: str, manifest: dict) -> None:  # the images unpack while they arrive
+        outcome["early"] = UnpackingEarly.start(digest, manifest, arrivals)
+
     def on_blobs(digest: str, manifest: dict) -> None:
         outcome["digest"] = digest
         progress(f"capsule {digest[:19]}… is here; admitting and staging it while its weights arrive")
@@ -112,7 +120,8 @@ def fetch(request: RestoreRequest, progress: Progress) -> tuple[RestoreRequest, 
         transfer = getattr(progress, "transfer", None)  # a display that shows transfers (the CLI's) gets the bytes
         try:
             outcome["result"] = pull(store, ref, insecure=insecure, allow_unpinned=request.policy.allow_unpinned,
-                                     progress=transfer, on_blobs=on_blobs, arrivals=arrivals)
+                                     progress=transfer, on_blobs=on_blobs, arrivals=arrivals,
+                                     on_manifest=on_manifest)
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits for it
             outcome["error"] = e
         finally:
@@ -124,10 +133,13 @@ def fetch(request: RestoreRequest, progress: Progress) -> tuple[RestoreRequest, 
     puller.start()
     here.wait()
     facts = {"from": ref, "pulled": True}
-    arriving = Arriving(puller, outcome, facts, arrivals)
+    arriving = Arriving(puller, outcome, facts, arrivals, outcome.get("early"))
     if "digest" in outcome and puller.is_alive():
         facts.update(digest=outcome["digest"], streamed=True)
         return request.model_copy(update={"capsule": outcome["digest"]}), facts, arriving
-    arriving.wait()  # it ended: nothing to stream (the weights are in the images), or it failed
+    try:
+        arriving.wait()  # it ended: nothing to stream (the weights are in the images), or it failed
+    finally:
+        arriving.settle()  # a head start staging will not take (rare: the pull ends as its weights begin)
     facts["digest"] = str(outcome["result"])
     return request.model_copy(update={"capsule": facts["digest"]}), facts, None

@@ -77,7 +77,7 @@ def restore(request: RestoreRequest, progress: Progress = quiet) -> Receipt:
             return _fall_back(request, capsule, tl, op_id, verdict.refusal(), progress)
         with tl.span("stage"):
             try:
-                staged = stage(capsule, arriving.wait if arriving else None)
+                staged = stage(capsule, arriving.wait if arriving else None, arriving.early if arriving else None)
             except Exception:
                 if arriving is not None and (cause := arriving.failed()) is not None:
                     raise cause from None  # the stream's refusal took the blobs staging was reading

@@ -19,6 +19,7 @@ from coldsnap.base.journal import Dir, Journal
 from coldsnap.base.paths import settings
 from coldsnap.capsule import CapsuleStore, LoadedCapsule, unpack_layer
 from coldsnap.capsule import staged as staged_area
+from coldsnap.capsule.growing import Growing
 from coldsnap.capsule.payload import materialize, pinned_modes
 from coldsnap.capsule.pieces import Arrivals
 from coldsnap.capsule.pinned import verify_weights
@@ -40,11 +41,81 @@ class StagedForRestore:
     weights_later: Callable[..., None] | None = None
 
 
-def stage(capsule: LoadedCapsule, weights_arrive: Callable[[], None] | None = None) -> StagedForRestore:
+class UnpackingEarly:
+    """A pulled capsule's CRIU images, unpacked while their blob arrives (coldsnap.capsule.growing) into a private
+    directory: stage() publishes it once the blob is in the store and verified, and discards it otherwise (a
+    refused capsule, a blob that failed its digest, a stream that did not come in one run: stage then unpacks the
+    verified blob as usual). The directory is journaled, as any staging's."""
+
+    def __init__(self, capsule: str, criu: str, growing: Growing) -> None:
+        self.capsule, self.criu, self.growing = capsule, criu, growing
+        self.tmp: Path | None = None
+        self.journal: Journal | None = None
+        self.failed: BaseException | None = None
+        self.seconds: float | None = None  # how long it took, once it did (the receipt's stage_parts.unpack_early)
+        self.taken = False
+        self.thread = threading.Thread(target=self._run, name="coldsnap-unpack-early", daemon=True)
+        self.thread.start()
+
+    @classmethod
+    def start(cls, capsule: str, manifest: dict, arrivals: Arrivals) -> UnpackingEarly | None:
+        """Follow the capsule's CRIU images blob (called with its checked manifest, before the blob moves); None
+        where there is nothing to gain: the capsule is staged already, or its blob is in the store."""
+        criu = next((d.get("digest") for d in manifest.get("layers") or []
+                     if isinstance(d, dict) and d.get("mediaType") == mt.LAYER_CRIU), None)
+        if not isinstance(criu, str) or (staged_area.path_of(capsule) / ".complete").exists() \
+                or CapsuleStore(settings().store).has_blob(criu):
+            return None
+        return cls(capsule, criu, arrivals.follow(criu))
+
+    def _run(self) -> None:
+        path = self.growing.wait_started(timeout=120.0)
+        if path is None:
+            return
+        private_dir(staged_area.root())
+        root = staged_area.path_of(self.capsule)
+        tmp = root.with_name(root.name + f".early{os.getpid()}.{threading.get_ident()}")
+        self.journal = Journal.begin("stage", capsule=self.capsule)
+        self.journal.add(Dir(str(tmp)))
+        self.tmp = private_dir(tmp)
+        t0 = time.monotonic()
+        if not path.exists():  # listed already (a small blob on a fast link): the same file, in the store
+            path = CapsuleStore(settings().store).blob_path(self.criu)
+        try:
+            unpack_layer(path, tmp / "images", following=self.growing)
+            self.seconds = round(time.monotonic() - t0, 6)
+        except Exception as e:  # noqa: BLE001 - only a head start lost: stage unpacks the verified blob
+            self.failed = e
+
+    def take(self, capsule: str, criu: str) -> tuple[Path, Journal] | None:
+        """The directory with the images unpacked, and its journal, once the blob they came from is verified (the
+        caller publishes it); None: unpack as usual."""
+        self.thread.join()
+        if (capsule, criu) != (self.capsule, self.criu) or self.failed is not None or self.tmp is None \
+                or self.journal is None or not self.growing.verified(timeout=0):
+            return None
+        taken, self.tmp = (self.tmp, self.journal), None
+        self.journal, self.taken = None, True
+        return taken
+
+    def discard(self) -> None:
+        """Whatever was not taken goes (also on a restore's way out)."""
+        self.thread.join()
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp = None
+        if self.journal is not None:
+            self.journal.close()
+            self.journal = None
+
+
+def stage(capsule: LoadedCapsule, weights_arrive: Callable[[], None] | None = None,
+          early: UnpackingEarly | None = None) -> StagedForRestore:
     """Verify every blob digest, check pinned weights, unpack CRIU images (cached per capsule digest), put back
     the CUDA code files the capsule's processes map. Each part is timed (StagedForRestore.parts, which receipts carry as
     `stage_parts`), so a receipt says which of them a first restore on a node waited for. weights_arrive (a streamed
-    pull): the weights are still moving; their part (the wait included) is left to StagedForRestore.weights_later."""
+    pull): the weights are still moving; their part (the wait included) is left to StagedForRestore.weights_later.
+    early: the images unpacked while their blob arrived (a pull), published here once it is verified."""
     parts: dict[str, float] = {}
     store = CapsuleStore(settings().store)
     with _timed(parts, "verify"):
@@ -74,9 +145,11 @@ def stage(capsule: LoadedCapsule, weights_arrive: Callable[[], None] | None = No
     root = staged_area.path_of(capsule.digest)
     with _timed(parts, "unpack"):
         try:
-            _unpack(store, capsule, root)
+            _unpack(store, capsule, root, early)
         except OSError:  # a concurrent restore of the same capsule removed or published the directory under us
             _unpack(store, capsule, root)
+    if early is not None and early.taken and early.seconds is not None:
+        parts["unpack_early"] = early.seconds  # while the images arrived: the unpack above only published them
     staged_area.used(capsule.digest)
     staged_area.evict(keep=frozenset({capsule.digest}))  # the area stays within its cap
     files = root / "files"
@@ -141,25 +214,39 @@ def _timed(parts: dict[str, float], name: str) -> Iterator[None]:
         parts[name] = round(time.monotonic() - start, 6)
 
 
-def _unpack(store: CapsuleStore, capsule: LoadedCapsule, root: Path) -> None:
+def _unpack(store: CapsuleStore, capsule: LoadedCapsule, root: Path, early: UnpackingEarly | None = None) -> None:
     criu, files = capsule.layer(mt.LAYER_CRIU), capsule.layer(mt.LAYER_FILES)
     if criu is None:
         raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"capsule {capsule.digest} has no CRIU images layer")
-    _unpack_layers(store, capsule.digest, criu.digest, files.digest if files else None, root)
+    try:
+        _unpack_layers(store, capsule.digest, criu.digest, files.digest if files else None, root,
+                       early.take(capsule.digest, criu.digest) if early is not None else None)
+    finally:
+        if early is not None:
+            early.discard()
 
 
-def _unpack_layers(store: CapsuleStore, digest: str, criu: str, files: str | None, root: Path) -> None:
-    """A capsule's CRIU images and files under root, published whole (root/.complete) or not at all."""
+def _unpack_layers(store: CapsuleStore, digest: str, criu: str, files: str | None, root: Path,
+                   unpacked: tuple[Path, Journal] | None = None) -> None:
+    """A capsule's CRIU images and files under root, published whole (root/.complete) or not at all. unpacked: a
+    directory whose images/ an early unpack filled from the verified blob (UnpackingEarly.take), and its journal."""
     done = root / ".complete"
     if done.exists():
+        if unpacked is not None:  # a concurrent restore published it first
+            shutil.rmtree(unpacked[0], ignore_errors=True)
+            unpacked[1].close()
         return
     shutil.rmtree(root, ignore_errors=True)
-    tmp = root.with_name(root.name + f".tmp{os.getpid()}.{threading.get_ident()}")
-    journal = Journal.begin("stage", capsule=digest)  # a stager killed midway leaves no temp dir for long
-    journal.add(Dir(str(tmp)))
-    private_dir(tmp)
+    if unpacked is not None:
+        tmp, journal = unpacked
+    else:
+        tmp = root.with_name(root.name + f".tmp{os.getpid()}.{threading.get_ident()}")
+        journal = Journal.begin("stage", capsule=digest)  # a stager killed midway leaves no temp dir for long
+        journal.add(Dir(str(tmp)))
+        private_dir(tmp)
     try:
-        unpack_layer(store.blob_path(criu), tmp / "images")
+        if unpacked is None:
+            unpack_layer(store.blob_path(criu), tmp / "images")
         if files:
             unpack_layer(store.blob_path(files), tmp / "files")
         (tmp / ".complete").write_text(digest)
