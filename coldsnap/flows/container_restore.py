@@ -41,7 +41,7 @@ from coldsnap.criu.creds import exceeds_spec, image_creds
 from coldsnap.criu.runc import restore_container
 from coldsnap.engines import get_adapter
 from coldsnap.flows import streaming
-from coldsnap.flows.admission import admit_capsule, load_capsule
+from coldsnap.flows.admission import admit_capsule, load_capsule, look_at_this_host_soon
 from coldsnap.flows.fallback import may_fall_back
 from coldsnap.flows.fetch import Arriving, fetch, is_registry_reference
 from coldsnap.flows.receipts import failed_state, finish_receipt, receipt_path
@@ -145,6 +145,7 @@ def restore_at_create(runc: str, parsed: RuncArgv, spec: dict) -> CreateOutcome:
                                 "or run --detach)")
         ref = creq.request.capsule
         if is_registry_reference(ref):  # a node whose store lacks it pulls it here (the request stays as written)
+            look_at_this_host_soon()  # admission's look at this host, while the pull waits on the network
             with tl.span("pull"):
                 pulled, pull_facts, arriving = fetch(creq.request, lambda _: None)
                 ref = pulled.capsule

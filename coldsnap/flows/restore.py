@@ -27,7 +27,7 @@ from coldsnap.engines import get_adapter
 from coldsnap.engines.base import engine_info
 from coldsnap.engines.lease import hold as hold_lease
 from coldsnap.flows import streaming
-from coldsnap.flows.admission import admit_capsule, load_capsule
+from coldsnap.flows.admission import admit_capsule, load_capsule, look_at_this_host_soon
 from coldsnap.flows.coldstart import start_cold
 from coldsnap.flows.fallback import may_fall_back
 from coldsnap.flows.fetch import Arriving, fetch, is_registry_reference
@@ -52,6 +52,7 @@ def restore(request: RestoreRequest, progress: Progress = quiet) -> Receipt:
         if is_registry_reference(request.capsule):
             # the network step's library loads while the pull waits on the registry, not on the restore's clock
             threading.Thread(target=importlib.import_module, args=("coldsnap.net.netns",), daemon=True).start()
+            look_at_this_host_soon()  # and admission's look at this host
             with tl.span("pull"):  # until the capsule's own blobs are in: its weights follow
                 request, pulled, arriving = fetch(request, progress)
             if arriving is not None:
