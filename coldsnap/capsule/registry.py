@@ -632,21 +632,8 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
             # the images while the weights stream in (on_blobs). The capsule is listed only once all is here.
             if on_manifest is not None:
                 on_manifest(digest, manifest)
-            beside: _Beside | None = None
-            if not payload:  # weights layers of this manifest: they start beside the images, once the profile
-                with _blob_locks(store, [own[0].digest]):  # (its config, first) says how they are pinned
-                    early = _fetch_missing(store, client, own[:1], progress)
-                pins = _weight_pins(store, manifest)
-                weights = [d for d in descs if d.media_type == mt.LAYER_WEIGHTS]
-                beside = _Beside(lambda: _fetch_locked(store, _Client(client.ref, client.scheme == "http"), weights,
-                                                       progress, pins, arrivals))  # a session of its own
-            try:
-                with _blob_locks(store, [d.digest for d in own]):
-                    early.add(_fetch_missing(store, client, own, progress, arrivals=arrivals))
-            except BaseException:
-                if beside is not None:  # they end first; a refused pull discards them with the rest
-                    early.add(beside.result(raise_error=False))
-                raise
+            with _blob_locks(store, [d.digest for d in own]):
+                early = _fetch_missing(store, client, own, progress, arrivals=arrivals)
             if on_blobs is not None:
                 # What admission needs before the weights move: the manifest (stored, not listed), where the capsule
                 # came from and who signed it. A refused pull discards the manifest with the rest.
@@ -656,11 +643,8 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
                 signatures = _provenance(client, store, remote, digest)
                 on_blobs(digest, manifest)
             # then the shared weights, fetched and checked by the pieces its verified profile pins: only their
-            # missing blobs move (those beside the images: waited for here)
-            if beside is not None:
-                early.add(beside.result())
-            else:
-                pins = _weight_pins(store, manifest)
+            # missing blobs move
+            pins = _weight_pins(store, manifest)
         if payload:  # an earlier capsule: its weights are a payload artifact of their own
             pulled.append(pull(store, f"{remote.name}@{payload}", insecure, True, progress,
                                artifact_type=mt.PAYLOAD_ARTIFACT_TYPE, pins=pins, arrivals=arrivals))
@@ -697,39 +681,6 @@ class _Fetched:
     received: int = 0
     resumed: int = 0
     digests: list[str] = field(default_factory=list)
-
-    def add(self, more: _Fetched) -> None:
-        self.received += more.received
-        self.resumed += more.resumed
-        self.digests += [d for d in more.digests if d not in self.digests]
-
-
-class _Beside:
-    """Blobs fetched on a thread of their own while the pull goes on: a capsule's weights beside its images."""
-
-    def __init__(self, fetch: Callable[[], _Fetched]) -> None:
-        self.box: dict = {}
-
-        def run() -> None:
-            try:
-                self.box["fetched"] = fetch()
-            except BaseException as e:  # noqa: BLE001 - raised by result()
-                self.box["error"] = e
-
-        self.thread = threading.Thread(target=run, name="coldsnap-weights", daemon=True)
-        self.thread.start()
-
-    def result(self, raise_error: bool = True) -> _Fetched:
-        self.thread.join()
-        if "error" in self.box and raise_error:
-            raise self.box["error"]
-        return self.box.get("fetched") or _Fetched()
-
-
-def _fetch_locked(store: CapsuleStore, client: "_Client", descs: list[Descriptor], progress,
-                  pins: dict[str, WeightFile] | None, arrivals: pieces.Arrivals | None) -> _Fetched:
-    with _blob_locks(store, [d.digest for d in descs]):
-        return _fetch_missing(store, client, descs, progress, pins, arrivals)
 
 
 def _weight_pins(store: CapsuleStore, manifest: dict) -> dict[str, WeightFile]:
@@ -854,7 +805,7 @@ def _pull_capsule(store: CapsuleStore, client: "_Client", remote: RemoteRef, raw
         payload_bytes = payload_result.bytes_transferred
         moved += payload_bytes
     else:  # the weights layers among what moved here
-        payload_bytes = sum(d.size for d in descs if d.media_type == mt.LAYER_WEIGHTS and d.digest in fetched)
+        payload_bytes = sum(d.size for d in descs if d.media_type == mt.LAYER_WEIGHTS and d.digest in got.digests)
     return PullResult(digest, payload_bytes=payload_bytes, bytes_transferred=moved, blobs_fetched=fetched,
                       blobs_present=[d.digest for d in descs if d.digest not in fetched],
                       resumed_bytes=early.resumed + got.resumed, seconds=round(time.monotonic() - t0, 3), tag=tag,
