@@ -154,3 +154,51 @@ def test_spooled_pieces_reach_the_file_only_when_asked_and_the_head_at_once(tmp_
         pull.join(30)
         server.close()
     assert not pull.is_alive() and done["r"] == (len(blob), 0)
+
+
+def test_fetching_processes_started_ahead_take_the_pieces_and_those_left_end_with_the_pull(tmp_path, monkeypatch):
+    """A restore's pull starts its fetching processes while the capsule's own blobs come (their interpreter and
+    imports off the weights' path): the spooled pull hands its pieces to those very processes (received into the
+    spool, each checked), and processes no blob took end with the pull, without work."""
+    import hashlib
+
+    from coldsnap.capsule import pieces
+    from coldsnap.capsule.fetcher import PlainClient
+    from coldsnap.contracts import WeightFile
+
+    monkeypatch.setenv("COLDSNAP_PULL_SPOOL", "1")
+    blob = safetensors_bytes(64_000)
+    cb = 4096
+    pins = [hashlib.sha256(blob[o:o + cb]).hexdigest() for o in range(0, len(blob), cb)]
+    wf = WeightFile(path=str(tmp_path / "w.safetensors"), sha256=hashlib.sha256(blob).hexdigest(), size=len(blob),
+                    chunks=pins, chunk_bytes=cb)
+    server, arrivals = RangeServer(blob), Arrivals()
+    started: list = []
+    real = pieces.Fetcher.__init__
+
+    def counted(self) -> None:
+        real(self)
+        started.append(self.proc)
+
+    monkeypatch.setattr(pieces.Fetcher, "__init__", counted)
+    try:
+        arrivals.start_fetchers()
+        ahead = list(started)
+        assert len(ahead) == pieces.fetcher_count() and all(p.poll() is None for p in ahead)  # waiting for work
+        done: dict = {}
+        pull = threading.Thread(target=lambda: done.update(r=pieces.fetch_by_pieces(
+            PlainClient, server.url, tmp_path / "part", len(blob), wf, "test", arrivals=arrivals, digest="d")))
+        pull.start()
+        assert arrivals.whole("d", timeout=30)
+        arrivals.allow_sync()
+        pull.join(30)
+        assert done["r"] == (len(blob), 0) and (tmp_path / "part").read_bytes() == blob
+        assert started == ahead and all(p.wait(10) == 0 for p in ahead)  # no other process fetched
+        left = Arrivals()  # a pull that needs none: they end with it
+        left.start_fetchers()
+        spare = started[len(ahead):]
+        assert spare and all(p.poll() is None for p in spare)
+        left.end()
+        assert all(p.wait(10) == 0 for p in spare)
+    finally:
+        server.close()

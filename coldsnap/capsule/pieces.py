@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -89,7 +90,32 @@ class Arrivals:
         self.took: dict[str, float] = {}  # blob digest → seconds from its partial's sizing to its last piece checked
         self._sized_at: dict[str, float] = {}
         self._growing: dict[str, Growing] = {}  # blobs fetched as one stream that someone follows as they land
+        self._fetchers: list[Fetcher] = []  # fetching processes started ahead, for the first spooled blob
         self.ended = False
+
+    def start_fetchers(self) -> None:
+        """Start the fetching processes of a spooled pull now, ahead of the weights (Fetcher): the pull calls this
+        as the capsule's own blobs begin. Those no blob takes end with the pull."""
+        with self._cond:
+            if self._fetchers or self.ended:
+                return
+        started: list[Fetcher] = []
+        try:
+            for _ in range(fetcher_count()):
+                started.append(Fetcher())
+        except OSError:  # the pull starts them when it needs them, and says so if it cannot
+            for f in started:
+                f.close()
+            return
+        with self._cond:
+            self._fetchers, started = started, ([] if not self.ended else started)
+        for f in started:
+            f.close()
+
+    def take_fetchers(self) -> list[Fetcher]:
+        with self._cond:
+            taken, self._fetchers = self._fetchers, []
+            return taken
 
     def sized(self, digest: str, path: Path, spool: Spool | None = None) -> None:
         """The blob's partial file has its full size; spool: the memory holding its checked pieces (the partial
@@ -154,6 +180,8 @@ class Arrivals:
             growing = list(self._growing.values())
         for g in growing:  # those it never fetched, or not whole: whoever follows them stops
             g.broke()
+        for f in self.take_fetchers():
+            f.close()
 
     def allow_sync(self) -> None:
         """The restore is past its first token (or over): the pull may file its spooled pieces and make its
@@ -406,7 +434,11 @@ def fetch_by_pieces(new_client: Callable[[], object], url: str, part: Path, size
             counted(length)
             announce(i, offset, length)
 
-        results = _fetch_in_processes(new_client, url, spool, todo, wf.chunks, what, spooled) \
+        ready = arrivals.take_fetchers() if arrivals is not None else []
+        if spool is None or not todo:
+            for f in ready:
+                f.close()
+        results = _fetch_in_processes(new_client, url, spool, todo, wf.chunks, what, spooled, ready) \
             if spool is not None and todo else None
         if results is None:  # on threads of this process: to disk, or where no fetching process could start
             with ThreadPoolExecutor(workers()) as pool:
@@ -435,14 +467,86 @@ def fetch_by_pieces(new_client: Callable[[], object], url: str, part: Path, size
 
 
 FETCHERS = 4  # processes a spooled pull spreads its connections over (each has a GIL of its own)
+FD_BATCH = 200  # descriptors per message to a fetching process (the kernel takes at most 253)
+
+
+class Fetcher:
+    """A fetching process (coldsnap.capsule.fetcher), started before it has work: its interpreter and imports
+    (~0.2 s) are paid while the pull still waits on the capsule's own blobs. Its job goes to its stdin, the
+    pieces' memfds over a socket of its own, its lines come on its stdout, its stderr goes to a file (a pipe
+    nobody reads until the end could fill and block it)."""
+
+    def __init__(self) -> None:
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.err = tempfile.TemporaryFile()
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", "coldsnap.capsule.fetcher", "--socket",
+                                          str(theirs.fileno())], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=self.err, pass_fds=[theirs.fileno()])
+        except OSError:
+            self.sock.close()
+            self.err.close()
+            raise
+        finally:
+            theirs.close()
+
+    def give(self, job: dict, fds: list[int]) -> None:
+        """Its job, and the descriptors of its pieces' memfds in the job's order."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(job).encode() + b"\n")
+        self.proc.stdin.close()
+        for at in range(0, len(fds), FD_BATCH):
+            socket.send_fds(self.sock, [b"f"], fds[at:at + FD_BATCH])
+        self.sock.close()
+
+    def ended(self) -> str | None:
+        """Waits for it; how it ended when it failed (exit status, its last line on stderr), else None."""
+        try:
+            if self.proc.wait() == 0:
+                return None
+            self.err.seek(0)
+            said = self.err.read().decode(errors="replace").strip().splitlines()
+            return f"exit {self.proc.returncode}" + (f": {said[-1][:200]}" if said else "")
+        finally:
+            self.err.close()
+
+    def close(self) -> None:
+        """Not needed after all (or the pull failed): it ends without work, at once, on the EOF of its stdin;
+        reaped on a thread of its own, so that whoever closes it does not wait."""
+        self.sock.close()
+        with suppress(OSError):
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        threading.Thread(target=self._reap, name="fetcher-reap", daemon=True).start()
+
+    def _reap(self) -> None:
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        finally:
+            self.err.close()
+
+
+def fetcher_count() -> int:
+    """How many fetching processes a spooled pull runs: a connection per core up to 16 in all, four to a
+    process, up to FETCHERS."""
+    return max(1, min(FETCHERS, _connections() // 4))
+
+
+def _connections() -> int:
+    return max(workers(), min(16, os.cpu_count() or 1))
 
 
 def _fetch_in_processes(new_client: Callable[[], object], url: str, spool: Spool, todo: list[tuple[int, int, int]],
-                        pins: list[str], what: str, spooled: Callable[[int, int, int], None]) -> list[bool] | None:
+                        pins: list[str], what: str, spooled: Callable[[int, int, int], None],
+                        ready: list[Fetcher] | None = None) -> list[bool] | None:
     """The pieces fetched into the spool by a few processes of their own (coldsnap.capsule.fetcher), one per core
     up to 16 connections in all; spooled(i, offset, length) hears of each piece there and matching its pin.
-    Returns whether each piece matched its pin, in todo's order; None when no process could start (the caller
-    fetches on its own threads). Raises NoRanges, or REGISTRY when a piece could not be fetched."""
+    ready: fetching processes started ahead (Arrivals.start_fetchers), used first. Returns whether each piece
+    matched its pin, in todo's order; None when no process could start (the caller fetches on its own threads).
+    Raises NoRanges, or REGISTRY when a piece could not be fetched."""
     client = new_client()
     r = client.request("GET", url, ok=(200, 206), what=what, headers={"Range": "bytes=0-0"},  # type: ignore[attr-defined]
                        stream=True, not_found=ErrorCode.CAPSULE_NOT_FOUND)
@@ -450,29 +554,22 @@ def _fetch_in_processes(new_client: Callable[[], object], url: str, spool: Spool
         if r.status_code != 206:
             raise NoRanges()
         authorization = (r.history[0] if r.history else r).request.headers.get("Authorization")
-    connections = max(workers(), min(16, os.cpu_count() or 1))
-    n = max(1, min(FETCHERS, connections // 4, len(todo)))
+    n = max(1, min(fetcher_count(), len(todo)))
     by_offset = {offset: (i, length) for i, offset, length in todo}
-    procs, errs = [], []  # each one's stderr in a file: a pipe nobody reads until the end could fill and block it
+    procs = list(ready or [])[:n]
+    for extra in list(ready or [])[n:]:
+        extra.close()
     try:
-        for k in range(n):
+        while len(procs) < n:
+            procs.append(Fetcher())
+        for k, fetcher in enumerate(procs):
             mine = todo[k::n]
-            errs.append(tempfile.TemporaryFile())
-            proc = subprocess.Popen([sys.executable, "-m", "coldsnap.capsule.fetcher"], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=errs[-1],
-                                    pass_fds=[spool.fds[i] for i, _, _ in mine])
-            procs.append(proc)
-            job = {"url": url, "authorization": authorization, "threads": -(-connections // n),
-                   "pieces": [[o, length, pins[i], spool.fds[i]] for i, o, length in mine]}
-            assert proc.stdin is not None
-            proc.stdin.write(json.dumps(job).encode() + b"\n")
-            proc.stdin.close()
+            fetcher.give({"url": url, "authorization": authorization, "threads": -(-_connections() // n),
+                          "pieces": [[o, length, pins[i]] for i, o, length in mine]},
+                         [spool.fds[i] for i, _, _ in mine])
     except OSError:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
-        for f in errs:
-            f.close()
+        for fetcher in procs:
+            fetcher.close()
         return None
     good: dict[int, bool] = {}
     broken: list[int] = []
@@ -492,17 +589,14 @@ def _fetch_in_processes(new_client: Callable[[], object], url: str, spool: Spool
             elif word == "noranges":
                 noranges.append(True)
 
-    readers = [threading.Thread(target=read, args=(proc,), daemon=True) for proc in procs]
+    readers = [threading.Thread(target=read, args=(f.proc,), daemon=True) for f in procs]
     for t in readers:
         t.start()
     ended = []  # how a fetching process that failed ended
-    for t, proc, f in zip(readers, procs, errs):
+    for t, fetcher in zip(readers, procs):
         t.join()
-        if proc.wait() != 0:
-            f.seek(0)
-            err = f.read().decode(errors="replace").strip().splitlines()
-            ended.append(f"exit {proc.returncode}" + (f": {err[-1][:200]}" if err else ""))
-        f.close()
+        if (why := fetcher.ended()) is not None:
+            ended.append(why)
     if noranges:
         raise NoRanges()
     missing = sorted(set(broken) | {o for _, o, _ in todo if o not in good})

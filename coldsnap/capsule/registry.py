@@ -632,6 +632,9 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
             # the images while the weights stream in (on_blobs). The capsule is listed only once all is here.
             if on_manifest is not None:
                 on_manifest(digest, manifest)
+            weights_missing = payload or any(not store.has_blob(d.digest) for d in descs if d not in own)
+            if arrivals is not None and weights_missing:
+                arrivals.start_fetchers()  # the weights' fetching processes start while the images come
             with _blob_locks(store, [d.digest for d in own]):
                 early = _fetch_missing(store, client, own, progress, arrivals=arrivals)
             if on_blobs is not None:
