@@ -336,6 +336,7 @@ def _first_restore(node: Path, ref: str, expected: str, one_command: bool = True
                              "weights_wait_s": (result.get("hydrate") or {}).get("weights_wait_s"),
                              # the weights' pieces: sized → last checked; and the prefetcher's own account
                              "pieces_s": facts.get("pieces_s"),
+                             "pull_steps_s": facts.get("steps_s"),  # the pull's steps, from its own start
                              "prefetch": {k: v for k, v in ((result.get("hydrate") or {}).get("prefetch") or {}).items()
                                           if k in ("mode", "cuda_init_s", "load_s", "gb_per_s", "ready_s", "error")}},
                 "validated": result["validated_text"] == expected and receipt["state"] == "succeeded"}

@@ -92,6 +92,14 @@ class Arrivals:
         self._growing: dict[str, Growing] = {}  # blobs fetched as one stream that someone follows as they land
         self._fetchers: list[Fetcher] = []  # fetching processes started ahead, for the first spooled blob
         self.ended = False
+        self._t0 = time.monotonic()
+        self.marks: dict[str, float] = {}  # seconds from this object's start to each step of the pull (mark)
+
+    def mark(self, step: str) -> None:
+        """The pull reached `step` now (the first time counts): where a streamed pull's time went, for the
+        receipt (manifest, own_blobs, provenance, weights_sized, weights_checked)."""
+        with self._cond:
+            self.marks.setdefault(step, round(time.monotonic() - self._t0, 4))
 
     def start_fetchers(self) -> None:
         """Start the fetching processes of a spooled pull now, ahead of the weights (Fetcher): the pull calls this
@@ -123,6 +131,7 @@ class Arrivals:
         with self._cond:
             self._partial[digest] = path
             self._sized_at[digest] = time.monotonic()
+            self.marks.setdefault("weights_sized", round(self._sized_at[digest] - self._t0, 4))
             if spool is not None:
                 self._spool[digest] = spool
                 self.spooled.add(digest)
@@ -171,6 +180,7 @@ class Arrivals:
             self._done.add(digest)
             if digest in self._sized_at:
                 self.took[digest] = round(time.monotonic() - self._sized_at[digest], 4)
+                self.marks["weights_checked"] = round(time.monotonic() - self._t0, 4)  # the last blob's
             self._cond.notify_all()
 
     def end(self) -> None:

@@ -630,6 +630,8 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
         if artifact_type == mt.ARTIFACT_TYPE and (payload or len(own) < len(descs)):
             # The capsule's own blobs first (its profile and CRIU images, small): a restore that pulls can unpack
             # the images while the weights stream in (on_blobs). The capsule is listed only once all is here.
+            if arrivals is not None:
+                arrivals.mark("manifest")
             if on_manifest is not None:
                 on_manifest(digest, manifest)
             weights_missing = payload or any(not store.has_blob(d.digest) for d in descs if d not in own)
@@ -637,6 +639,8 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
                 arrivals.start_fetchers()  # the weights' fetching processes start while the images come
             with _blob_locks(store, [d.digest for d in own]):
                 early = _fetch_missing(store, client, own, progress, arrivals=arrivals)
+            if arrivals is not None:
+                arrivals.mark("own_blobs")
             if on_blobs is not None:
                 # What admission needs before the weights move: the manifest (stored, not listed), where the capsule
                 # came from and who signed it. A refused pull discards the manifest with the rest.
@@ -644,6 +648,8 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
                     store.put_bytes(raw, manifest.get("mediaType", mt.MANIFEST_MEDIA_TYPE))
                     early.digests.append(digest)
                 signatures = _provenance(client, store, remote, digest)
+                if arrivals is not None:
+                    arrivals.mark("provenance")
                 on_blobs(digest, manifest)
             # then the shared weights, fetched and checked by the pieces its verified profile pins: only their
             # missing blobs move

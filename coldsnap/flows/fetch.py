@@ -60,7 +60,8 @@ class Arriving:
         result = self.outcome["result"]
         self.facts.update(bytes=result.bytes_transferred, seconds=result.seconds,
                           **({"spooled": len(self.pieces.spooled)} if self.pieces.spooled else {}),
-                          **({"pieces_s": max(self.pieces.took.values())} if self.pieces.took else {}))
+                          **({"pieces_s": max(self.pieces.took.values())} if self.pieces.took else {}),
+                          **({"steps_s": dict(self.pieces.marks)} if self.pieces.marks else {}))
 
     def checked(self, digests: list[str]) -> None:
         """Until every piece of these blobs (fetched by pieces) is checked against its pin: their bytes are all
