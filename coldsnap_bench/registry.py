@@ -201,9 +201,9 @@ def run(out_dir, size_mib: int = 2048, repeats: int = 3) -> dict:
     with open(weights_file, "wb") as f:
         for _ in range(size_mib):
             f.write(os.urandom(1 << 20))
-    whole, chunks = pinned_digests(weights_file)
-    wf = WeightFile(path=str(weights_file), sha256=whole, size=weights_file.stat().st_size,
-                    chunk_bytes=pin_piece_bytes() if chunks else None, chunks=chunks)
+    pinned = pinned_digests(weights_file)
+    whole, chunks = pinned.sha256, pinned.chunks
+    wf = WeightFile(path=str(weights_file), size=weights_file.stat().st_size, **pinned.fields())
     weights = put_weights(src, [wf])
     images = work / "images.bin"
     images.write_bytes(os.urandom(1 << 20))

@@ -1,6 +1,6 @@
-"""Weights pinned piece by piece (coldsnap.base.digests): chunk digests match hashlib's, verification in parallel
-finds a changed byte or a changed length, the verdict is remembered until the file changes, and a restore's
-weights check (capsule.pinned.verify_weights) uses them."""
+"""Weights pinned piece by piece (coldsnap.base.digests): chunk digests match hashlib's and blake3's, verification
+in parallel finds a changed byte or a changed length, the verdict is remembered until the file changes, and a
+restore's weights check (capsule.pinned.verify_weights) uses them."""
 
 import hashlib
 import os
@@ -32,37 +32,58 @@ def after_clock_tick(path):
             return
 
 
-def expected(path, size):
+def expected(path, size, algorithm="sha256"):
+    import blake3
+
     data = path.read_bytes()
-    return [hashlib.sha256(data[o:o + size]).hexdigest() for o in range(0, len(data), size)]
+    new = hashlib.sha256 if algorithm == "sha256" else blake3.blake3
+    return [new(data[o:o + size]).hexdigest() for o in range(0, len(data), size)]
 
 
-def test_chunks_are_the_pieces_sha256s_and_the_pin_is_the_whole_files(weights):
-    assert digests.chunk_sha256s(weights, MIB) == expected(weights, MIB)
-    whole, chunks = digests.pinned_digests(weights, MIB)
-    assert whole == hashlib.sha256(weights.read_bytes()).hexdigest() and chunks == expected(weights, MIB)
-    assert digests.pinned_digests(weights, 64 * MIB)[1] == []  # one piece: the whole-file digest is enough
+def test_chunks_are_the_pieces_digests_and_the_pin_is_the_whole_files(weights, monkeypatch):
+    """A capture pins the pieces by blake3 (the default) or sha256 (COLDSNAP_PIN_PIECE_HASH); the whole file by
+    sha256 either way (its OCI digest)."""
+    assert digests.chunk_digests(weights, MIB) == expected(weights, MIB)
+    assert digests.chunk_digests(weights, MIB, "blake3") == expected(weights, MIB, "blake3")
+    pinned = digests.pinned_digests(weights, MIB)
+    assert pinned.sha256 == hashlib.sha256(weights.read_bytes()).hexdigest()
+    assert (pinned.chunks, pinned.chunk_digest, pinned.chunk_bytes) == (expected(weights, MIB, "blake3"), "blake3", MIB)
+    monkeypatch.setenv("COLDSNAP_PIN_PIECE_HASH", "sha256")  # the memo holds blake3's pieces: hashed again
+    pinned = digests.pinned_digests(weights, MIB)
+    assert (pinned.chunks, pinned.chunk_digest) == (expected(weights, MIB), "sha256")
+    assert WeightFile(path=str(weights), size=weights.stat().st_size, **pinned.fields()).chunk_digest == "sha256"
+    assert digests.pinned_digests(weights, 64 * MIB).chunks == []  # one piece: the whole-file digest is enough
+    monkeypatch.setenv("COLDSNAP_PIN_PIECE_HASH", "md5")
+    with pytest.raises(ValueError, match="COLDSNAP_PIN_PIECE_HASH"):
+        digests.pinned_digests(weights, MIB)
 
 
-def test_verification_finds_a_changed_byte_or_length_and_remembers_a_match(weights, monkeypatch):
-    chunks = expected(weights, MIB)
-    assert digests.checked_chunks(weights, chunks, MIB)
-    calls, real = [], digests.chunk_sha256s
-    monkeypatch.setattr(digests, "chunk_sha256s", lambda *a: calls.append(a) or [])
-    assert digests.checked_chunks(weights, chunks, MIB) and calls == []  # remembered: nothing hashed
-    monkeypatch.setattr(digests, "chunk_sha256s", real)
+@pytest.mark.parametrize("algorithm", ["sha256", "blake3"])
+def test_verification_finds_a_changed_byte_or_length_and_remembers_a_match(weights, monkeypatch, algorithm):
+    chunks = expected(weights, MIB, algorithm)
+    assert digests.checked_chunks(weights, chunks, MIB, algorithm)
+    other = "blake3" if algorithm == "sha256" else "sha256"
+    assert not digests.checked_chunks(weights, chunks, MIB, other)  # the same hex, read by the other hash
+    assert digests.checked_chunks(weights, chunks, MIB, algorithm)
+    calls, real = [], digests.chunk_digests
+    monkeypatch.setattr(digests, "chunk_digests", lambda *a: calls.append(a) or [])
+    assert digests.checked_chunks(weights, chunks, MIB, algorithm) and calls == []  # remembered: nothing hashed
+    monkeypatch.setattr(digests, "chunk_digests", real)
     after_clock_tick(weights)  # the test remembered at once (SETTLED_NS 0): a write in the same tick keeps the ctime
     with open(weights, "r+b") as f:
         f.seek(3 * MIB + 7)
         f.write(b"\x00" if f.read(1) != b"\x00" else b"\x01")
-    assert not digests.checked_chunks(weights, chunks, MIB)  # changed since: hashed again, and it differs
-    assert not digests.checked_chunks(weights, chunks[:-1], MIB)  # the length does not fit the pieces
+    assert not digests.checked_chunks(weights, chunks, MIB, algorithm)  # changed since: hashed again, and it differs
+    assert not digests.checked_chunks(weights, chunks[:-1], MIB, algorithm)  # the length does not fit the pieces
 
 
 def test_a_restore_checks_weights_by_their_pieces(weights):
-    whole, chunks = digests.pinned_digests(weights, MIB)
-    wf = WeightFile(path=str(weights), sha256=whole, size=weights.stat().st_size, chunk_bytes=MIB, chunks=chunks)
+    pinned = digests.pinned_digests(weights, MIB)
+    chunks = pinned.chunks
+    wf = WeightFile(path=str(weights), size=weights.stat().st_size, **pinned.fields())
     verify_weights([wf])
+    verify_weights([WeightFile(path=str(weights), sha256=pinned.sha256, chunk_bytes=MIB,  # pinned before blake3
+                               chunks=expected(weights, MIB))])
     bad = wf.model_copy(update={"chunks": [chunks[0], "0" * 64, *chunks[2:]]})
     with pytest.raises(ColdSnapError) as e:
         verify_weights([bad])
@@ -76,8 +97,9 @@ def test_a_capture_packs_weights_checked_by_their_pieces(weights, tmp_path):
     from coldsnap.capsule.store import CapsuleStore
 
     store = CapsuleStore(tmp_path / "store").init()
-    whole, chunks = digests.pinned_digests(weights, MIB)
-    wf = WeightFile(path=str(weights), sha256=whole, size=weights.stat().st_size, chunk_bytes=MIB, chunks=chunks)
+    pinned = digests.pinned_digests(weights, MIB)
+    whole = pinned.sha256
+    wf = WeightFile(path=str(weights), size=weights.stat().st_size, **pinned.fields())
     put_weights(store, [wf])
     assert store.has_blob("sha256:" + whole)
     store.blob_path("sha256:" + whole).unlink()
@@ -116,5 +138,5 @@ def test_a_file_pinned_in_the_background_is_not_read_again(weights, monkeypatch)
         raise AssertionError(f"{path} hashed again")
 
     monkeypatch.setattr(digests, "sha256_file", no_second_read)
-    assert digests.pinned_digests(weights)[0] == whole
+    assert digests.pinned_digests(weights).sha256 == whole
     digests.pin_in_background([])()  # nothing to pin: nothing waits

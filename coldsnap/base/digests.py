@@ -1,4 +1,5 @@
-"""SHA-256 of files, and of files already checked: the one place ColdSnap hashes what it verifies.
+"""SHA-256 (and the pieces' blake3) of files, and of files already checked: the one place ColdSnap hashes what it
+verifies.
 
 Hashing a capsule's layers (hundreds of MB) or a weights file (GBs) takes from a tenth of a second to many seconds,
 and a restore checks them every time. `checked_sha256` remembers a digest together with the file's version: device,
@@ -16,6 +17,7 @@ import os
 import threading
 import time
 from contextlib import suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -76,12 +78,12 @@ def remember_hashed(path: str | os.PathLike, digest: str, **facts) -> None:
     _remember(key, os.stat(key), None, sha256=digest, **facts)
 
 
-def remember_pieces(path: str | os.PathLike, chunks: list[str], chunk_bytes: int) -> None:
-    """Record that the file's pieces hash to `chunks`, for a file ColdSnap wrote piece by piece, checking each
-    against its pin as it arrived (coldsnap.capsule.pieces): its whole-file digest was never computed, so none is
-    recorded. Same rules as remember_hashed."""
+def remember_pieces(path: str | os.PathLike, chunks: list[str], chunk_bytes: int, algorithm: str = "sha256") -> None:
+    """Record that the file's pieces hash to `chunks` (by `algorithm`), for a file ColdSnap wrote piece by piece,
+    checking each against its pin as it arrived (coldsnap.capsule.pieces): its whole-file digest was never
+    computed, so none is recorded. Same rules as remember_hashed."""
     key = os.path.abspath(os.fspath(path))
-    _remember(key, os.stat(key), None, chunks=chunks, chunk_bytes=chunk_bytes)
+    _remember(key, os.stat(key), None, chunks=chunks, chunk_bytes=chunk_bytes, chunk_digest=algorithm)
 
 
 def known_by_pieces_only(path: str | os.PathLike) -> bool:
@@ -112,9 +114,24 @@ def checked_sha256(path: str | os.PathLike) -> tuple[str, int]:
 
 # --- chunks: weights verified at the speed of the storage ---------------------------------------------------------
 # One sha256 stream runs at about 1 GB/s; a 31 GB weights file takes half a minute. A capsule therefore also pins
-# each CHUNK_BYTES piece of a large weights file by its own sha256 (in its digest-verified profile), and a restore
-# checks the pieces on every core at once.
+# each CHUNK_BYTES piece of a large weights file by its own digest (in its digest-verified profile), and a restore
+# checks the pieces on every core at once. The pieces' hash is blake3 (a capture's default: about 5 GB/s a core
+# against sha256's 1.2 on the GPU machine, where a streamed pull's every byte is hashed on the cores CRIU, the
+# registry and the prefetchers share) or sha256 (capsules pinned before, or COLDSNAP_PIN_PIECE_HASH=sha256); the
+# blob's own OCI digest stays sha256 either way.
 CHUNK_BYTES = 256 << 20
+PIECE_HASHES = ("sha256", "blake3")
+
+
+def piece_hasher(algorithm: str):
+    """A new hash object of a pieces' algorithm (PIECE_HASHES): update(), hexdigest()."""
+    if algorithm == "blake3":
+        import blake3
+
+        return blake3.blake3()
+    if algorithm == "sha256":
+        return hashlib.sha256()
+    raise ValueError(f"unknown piece hash {algorithm!r} (known: {', '.join(PIECE_HASHES)})")
 
 
 def pin_piece_bytes() -> int:
@@ -130,8 +147,18 @@ def pin_piece_bytes() -> int:
     return max(1, mib) << 20
 
 
-def chunk_sha256(fd: int, offset: int, length: int) -> str:
-    h = hashlib.sha256()
+def pin_piece_hash() -> str:
+    """The hash a capture pins pieces by: COLDSNAP_PIN_PIECE_HASH, blake3 unless it says sha256."""
+    from coldsnap.base.paths import settings
+
+    algorithm = settings().pin_piece_hash
+    if algorithm not in PIECE_HASHES:
+        raise ValueError(f"COLDSNAP_PIN_PIECE_HASH must be one of {', '.join(PIECE_HASHES)}, not {algorithm!r}")
+    return algorithm
+
+
+def chunk_digest(fd: int, offset: int, length: int, algorithm: str = "sha256") -> str:
+    h = piece_hasher(algorithm)
     done = 0
     while done < length:
         data = os.pread(fd, min(CHUNK, length - done), offset + done)  # both release the GIL: threads run in parallel
@@ -142,8 +169,9 @@ def chunk_sha256(fd: int, offset: int, length: int) -> str:
     return h.hexdigest()
 
 
-def chunk_sha256s(path: str | os.PathLike, chunk_bytes: int = CHUNK_BYTES) -> list[str]:
-    """The sha256 (hex) of each chunk_bytes piece of the file, in order, hashed by a thread per core."""
+def chunk_digests(path: str | os.PathLike, chunk_bytes: int = CHUNK_BYTES, algorithm: str = "sha256") -> list[str]:
+    """The digest (hex, by `algorithm`) of each chunk_bytes piece of the file, in order, hashed by a thread per
+    core."""
     from concurrent.futures import ThreadPoolExecutor
 
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -151,33 +179,53 @@ def chunk_sha256s(path: str | os.PathLike, chunk_bytes: int = CHUNK_BYTES) -> li
         size = os.fstat(fd).st_size
         offsets = range(0, size, chunk_bytes)
         with ThreadPoolExecutor(max(1, min(32, os.cpu_count() or 1))) as pool:
-            return list(pool.map(lambda o: chunk_sha256(fd, o, min(chunk_bytes, size - o)), offsets))
+            return list(pool.map(lambda o: chunk_digest(fd, o, min(chunk_bytes, size - o), algorithm), offsets))
     finally:
         os.close(fd)
 
 
-def pinned_digests(path: str | os.PathLike, chunk_bytes: int | None = None) -> tuple[str, list[str]]:
-    """(sha256 hex of the whole file, its chunks' sha256s; [] for a file of one chunk or less) for pinning a
-    weights file: the chunks (default: pin_piece_bytes()) are hashed beside the whole-file stream, so they cost no
-    time of their own."""
+@dataclass(frozen=True)
+class Pinned:
+    """What a weights file is pinned by: its whole sha256 (hex), and its pieces' digests ([] for a file of one
+    piece or less), their size and their hash."""
+    sha256: str
+    chunks: list[str]
+    chunk_bytes: int | None
+    chunk_digest: str
+
+    def fields(self) -> dict:
+        """As WeightFile's fields (sha256, chunks, chunk_bytes, chunk_digest)."""
+        return {"sha256": self.sha256, "chunks": self.chunks, "chunk_bytes": self.chunk_bytes,
+                "chunk_digest": self.chunk_digest}
+
+
+def pinned_digests(path: str | os.PathLike, chunk_bytes: int | None = None, algorithm: str | None = None) -> Pinned:
+    """How to pin a weights file: its whole sha256, and its chunks (default: pin_piece_bytes(), by
+    pin_piece_hash()) hashed beside the whole-file stream, so they cost no time of their own."""
     from concurrent.futures import ThreadPoolExecutor
 
     chunk_bytes = chunk_bytes or pin_piece_bytes()
-
+    algorithm = algorithm or pin_piece_hash()
     key = os.path.abspath(os.fspath(path))
     before = os.stat(key)
     entry = _memo_entry(key, before)
     if before.st_size <= chunk_bytes:
-        return checked_sha256(key)[0].removeprefix("sha256:"), []
-    if "sha256" in entry and entry.get("chunk_bytes") == chunk_bytes and "chunks" in entry:
-        return entry["sha256"].removeprefix("sha256:"), list(entry["chunks"])
+        return Pinned(checked_sha256(key)[0].removeprefix("sha256:"), [], None, algorithm)
+    if "sha256" in entry and _same_pieces(entry, chunk_bytes, algorithm) and "chunks" in entry:
+        return Pinned(entry["sha256"].removeprefix("sha256:"), list(entry["chunks"]), chunk_bytes, algorithm)
     started_ns = time.time_ns()
     with ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(chunk_sha256s, key, chunk_bytes)
+        pending = pool.submit(chunk_digests, key, chunk_bytes, algorithm)
         digest, _ = (entry["sha256"], 0) if "sha256" in entry else sha256_file(key)
         chunks = pending.result()
-    _remember(key, before, started_ns, sha256=digest, chunks=chunks, chunk_bytes=chunk_bytes)
-    return digest.removeprefix("sha256:"), chunks
+    _remember(key, before, started_ns, sha256=digest, chunks=chunks, chunk_bytes=chunk_bytes, chunk_digest=algorithm)
+    return Pinned(digest.removeprefix("sha256:"), chunks, chunk_bytes, algorithm)
+
+
+def _same_pieces(entry: dict, chunk_bytes: int, algorithm: str) -> bool:
+    """Whether a memo entry's chunks are pieces of this size by this hash (entries from before the hash was
+    recorded are sha256's)."""
+    return entry.get("chunk_bytes") == chunk_bytes and entry.get("chunk_digest", "sha256") == algorithm
 
 
 def pin_in_background(paths: list[str]) -> Callable[[], None]:
@@ -198,20 +246,20 @@ def pin_in_background(paths: list[str]) -> Callable[[], None]:
     return thread.join
 
 
-def checked_chunks(path: str | os.PathLike, chunks: list[str], chunk_bytes: int) -> bool:
-    """Whether the file's pieces hash to `chunks` (remembered like checked_sha256)."""
+def checked_chunks(path: str | os.PathLike, chunks: list[str], chunk_bytes: int, algorithm: str = "sha256") -> bool:
+    """Whether the file's pieces hash to `chunks` by `algorithm` (remembered like checked_sha256)."""
     key = os.path.abspath(os.fspath(path))
     before = os.stat(key)
     if before.st_size > len(chunks) * chunk_bytes or before.st_size <= (len(chunks) - 1) * chunk_bytes:
         return False
     entry = _memo_entry(key, before)
-    if entry.get("chunk_bytes") == chunk_bytes and entry.get("chunks") == chunks:
+    if _same_pieces(entry, chunk_bytes, algorithm) and entry.get("chunks") == chunks:
         return True
     started_ns = time.time_ns()
-    actual = chunk_sha256s(key, chunk_bytes)
+    actual = chunk_digests(key, chunk_bytes, algorithm)
     if actual != chunks:
         return False
-    _remember(key, before, started_ns, chunks=actual, chunk_bytes=chunk_bytes)
+    _remember(key, before, started_ns, chunks=actual, chunk_bytes=chunk_bytes, chunk_digest=algorithm)
     return True
 
 

@@ -4,9 +4,9 @@ admits, stages and runs CRIU meanwhile; pull threads there take its GIL back for
 GPU machine that slowed the restore's own steps several-fold.
 
 It starts (interpreter and imports) before it has work, then reads its job: on stdin, one JSON line {"url",
-"authorization" (a header value, or null), "threads", "pieces": [[offset, length, pin], ...]} (the header travels
-there, never in arguments or the environment); on FD, an inherited AF_UNIX SOCK_SEQPACKET socket, the pieces'
-memfds, in order (SCM_RIGHTS). Each piece is received straight into its memfd's
+"authorization" (a header value, or null), "threads", "hash" (the pins': sha256 or blake3), "pieces": [[offset,
+length, pin], ...]} (the header travels there, never in arguments or the environment); on FD, an inherited AF_UNIX
+SOCK_SEQPACKET socket, the pieces' memfds, in order (SCM_RIGHTS). Each piece is received straight into its memfd's
 mapping and hashed there. stdout, one line per piece: `ok OFFSET LENGTH` (in the spool, matching its pin), `bad
 OFFSET` (not matching it), `broken OFFSET` (its connection broke ATTEMPTS times); or `noranges` when the registry
 does not answer Range requests. It exits once every piece is told, when whoever reads its lines is gone, or at
@@ -15,7 +15,6 @@ once when its stdin closes before a job came (the pull did not need it)."""
 from __future__ import annotations
 
 import argparse
-import hashlib
 import http.client
 import json
 import mmap
@@ -27,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import requests
 
+from coldsnap.base.digests import piece_hasher
 from coldsnap.capsule.pieces import ATTEMPTS, BROKEN, FD_BATCH, READ, NoRanges, fetch_piece
 
 TIMEOUT = (30, 300)  # seconds to connect, and between reads (as the registry client's own)
@@ -45,7 +45,8 @@ class PlainClient:
         return self.session.request(method, url, headers={**self.headers, **headers}, stream=stream, timeout=TIMEOUT)
 
 
-def receive_piece(client: PlainClient, url: str, fd: int, offset: int, length: int, pin: str) -> bool:
+def receive_piece(client: PlainClient, url: str, fd: int, offset: int, length: int, pin: str,
+                  algorithm: str = "sha256") -> bool:
     """One piece of the blob into the memfd `fd` (its own file, from 0), received into the memfd's mapping by
     the socket itself and hashed there: no buffer of its own, no copy under the GIL. Whether it matches its pin.
     Raises NoRanges, or one of RECEIVE_BROKEN."""
@@ -60,8 +61,8 @@ def receive_piece(client: PlainClient, url: str, fd: int, offset: int, length: i
                                                                                            http.client.HTTPResponse):
             r.close()  # an encoded body (no registry sends one): decoded on the way, as any other
             return fetch_piece(client, url, fd, offset, length, pin, "", lambda n: None, write_behind=False,
-                               base=offset)
-        h, at = hashlib.sha256(), 0
+                               base=offset, algorithm=algorithm)
+        h, at = piece_hasher(algorithm), 0
         with mmap.mmap(fd, length) as m:
             view = memoryview(m)
             try:
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             local.client = PlainClient(job.get("authorization"))
         for _ in range(ATTEMPTS):
             try:
-                good = receive_piece(local.client, job["url"], fds[k], offset, length, pin)
+                good = receive_piece(local.client, job["url"], fds[k], offset, length, pin, job.get("hash", "sha256"))
             except NoRanges:
                 say("noranges")
                 return

@@ -111,7 +111,7 @@ def materialize(store: CapsuleStore, capsule: LoadedCapsule, weights: list[Weigh
         os.replace(tmp, wf.path)
         if os.path.samefile(src, wf.path):  # the verified blob's own inode: what was checked holds
             if wf.chunks and wf.chunk_bytes:
-                remember_pieces(wf.path, wf.chunks, wf.chunk_bytes)
+                remember_pieces(wf.path, wf.chunks, wf.chunk_bytes, wf.chunk_digest)
             else:
                 remember_hashed(wf.path, desc.digest)
         placed.append(wf.path)

@@ -16,7 +16,6 @@ holds every writer to its own rate, and would set the restore's pace."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import socket
@@ -33,7 +32,7 @@ from typing import Callable, Iterator
 
 import requests
 
-from coldsnap.base.digests import chunk_sha256
+from coldsnap.base.digests import chunk_digest, piece_hasher
 from coldsnap.base.files import WriteBehind
 from coldsnap.base.paths import settings
 from coldsnap.capsule.growing import Growing
@@ -334,16 +333,17 @@ def covers(wf: WeightFile, size: int) -> bool:
 
 
 def fetch_piece(client, url: str, fd: int, offset: int, length: int, pin: str, what: str,
-                 counted: Callable[[int], None], write_behind: bool = True, base: int = 0) -> bool:
+                 counted: Callable[[int], None], write_behind: bool = True, base: int = 0,
+                 algorithm: str = "sha256") -> bool:
     """One piece into the file at its offset (less base: a spool's piece is a file of its own from 0); whether its
-    bytes match the pin."""
+    bytes match the pin (a digest by `algorithm`)."""
     last = offset + length - 1
     r = client.request("GET", url, ok=(200, 206), what=what, headers={"Range": f"bytes={offset}-{last}"},
                        stream=True, not_found=ErrorCode.CAPSULE_NOT_FOUND)
     with r:
         if r.status_code != 206 or not r.headers.get("Content-Range", "").startswith(f"bytes {offset}-{last}/"):
             raise NoRanges()
-        h, behind, at = hashlib.sha256(), WriteBehind(fd, offset) if write_behind else None, offset
+        h, behind, at = piece_hasher(algorithm), WriteBehind(fd, offset) if write_behind else None, offset
         for chunk in r.iter_content(READ):
             if at + len(chunk) > offset + length:
                 return False  # more than asked for: not this piece
@@ -375,7 +375,7 @@ def fetch_by_pieces(new_client: Callable[[], object], url: str, part: Path, size
         had = os.fstat(fd).st_size
         there = [p for p in pieces if p[1] + p[2] <= had]
         with ThreadPoolExecutor(workers()) as pool:
-            ok = pool.map(lambda p: chunk_sha256(fd, p[1], p[2]) == wf.chunks[p[0]], there)
+            ok = pool.map(lambda p: chunk_digest(fd, p[1], p[2], wf.chunk_digest) == wf.chunks[p[0]], there)
             kept = {p[0] for p, good in zip(there, ok) if good}
         os.ftruncate(fd, size)
         if arrivals is not None and spool_wanted(size, len(pieces)):
@@ -429,7 +429,7 @@ def fetch_by_pieces(new_client: Callable[[], object], url: str, part: Path, size
                 try:
                     into, base = (spool.fds[i], offset) if spool else (fd, 0)
                     good = fetch_piece(local.client, url, into, offset, length, wf.chunks[i], what, counted,
-                                       write_behind=arrivals is None, base=base)
+                                       write_behind=arrivals is None, base=base, algorithm=wf.chunk_digest)
                     if good and arrivals is not None:
                         announce(i, offset, length)
                     return good
@@ -448,7 +448,7 @@ def fetch_by_pieces(new_client: Callable[[], object], url: str, part: Path, size
         if spool is None or not todo:
             for f in ready:
                 f.close()
-        results = _fetch_in_processes(new_client, url, spool, todo, wf.chunks, what, spooled, ready) \
+        results = _fetch_in_processes(new_client, url, spool, todo, wf, what, spooled, ready) \
             if spool is not None and todo else None
         if results is None:  # on threads of this process: to disk, or where no fetching process could start
             with ThreadPoolExecutor(workers()) as pool:
@@ -550,7 +550,7 @@ def _connections() -> int:
 
 
 def _fetch_in_processes(new_client: Callable[[], object], url: str, spool: Spool, todo: list[tuple[int, int, int]],
-                        pins: list[str], what: str, spooled: Callable[[int, int, int], None],
+                        wf: WeightFile, what: str, spooled: Callable[[int, int, int], None],
                         ready: list[Fetcher] | None = None) -> list[bool] | None:
     """The pieces fetched into the spool by a few processes of their own (coldsnap.capsule.fetcher), one per core
     up to 16 connections in all; spooled(i, offset, length) hears of each piece there and matching its pin.
@@ -575,7 +575,7 @@ def _fetch_in_processes(new_client: Callable[[], object], url: str, spool: Spool
         for k, fetcher in enumerate(procs):
             mine = todo[k::n]
             fetcher.give({"url": url, "authorization": authorization, "threads": -(-_connections() // n),
-                          "pieces": [[o, length, pins[i]] for i, o, length in mine]},
+                          "hash": wf.chunk_digest, "pieces": [[o, length, wf.chunks[i]] for i, o, length in mine]},
                          [spool.fds[i] for i, _, _ in mine])
     except OSError:
         for fetcher in procs:

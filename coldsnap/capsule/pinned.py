@@ -14,7 +14,7 @@ def mismatch(path: str | os.PathLike, wf: WeightFile) -> str | None:
     at once (coldsnap.base.digests): they were hashed in the same read as the whole-file digest, so matching pieces
     are the pinned file."""
     if wf.chunks and wf.chunk_bytes:
-        if not checked_chunks(path, wf.chunks, wf.chunk_bytes):
+        if not checked_chunks(path, wf.chunks, wf.chunk_bytes, wf.chunk_digest):
             return f"differs from the one the capsule pins (sha256 {wf.sha256[:12]}…): a piece does not match"
         return None
     actual = file_sha256(path)

@@ -712,7 +712,7 @@ def _present_for(store: CapsuleStore, d: Descriptor, wf: WeightFile | None) -> b
     # trusted by its digest (pins without pieces: the same): one only ever checked by pieces is hashed whole first
     if wf is None or wf.chunk_bytes is None:
         return not known_by_pieces_only(path) or checked_sha256(path)[0] == d.digest
-    if checked_chunks(path, wf.chunks, wf.chunk_bytes):
+    if checked_chunks(path, wf.chunks, wf.chunk_bytes, wf.chunk_digest):
         return True
     if checked_sha256(path)[0] == d.digest:
         raise _corrupt(f"the capsule pins the pieces of weights blob {d.digest}, but they are not that blob's "
@@ -771,7 +771,7 @@ def _fetch_missing(store: CapsuleStore, client: "_Client", descs: list[Descripto
         os.replace(partial_path(store, d.digest), store.blob_path(d.digest))
         if wf := by_pieces.get(d.digest):  # its pieces checked as they came in; its whole digest never computed
             assert wf.chunk_bytes is not None  # pieces.covers held for it
-            remember_pieces(store.blob_path(d.digest), wf.chunks, wf.chunk_bytes)
+            remember_pieces(store.blob_path(d.digest), wf.chunks, wf.chunk_bytes, wf.chunk_digest)
         else:
             remember_hashed(store.blob_path(d.digest), d.digest)  # hashed while it streamed in: not read again
     if fetched:

@@ -20,8 +20,11 @@ class WeightFile(Strict):
     sha256: str = Field(description="Content digest (hex) the file must have; checked before any restore.")
     size: int | None = Field(default=None, ge=0)
     chunk_bytes: int | None = Field(default=None, gt=0, description="The piece size of `chunks`.")
-    chunks: list[str] = Field(default_factory=list, description="sha256 (hex) of each chunk_bytes piece, in order: "
-                              "a restore checks these in parallel instead of the whole-file stream")
+    chunks: list[str] = Field(default_factory=list, description="The digest (hex, by chunk_digest) of each "
+                              "chunk_bytes piece, in order: a restore checks these in parallel instead of the "
+                              "whole-file stream, and a pull checks each piece as it arrives")
+    chunk_digest: Literal["sha256", "blake3"] = Field(default="sha256", description="The hash of `chunks`: sha256, "
+                                                      "or blake3 (what a capture pins them by: less CPU a byte)")
 
     @field_validator("sha256")
     @classmethod

@@ -6,7 +6,7 @@ import os
 import sys
 from pathlib import Path
 
-from coldsnap.base.digests import pin_piece_bytes, pinned_digests
+from coldsnap.base.digests import pinned_digests
 from coldsnap.base.paths import settings
 from coldsnap.contracts import CaptureRequest, Distributed, EngineRelease, Model, Mount, WeightFile
 from coldsnap.engines.base import EngineAdapter, PreparedLaunch, option_flags, post_json
@@ -79,10 +79,9 @@ class ReferenceAdapter(EngineAdapter):
 
     def describe_model(self, weights_path: str) -> Model:
         """Called once the engine has started (it writes its seeded weights on first use)."""
-        digest, chunks = pinned_digests(weights_path)
-        return Model(id=MODEL_ID, revision=f"sha256:{digest}", weights=[WeightFile(
-            path=weights_path, sha256=digest, size=os.path.getsize(weights_path),
-            chunk_bytes=pin_piece_bytes() if chunks else None, chunks=chunks)])
+        pinned = pinned_digests(weights_path)
+        return Model(id=MODEL_ID, revision=f"sha256:{pinned.sha256}", weights=[WeightFile(
+            path=weights_path, size=os.path.getsize(weights_path), **pinned.fields())])
 
     def distributed(self, info: dict) -> Distributed | None:
         tp = info.get("tensor_parallel") or {}

@@ -176,16 +176,15 @@ def describe_model_dir(directory: str | os.PathLike, model_id: str):
     revision that is the digest of every file the engine reads (weights, config, tokenizer)."""
     import hashlib
 
-    from coldsnap.base.digests import pin_piece_bytes, pinned_digests
+    from coldsnap.base.digests import pinned_digests
     from coldsnap.contracts import Model, WeightFile
 
     d = Path(directory).resolve()
     files = sorted(p for p in d.iterdir() if p.is_file() and not p.name.startswith("."))
     weights, h = [], hashlib.sha256()
     for p in files:
-        digest, chunks = pinned_digests(str(p))
-        h.update(f"{p.name}\0{digest}\n".encode())
+        pinned = pinned_digests(str(p))
+        h.update(f"{p.name}\0{pinned.sha256}\n".encode())
         if p.suffix == ".safetensors":
-            weights.append(WeightFile(path=str(p), sha256=digest, size=p.stat().st_size,
-                                      chunk_bytes=pin_piece_bytes() if chunks else None, chunks=chunks))
+            weights.append(WeightFile(path=str(p), size=p.stat().st_size, **pinned.fields()))
     return Model(id=model_id, revision=f"sha256:{h.hexdigest()}", weights=weights)

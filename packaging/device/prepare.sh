@@ -31,7 +31,8 @@ print(" ".join(f"{n}=={version(n)}" for n in sys.argv[1:]))' "$@")
       --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform any -d "$dir" $pins
   echo "$dir: $pins"
 }
-wheels .whl pydantic pydantic-core annotated-types typing-inspection pyroute2 zstandard cryptography cffi pycparser
+wheels .whl pydantic pydantic-core annotated-types typing-inspection pyroute2 zstandard cryptography cffi pycparser \
+    blake3
 # docker-registry for the cold-node bench (a registry on the same machine; static but for libc, 20 MB), and the
 # registry client's wheels (push/pull) beside it: packaging/device/env.sh installs them when they are carried.
 if [ -n "${WITH_REGISTRY:-}" ]; then

@@ -17,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-from coldsnap.base.digests import chunk_sha256s
+from coldsnap.base.digests import chunk_digests
 from coldsnap.capsule import pieces
 from coldsnap.capsule.fetcher import PlainClient
 from coldsnap.contracts import WeightFile
@@ -93,7 +93,7 @@ def main() -> None:
         for at in range(0, size, len(block)):
             f.write(block[:size - at])
     cb = 256 << 20
-    pins = chunk_sha256s(blob, cb)
+    pins = chunk_digests(blob, cb, "blake3")
     import hashlib
 
     h = hashlib.sha256()
@@ -101,7 +101,8 @@ def main() -> None:
         while data := f.read(64 << 20):
             h.update(data)
     digest = "sha256:" + h.hexdigest()
-    wf = WeightFile(path=str(tmp / "w"), sha256=digest[7:], size=size, chunks=pins, chunk_bytes=cb)
+    wf = WeightFile(path=str(tmp / "w"), sha256=digest[7:], size=size, chunks=pins, chunk_bytes=cb,
+                    chunk_digest="blake3")
     reg = LocalRegistry.start(tmp / "registry")
     try:
         assert reg.hold("t/b", digest, blob)

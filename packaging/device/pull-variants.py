@@ -81,7 +81,7 @@ def worker() -> int:
 def run(url: str, size: int, pins: dict, procs: int, threads: int, mode: str, hashname: str, prefault: bool) -> dict:
     pieces = [(o, min(PIECE, size - o)) for o in range(0, size, PIECE)]
     fds = []
-    for o, n in pieces:
+    for _, n in pieces:
         fds.append(os.memfd_create("v"))
         os.ftruncate(fds[-1], n)
     t = time.monotonic()
