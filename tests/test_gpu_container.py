@@ -246,6 +246,69 @@ def test_a_fresh_node_restores_the_container_while_its_weights_stream_in(lab, ca
         os.replace(weights.path + ".gone", weights.path)
 
 
+def test_a_shim_killed_while_the_weights_stream_leaves_nothing_and_the_next_restore_works(
+        lab, captured, registry, tmp_path, monkeypatch):  # noqa: F811
+    """The shim's annotated create on a fresh node, SIGKILLed once `runc restore` has the container and its
+    weights are still streaming (linked at their path): whatever looks next (coldsnap.flows.recovery) deletes the
+    half-restored container and removes the link; the store lists neither the capsule nor the weights blob; the
+    next create restores and serves the cold container's completions. The CPU case only: a GPU's restore is too
+    quick to be caught mid-stream without a throttle, which the GPU machine's run does not use."""
+    import signal
+    import subprocess
+
+    from coldsnap.base.paths import settings
+    from coldsnap.capsule import CapsuleStore
+    from coldsnap.capsule.registry import push
+    from coldsnap.flows.recovery import recover
+    from coldsnap.oci import records
+
+    if captured.device != "cpu":
+        pytest.skip("the kill is timed by a throttled stream, which only the CPU case uses")
+    push(CapsuleStore(settings().store), captured.capsule, f"{registry}/coldsnap/killed:{captured.device}",
+         insecure=True)
+    weights = captured.profile.model.weights[0]
+    node = tmp_path / "node"
+    monkeypatch.setenv("COLDSNAP_STORE", str(node / "store"))
+    monkeypatch.setenv("COLDSNAP_STAGED", str(node / "staged"))
+    monkeypatch.setenv("COLDSNAP_PULL_SPOOL", "1")
+    upstream = Throttle(registry, rate=max(weights.size // 6, 1 << 20), only=weights.sha256)  # ~6 s of weights
+    monkeypatch.setenv("COLDSNAP_INSECURE_REGISTRIES", f"{upstream.address},{registry}")
+    os.rename(weights.path, weights.path + ".gone")
+    rid = unique("cpu-killed")
+    try:
+        shim_cmd = [str(RUNTIME), "--root", str(lab["runc_root"]), "create", "--bundle",
+                    str(captured.bundle("killed", f"{upstream.address}/coldsnap/killed@{captured.capsule}")), rid]
+        proc = subprocess.Popen(shim_cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + 120
+
+        def restoring() -> bool:  # runc has the container, the weights still on their way
+            record = records.load(rid)
+            return record is not None and record.outcome == records.Outcome.RESTORING and \
+                (state(lab["runc_root"], rid) or {}).get("status") in ("created", "running")
+
+        while not restoring():
+            assert proc.poll() is None and time.monotonic() < deadline, "the shim ended before it restored"
+            time.sleep(0.05)
+        assert os.path.exists(weights.path)  # linked to the partial while the pieces arrive
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        done = recover()
+        assert any(f"container {rid} was interrupted" in line for line in done), done
+        assert any("interrupted" in line and "container-restore" in line for line in done), done
+        assert state(lab["runc_root"], rid) is None and not os.path.exists(weights.path)
+        store = CapsuleStore(node / "store")
+        assert store.index() == [] and not store.has_blob("sha256:" + weights.sha256)
+    finally:
+        upstream.close()
+        runc(lab["runc_root"], "delete", "-f", rid)
+    try:  # the next create, at full speed: it pulls what is missing and serves
+        restored_through_the_shim(lab, captured, "after-kill", f"{registry}/coldsnap/killed@{captured.capsule}")
+        assert os.path.samefile(weights.path, CapsuleStore(node / "store").blob_path("sha256:" + weights.sha256))
+    finally:
+        os.replace(weights.path + ".gone", weights.path)
+
+
 def test_vllm_on_a_gpu_in_a_container_through_the_shim(lab):
     """vLLM's CUDA build (API server and engine core, torch.compile, CUDA graphs) in a runc container: cold start,
     greedy completions with logprobs, capture_container in recovery mode (sleep level 2: weights and KV cache
