@@ -155,7 +155,7 @@ def test_a_restore_streaming_its_weights_by_pieces_restores_with_criu_while_they
         assert r.result.pull.get("spooled") == 1, r.result.pull  # in memory first, filed for the engine's reads
         assert r.result.stage_parts.get("unpack_early"), r.result.stage_parts  # the images unpacked as they came
         steps = r.result.pull["steps_s"]  # where the pull's time went, in the order it went
-        order = ["manifest", "own_blobs", "provenance", "weights_sized", "weights_checked"]
+        order = ["started", "manifest", "own_blobs", "provenance", "weights_sized", "weights_checked"]
         assert [steps[k] for k in order] == sorted(steps[k] for k in order), steps
         assert steps["weights_checked"] - steps["weights_sized"] > 1.0, steps  # the throttled weights, ~3 s
         store = CapsuleStore(settings().store)

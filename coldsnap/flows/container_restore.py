@@ -145,9 +145,8 @@ def restore_at_create(runc: str, parsed: RuncArgv, spec: dict) -> CreateOutcome:
                                 "or run --detach)")
         ref = creq.request.capsule
         if is_registry_reference(ref):  # a node whose store lacks it pulls it here (the request stays as written)
-            look_at_this_host_soon()  # admission's look at this host, while the pull waits on the network
-            with tl.span("pull"):
-                pulled, pull_facts, arriving = fetch(creq.request, lambda _: None)
+            with tl.span("pull"):  # admission's look at this host meanwhile, while the pull waits on the network
+                pulled, pull_facts, arriving = fetch(creq.request, lambda _: None, look_at_this_host_soon)
                 ref = pulled.capsule
         with tl.span("admit"):
             capsule = load_capsule(ref, creq.request.policy.allow_unpinned)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Callable
 
 from coldsnap.base.paths import settings
 from coldsnap.base.progress import Progress
@@ -93,11 +94,14 @@ class Arriving:
             self.early.discard()
 
 
-def fetch(request: RestoreRequest, progress: Progress) -> tuple[RestoreRequest, dict, Arriving | None]:
+def fetch(request: RestoreRequest, progress: Progress, meanwhile: Callable[[], None] | None = None
+          ) -> tuple[RestoreRequest, dict, Arriving | None]:
     """The request with its capsule named by digest in the local store, pulled when it is not there; what the pull
     did (the receipt's `pull`); and the weights still arriving, if they are: fetch returns as soon as the capsule's
     own blobs, manifest and signatures are in, so that it admits and its images stage while its weights stream in.
-    Whoever needs the weights waits for them (Arriving.wait)."""
+    Whoever needs the weights waits for them (Arriving.wait). meanwhile: called once the pull is on its way (its
+    library loaded first, on a GIL nobody else wants yet), for work done while the pull waits on the registry."""
+    arrivals = Arrivals()  # its clock starts here: the receipt's pull.steps_s
     from coldsnap.capsule.registry import pull
 
     store = CapsuleStore(settings().store)
@@ -106,7 +110,6 @@ def fetch(request: RestoreRequest, progress: Progress) -> tuple[RestoreRequest, 
         return request.model_copy(update={"capsule": digest}), {"from": ref, "pulled": False}, None
     here = threading.Event()
     outcome: dict = {}
-    arrivals = Arrivals()
 
     def on_manifest(digest: str, manifest: dict) -> None:  # the images unpack while they arrive
         outcome["early"] = UnpackingEarly.start(digest, manifest, arrivals)
@@ -117,6 +120,7 @@ def fetch(request: RestoreRequest, progress: Progress) -> tuple[RestoreRequest, 
         here.set()
 
     def run() -> None:
+        arrivals.mark("started")
         insecure = request.insecure_registry or ref.split("/", 1)[0] in insecure_registries()
         transfer = getattr(progress, "transfer", None)  # a display that shows transfers (the CLI's) gets the bytes
         try:
@@ -132,6 +136,8 @@ def fetch(request: RestoreRequest, progress: Progress) -> tuple[RestoreRequest, 
     progress(f"pulling {ref}")
     puller = threading.Thread(target=run, name="pull", daemon=True)
     puller.start()
+    if meanwhile is not None:
+        meanwhile()
     here.wait()
     facts = {"from": ref, "pulled": True}
     arriving = Arriving(puller, outcome, facts, arrivals, outcome.get("early"))

@@ -50,11 +50,13 @@ def restore(request: RestoreRequest, progress: Progress = quiet) -> Receipt:
         pulled: dict = {}
         arriving = None
         if is_registry_reference(request.capsule):
-            # the network step's library loads while the pull waits on the registry, not on the restore's clock
-            threading.Thread(target=importlib.import_module, args=("coldsnap.net.netns",), daemon=True).start()
-            look_at_this_host_soon()  # and admission's look at this host
+            def meanwhile() -> None:  # while the pull waits on the registry, not on the restore's clock:
+                threading.Thread(target=importlib.import_module, args=("coldsnap.net.netns",),  # the network
+                                 daemon=True).start()  # step's library, and admission's look at this host
+                look_at_this_host_soon()
+
             with tl.span("pull"):  # until the capsule's own blobs are in: its weights follow
-                request, pulled, arriving = fetch(request, progress)
+                request, pulled, arriving = fetch(request, progress, meanwhile)
             if arriving is not None:
                 held.callback(arriving.settle)  # the pull ends before the restore does, however it ends
         with tl.span("admit"):
