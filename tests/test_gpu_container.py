@@ -202,6 +202,31 @@ def test_container_captured_and_restored_through_the_shim(lab, captured):
         assert restored["result"]["hydrate"]["prefetch"].get("served"), restored["result"]["hydrate"]
 
 
+def a_fresh_node(captured: Captured, registry, repo: str, tmp_path: Path, monkeypatch,
+                 weights_s: int | None) -> tuple:
+    """The capsule pushed to registry/coldsnap/REPO; this process then a node with an empty store and staging area
+    and no weights file (renamed to PATH.gone: the caller puts it back), its weights spooled in memory as they
+    arrive. weights_s: the weights throttled to take about that long (the rest at full speed). Returns (the
+    weights file, the node's directory, the throttling proxy or None); both addresses are insecure registries."""
+    from coldsnap.base.paths import settings
+    from coldsnap.capsule import CapsuleStore
+    from coldsnap.capsule.registry import push
+
+    push(CapsuleStore(settings().store), captured.capsule, f"{registry}/coldsnap/{repo}:{captured.device}",
+         insecure=True)
+    weights = captured.profile.model.weights[0]
+    node = tmp_path / "node"
+    monkeypatch.setenv("COLDSNAP_STORE", str(node / "store"))
+    monkeypatch.setenv("COLDSNAP_STAGED", str(node / "staged"))
+    monkeypatch.setenv("COLDSNAP_PULL_SPOOL", "1")
+    upstream = Throttle(registry, rate=max(weights.size // weights_s, 1 << 20), only=weights.sha256) \
+        if weights_s else None
+    monkeypatch.setenv("COLDSNAP_INSECURE_REGISTRIES", ",".join([str(registry)] + ([upstream.address] if upstream
+                                                                                     else [])))
+    os.rename(weights.path, weights.path + ".gone")
+    return weights, node, upstream
+
+
 def test_a_fresh_node_restores_the_container_while_its_weights_stream_in(lab, captured, registry, tmp_path,
                                                                          monkeypatch):  # noqa: F811
     """The capsule pushed to a registry; a node with an empty store and staging area and no weights file: the
@@ -209,23 +234,12 @@ def test_a_fresh_node_restores_the_container_while_its_weights_stream_in(lab, ca
     the container while the pieces still arrive (on the CPU through a throttling proxy, so that they take ~3 s);
     the engine resumes once every piece is checked (on a GPU from the prefetched copy, else from its file); the
     container serves the cold container's completions, and the weights file is the store's listed blob."""
-    from coldsnap.base.paths import settings
     from coldsnap.capsule import CapsuleStore
-    from coldsnap.capsule.registry import push
 
-    push(CapsuleStore(settings().store), captured.capsule, f"{registry}/coldsnap/stream:{captured.device}",
-         insecure=True)
-    weights = captured.profile.model.weights[0]
-    node = tmp_path / "node"
-    monkeypatch.setenv("COLDSNAP_STORE", str(node / "store"))
-    monkeypatch.setenv("COLDSNAP_STAGED", str(node / "staged"))
-    monkeypatch.setenv("COLDSNAP_PULL_SPOOL", "1")
     # the weights take a few seconds, the rest comes at full speed
-    upstream = Throttle(registry, rate=max(weights.size // 3, 1 << 20),
-                        only=weights.sha256) if captured.device == "cpu" else None
+    weights, node, upstream = a_fresh_node(captured, registry, "stream", tmp_path, monkeypatch,
+                                           weights_s=3 if captured.device == "cpu" else None)
     address = upstream.address if upstream else str(registry)
-    monkeypatch.setenv("COLDSNAP_INSECURE_REGISTRIES", address)
-    os.rename(weights.path, weights.path + ".gone")
     try:
         restored = restored_through_the_shim(lab, captured, "streamed",
                                              f"{address}/coldsnap/stream@{captured.capsule}")
@@ -256,24 +270,14 @@ def test_a_shim_killed_while_the_weights_stream_leaves_nothing_and_the_next_rest
     import signal
     import subprocess
 
-    from coldsnap.base.paths import settings
     from coldsnap.capsule import CapsuleStore
-    from coldsnap.capsule.registry import push
     from coldsnap.flows.recovery import recover
     from coldsnap.oci import records
 
     if captured.device != "cpu":
         pytest.skip("the kill is timed by a throttled stream, which only the CPU case uses")
-    push(CapsuleStore(settings().store), captured.capsule, f"{registry}/coldsnap/killed:{captured.device}",
-         insecure=True)
-    weights = captured.profile.model.weights[0]
-    node = tmp_path / "node"
-    monkeypatch.setenv("COLDSNAP_STORE", str(node / "store"))
-    monkeypatch.setenv("COLDSNAP_STAGED", str(node / "staged"))
-    monkeypatch.setenv("COLDSNAP_PULL_SPOOL", "1")
-    upstream = Throttle(registry, rate=max(weights.size // 6, 1 << 20), only=weights.sha256)  # ~6 s of weights
-    monkeypatch.setenv("COLDSNAP_INSECURE_REGISTRIES", f"{upstream.address},{registry}")
-    os.rename(weights.path, weights.path + ".gone")
+    weights, node, upstream = a_fresh_node(captured, registry, "killed", tmp_path, monkeypatch, weights_s=6)
+    assert upstream is not None
     rid = unique("cpu-killed")
     try:
         shim_cmd = [str(RUNTIME), "--root", str(lab["runc_root"]), "create", "--bundle",
