@@ -80,11 +80,17 @@ def test_arrivals_announce_checked_pieces_as_they_come_and_stop_when_the_pull_en
 class RangeServer:
     """A real HTTP server on loopback answering Range requests for one blob (as a registry does)."""
 
-    def __init__(self, blob: bytes) -> None:
+    def __init__(self, blob: bytes, ranges: bool = True) -> None:
         import http.server
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                if not ranges:  # a registry that ignores Range: the whole blob
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(blob)))
+                    self.end_headers()
+                    self.wfile.write(blob)
+                    return
                 first, last = (int(x) for x in self.headers["Range"].removeprefix("bytes=").split("-"))
                 self.send_response(206)
                 self.send_header("Content-Range", f"bytes {first}-{last}/{len(blob)}")
@@ -202,3 +208,13 @@ def test_fetching_processes_started_ahead_take_the_pieces_and_those_left_end_wit
         assert all(p.wait(10) == 0 for p in spare)
     finally:
         server.close()
+    plain, unused = RangeServer(blob, ranges=False), Arrivals()  # no ranges: one stream, and the fetchers end
+    try:
+        unused.start_fetchers()
+        spare = started[len(ahead) + len(spare):]
+        with pytest.raises(pieces.NoRanges):
+            pieces.fetch_by_pieces(PlainClient, plain.url, tmp_path / "part2", len(blob), wf, "test",
+                                   arrivals=unused, digest="d2")
+        assert spare and all(p.wait(10) == 0 for p in spare) and unused.take_fetchers() == []
+    finally:
+        plain.close()

@@ -520,13 +520,16 @@ class Fetcher:
         finally:
             self.err.close()
 
-    def close(self) -> None:
-        """Not needed after all (or the pull failed): it ends without work, at once, on the EOF of its stdin;
-        reaped on a thread of its own, so that whoever closes it does not wait."""
+    def close(self, at_once: bool = False) -> None:
+        """Not needed after all (or the pull failed): it ends without work, at once, on the EOF of its stdin
+        (at_once: killed, for one that may have its job); reaped on a thread of its own, so that whoever closes
+        it does not wait."""
         self.sock.close()
         with suppress(OSError):
             if self.proc.stdin is not None:
                 self.proc.stdin.close()
+        if at_once:
+            self.proc.kill()
         threading.Thread(target=self._reap, name="fetcher-reap", daemon=True).start()
 
     def _reap(self) -> None:
@@ -557,17 +560,23 @@ def _fetch_in_processes(new_client: Callable[[], object], url: str, spool: Spool
     ready: fetching processes started ahead (Arrivals.start_fetchers), used first. Returns whether each piece
     matched its pin, in todo's order; None when no process could start (the caller fetches on its own threads).
     Raises NoRanges, or REGISTRY when a piece could not be fetched."""
-    client = new_client()
-    r = client.request("GET", url, ok=(200, 206), what=what, headers={"Range": "bytes=0-0"},  # type: ignore[attr-defined]
-                       stream=True, not_found=ErrorCode.CAPSULE_NOT_FOUND)
-    with r:  # the registry answers ranges, and with which authorization (the first request's, before a redirect)
-        if r.status_code != 206:
-            raise NoRanges()
-        authorization = (r.history[0] if r.history else r).request.headers.get("Authorization")
+    ready = list(ready or [])
+    try:
+        client = new_client()
+        r = client.request("GET", url, ok=(200, 206), what=what, headers={"Range": "bytes=0-0"},  # type: ignore[attr-defined]
+                           stream=True, not_found=ErrorCode.CAPSULE_NOT_FOUND)
+        with r:  # the registry answers ranges, and with which authorization (the first request's, before a redirect)
+            if r.status_code != 206:
+                raise NoRanges()
+            authorization = (r.history[0] if r.history else r).request.headers.get("Authorization")
+    except BaseException:
+        for f in ready:
+            f.close()
+        raise
     n = max(1, min(fetcher_count(), len(todo)))
     by_offset = {offset: (i, length) for i, offset, length in todo}
-    procs = list(ready or [])[:n]
-    for extra in list(ready or [])[n:]:
+    procs = ready[:n]
+    for extra in ready[n:]:
         extra.close()
     try:
         while len(procs) < n:
@@ -579,7 +588,7 @@ def _fetch_in_processes(new_client: Callable[[], object], url: str, spool: Spool
                          [spool.fds[i] for i, _, _ in mine])
     except OSError:
         for fetcher in procs:
-            fetcher.close()
+            fetcher.close(at_once=True)  # some may have their job: the caller's threads fetch it all again
         return None
     good: dict[int, bool] = {}
     broken: list[int] = []
