@@ -80,7 +80,7 @@ def test_arrivals_announce_checked_pieces_as_they_come_and_stop_when_the_pull_en
 class RangeServer:
     """A real HTTP server on loopback answering Range requests for one blob (as a registry does)."""
 
-    def __init__(self, blob: bytes, ranges: bool = True) -> None:
+    def __init__(self, blob: bytes, ranges: bool = True, short: bool = False) -> None:
         import http.server
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -96,7 +96,9 @@ class RangeServer:
                 self.send_header("Content-Range", f"bytes {first}-{last}/{len(blob)}")
                 self.send_header("Content-Length", str(last - first + 1))
                 self.end_headers()
-                self.wfile.write(blob[first:last + 1])
+                # short: the connection breaks halfway through the body
+                self.wfile.write(blob[first:first + (last - first + 1) // 2] if short else blob[first:last + 1])
+                self.close_connection = short
 
             def log_message(self, *args) -> None:
                 pass
@@ -218,3 +220,27 @@ def test_fetching_processes_started_ahead_take_the_pieces_and_those_left_end_wit
         assert spare and all(p.wait(10) == 0 for p in spare) and unused.take_fetchers() == []
     finally:
         plain.close()
+
+
+def test_a_piece_whose_connection_breaks_is_fetched_again_not_refused(tmp_path):
+    """A fetching process receives a piece straight into its memfd: a connection that ends before the piece does
+    is a broken one (fetched again, up to ATTEMPTS times), never a piece that fails its pin."""
+    import hashlib
+    import os
+
+    from coldsnap.capsule.fetcher import RECEIVE_BROKEN, PlainClient, receive_piece
+
+    blob = os.urandom(64_000)
+    pin = hashlib.sha256(blob[4096:8192]).hexdigest()
+    fd = os.memfd_create("piece")
+    os.ftruncate(fd, 4096)
+    broken, whole = RangeServer(blob, short=True), RangeServer(blob)
+    try:
+        with pytest.raises(RECEIVE_BROKEN):
+            receive_piece(PlainClient(), broken.url, fd, 4096, 4096, pin)
+        assert receive_piece(PlainClient(), whole.url, fd, 4096, 4096, pin)
+        assert os.pread(fd, 4096, 0) == blob[4096:8192]
+    finally:
+        os.close(fd)
+        broken.close()
+        whole.close()

@@ -68,8 +68,8 @@ def receive_piece(client: PlainClient, url: str, fd: int, offset: int, length: i
             try:
                 while at < length:
                     n = body.readinto(view[at:at + READ])
-                    if not n:
-                        break
+                    if not n:  # http.client returns 0 where its response ends short: a broken connection
+                        raise http.client.IncompleteRead(b"", length - at)
                     h.update(view[at:at + n])
                     at += n
             finally:
