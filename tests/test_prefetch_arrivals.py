@@ -223,12 +223,13 @@ def test_fetching_processes_started_ahead_take_the_pieces_and_those_left_end_wit
 
 
 def test_a_piece_whose_connection_breaks_is_fetched_again_not_refused(tmp_path):
-    """A fetching process receives a piece straight into its memfd: a connection that ends before the piece does
+    """A fetching process puts a piece into its memfd as it arrives: a connection that ends before the piece does
     is a broken one (fetched again, up to ATTEMPTS times), never a piece that fails its pin."""
     import hashlib
     import os
 
-    from coldsnap.capsule.fetcher import RECEIVE_BROKEN, PlainClient, receive_piece
+    from coldsnap.capsule.fetcher import PlainClient
+    from coldsnap.capsule.pieces import BROKEN, fetch_piece
 
     blob = os.urandom(64_000)
     pin = hashlib.sha256(blob[4096:8192]).hexdigest()
@@ -236,9 +237,11 @@ def test_a_piece_whose_connection_breaks_is_fetched_again_not_refused(tmp_path):
     os.ftruncate(fd, 4096)
     broken, whole = RangeServer(blob, short=True), RangeServer(blob)
     try:
-        with pytest.raises(RECEIVE_BROKEN):
-            receive_piece(PlainClient(), broken.url, fd, 4096, 4096, pin)
-        assert receive_piece(PlainClient(), whole.url, fd, 4096, 4096, pin)
+        with pytest.raises(BROKEN):
+            fetch_piece(PlainClient(), broken.url, fd, 4096, 4096, pin, "test", lambda n: None, write_behind=False,
+                        base=4096)
+        assert fetch_piece(PlainClient(), whole.url, fd, 4096, 4096, pin, "test", lambda n: None,
+                           write_behind=False, base=4096)
         assert os.pread(fd, 4096, 0) == blob[4096:8192]
     finally:
         os.close(fd)

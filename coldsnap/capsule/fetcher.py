@@ -6,18 +6,17 @@ GPU machine that slowed the restore's own steps several-fold.
 It starts (interpreter and imports) before it has work, then reads its job: on stdin, one JSON line {"url",
 "authorization" (a header value, or null), "threads", "hash" (the pins': sha256 or blake3), "pieces": [[offset,
 length, pin], ...]} (the header travels there, never in arguments or the environment); on FD, an inherited AF_UNIX
-SOCK_SEQPACKET socket, the pieces' memfds, in order (SCM_RIGHTS). Each piece is received straight into its memfd's
-mapping and hashed there. stdout, one line per piece: `ok OFFSET LENGTH` (in the spool, matching its pin), `bad
-OFFSET` (not matching it), `broken OFFSET` (its connection broke ATTEMPTS times); or `noranges` when the registry
-does not answer Range requests. It exits once every piece is told, when whoever reads its lines is gone, or at
-once when its stdin closes before a job came (the pull did not need it)."""
+SOCK_SEQPACKET socket, the pieces' memfds, in order (SCM_RIGHTS). Each piece is hashed as it arrives and written
+into its memfd (receiving into the memfd's mapping instead measured the same: bench/results/pull-variants-h100.json).
+stdout, one line per piece: `ok OFFSET LENGTH` (in the spool, matching its pin), `bad OFFSET` (not matching it),
+`broken OFFSET` (its connection broke ATTEMPTS times); or `noranges` when the registry does not answer Range
+requests. It exits once every piece is told, when whoever reads its lines is gone, or at once when its stdin
+closes before a job came (the pull did not need it)."""
 
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
-import mmap
 import os
 import socket
 import sys
@@ -26,11 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import requests
 
-from coldsnap.base.digests import piece_hasher
-from coldsnap.capsule.pieces import ATTEMPTS, BROKEN, FD_BATCH, READ, NoRanges, fetch_piece
+from coldsnap.capsule.pieces import ATTEMPTS, BROKEN, FD_BATCH, NoRanges, fetch_piece
 
 TIMEOUT = (30, 300)  # seconds to connect, and between reads (as the registry client's own)
-RECEIVE_BROKEN = BROKEN + (OSError, http.client.HTTPException)  # the socket itself, read below requests
 
 
 class PlainClient:
@@ -43,40 +40,6 @@ class PlainClient:
 
     def request(self, method, url, ok, what, headers, stream, not_found):
         return self.session.request(method, url, headers={**self.headers, **headers}, stream=stream, timeout=TIMEOUT)
-
-
-def receive_piece(client: PlainClient, url: str, fd: int, offset: int, length: int, pin: str,
-                  algorithm: str = "sha256") -> bool:
-    """One piece of the blob into the memfd `fd` (its own file, from 0), received into the memfd's mapping by
-    the socket itself and hashed there: no buffer of its own, no copy under the GIL. Whether it matches its pin.
-    Raises NoRanges, or one of RECEIVE_BROKEN."""
-    last = offset + length - 1
-    r = client.request("GET", url, ok=(200, 206), what="", headers={"Range": f"bytes={offset}-{last}"}, stream=True,
-                       not_found=None)
-    with r:
-        if r.status_code != 206 or not r.headers.get("Content-Range", "").startswith(f"bytes {offset}-{last}/"):
-            raise NoRanges()
-        body = getattr(r.raw, "_fp", None)  # http.client's response, below urllib3's (which reads, then copies)
-        if r.headers.get("Content-Encoding", "identity") != "identity" or not isinstance(body,
-                                                                                           http.client.HTTPResponse):
-            r.close()  # an encoded body (no registry sends one): decoded on the way, as any other
-            return fetch_piece(client, url, fd, offset, length, pin, "", lambda n: None, write_behind=False,
-                               base=offset, algorithm=algorithm)
-        h, at = piece_hasher(algorithm), 0
-        with mmap.mmap(fd, length) as m:
-            view = memoryview(m)
-            try:
-                while at < length:
-                    n = body.readinto(view[at:at + READ])
-                    if not n:  # http.client returns 0 where its response ends short: a broken connection
-                        raise http.client.IncompleteRead(b"", length - at)
-                    h.update(view[at:at + n])
-                    at += n
-            finally:
-                view.release()
-        if at == length and body.read(1):
-            return False  # more than asked for: not this piece
-    return at == length and h.hexdigest() == pin
 
 
 def take_job(sock: socket.socket) -> tuple[dict, list[int]] | None:
@@ -119,12 +82,13 @@ def main(argv: list[str] | None = None) -> int:
             local.client = PlainClient(job.get("authorization"))
         for _ in range(ATTEMPTS):
             try:
-                good = receive_piece(local.client, job["url"], fds[k], offset, length, pin, job.get("hash", "sha256"))
+                good = fetch_piece(local.client, job["url"], fds[k], offset, length, pin,
+                                   f"fetching the piece at byte {offset}", lambda n: None, write_behind=False,
+                                   base=offset, algorithm=job.get("hash", "sha256"))
             except NoRanges:
                 say("noranges")
                 return
-            except RECEIVE_BROKEN:
-                local.client = PlainClient(job.get("authorization"))  # a fresh connection for the next attempt
+            except BROKEN:
                 continue
             say(f"ok {offset} {length}" if good else f"bad {offset}")
             return
