@@ -50,9 +50,10 @@ def restore(request: RestoreRequest, progress: Progress = quiet) -> Receipt:
         pulled: dict = {}
         arriving = None
         if is_registry_reference(request.capsule):
-            def meanwhile() -> None:  # while the pull waits on the registry, not on the restore's clock:
-                threading.Thread(target=importlib.import_module, args=("coldsnap.net.netns",),  # the network
-                                 daemon=True).start()  # step's library, and admission's look at this host
+            def meanwhile() -> None:
+                """While the pull waits on the registry, off the restore's clock: the network step's library loads
+                and admission looks at this host."""
+                threading.Thread(target=importlib.import_module, args=("coldsnap.net.netns",), daemon=True).start()
                 look_at_this_host_soon()
 
             with tl.span("pull"):  # until the capsule's own blobs are in: its weights follow
