@@ -48,11 +48,12 @@ def test_chunks_are_the_pieces_digests_and_the_pin_is_the_whole_files(weights, m
     pinned = digests.pinned_digests(weights, MIB)
     assert pinned.sha256 == hashlib.sha256(weights.read_bytes()).hexdigest()
     assert (pinned.chunks, pinned.chunk_digest, pinned.chunk_bytes) == (expected(weights, MIB, "blake3"), "blake3", MIB)
+    one = digests.pinned_digests(weights, 64 * MIB)  # one piece: the whole-file digest is enough
+    assert (one.chunks, one.chunk_bytes, one.chunk_digest) == ([], None, "sha256")
     monkeypatch.setenv("COLDSNAP_PIN_PIECE_HASH", "sha256")  # the memo holds blake3's pieces: hashed again
     pinned = digests.pinned_digests(weights, MIB)
     assert (pinned.chunks, pinned.chunk_digest) == (expected(weights, MIB), "sha256")
     assert WeightFile(path=str(weights), size=weights.stat().st_size, **pinned.fields()).chunk_digest == "sha256"
-    assert digests.pinned_digests(weights, 64 * MIB).chunks == []  # one piece: the whole-file digest is enough
     monkeypatch.setenv("COLDSNAP_PIN_PIECE_HASH", "md5")
     with pytest.raises(ValueError, match="COLDSNAP_PIN_PIECE_HASH"):
         digests.pinned_digests(weights, MIB)

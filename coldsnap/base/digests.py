@@ -210,7 +210,7 @@ def pinned_digests(path: str | os.PathLike, chunk_bytes: int | None = None, algo
     before = os.stat(key)
     entry = _memo_entry(key, before)
     if before.st_size <= chunk_bytes:
-        return Pinned(checked_sha256(key)[0].removeprefix("sha256:"), [], None, algorithm)
+        return Pinned(checked_sha256(key)[0].removeprefix("sha256:"), [], None, "sha256")  # no pieces: the default
     if "sha256" in entry and _same_pieces(entry, chunk_bytes, algorithm) and "chunks" in entry:
         return Pinned(entry["sha256"].removeprefix("sha256:"), list(entry["chunks"]), chunk_bytes, algorithm)
     started_ns = time.time_ns()
