@@ -77,6 +77,18 @@ def test_arrivals_announce_checked_pieces_as_they_come_and_stop_when_the_pull_en
     assert failed.partial("sha256:a", timeout=0) is None
 
 
+def pinned_blob(tmp_path, data_len: int, piece: int = 4096):
+    """A safetensors blob and the WeightFile that pins it by sha256 pieces of `piece` bytes."""
+    import hashlib
+
+    from coldsnap.contracts import WeightFile
+
+    blob = safetensors_bytes(data_len)
+    pins = [hashlib.sha256(blob[o:o + piece]).hexdigest() for o in range(0, len(blob), piece)]
+    return blob, WeightFile(path=str(tmp_path / "w.safetensors"), sha256=hashlib.sha256(blob).hexdigest(),
+                            size=len(blob), chunks=pins, chunk_bytes=piece)
+
+
 class RangeServer:
     """A real HTTP server on loopback answering Range requests for one blob (as a registry does)."""
 
@@ -118,19 +130,14 @@ def test_spooled_pieces_reach_the_file_only_when_asked_and_the_head_at_once(tmp_
     there by a fetching process of its own) and is announced;
     the partial on disk gets the file's head at once (engines read their header from the file) and the rest only
     once someone asks (file_now) or the restore is past its first token; then it is the whole blob."""
-    import hashlib
 
     from coldsnap.capsule.fetcher import PlainClient
     from coldsnap.capsule.pieces import fetch_by_pieces
-    from coldsnap.contracts import WeightFile
     from coldsnap.gpu.prefetch import PrefetchError, spool_reader
 
     monkeypatch.setenv("COLDSNAP_PULL_SPOOL", "1")
-    blob = safetensors_bytes(40_000)
-    cb = 4096
-    pins = [hashlib.sha256(blob[o:o + cb]).hexdigest() for o in range(0, len(blob), cb)]
-    wf = WeightFile(path=str(tmp_path / "w.safetensors"), sha256=hashlib.sha256(blob).hexdigest(), size=len(blob),
-                    chunks=pins, chunk_bytes=cb)
+    blob, wf = pinned_blob(tmp_path, 40_000)
+    cb, pins = wf.chunk_bytes, wf.chunks
     server, arrivals, part = RangeServer(blob), Arrivals(), tmp_path / "blob.partial"
     done: dict = {}
     pull = threading.Thread(target=lambda: done.update(r=fetch_by_pieces(PlainClient, server.url, part, len(blob), wf,
@@ -168,18 +175,12 @@ def test_fetching_processes_started_ahead_take_the_pieces_and_those_left_end_wit
     """A restore's pull starts its fetching processes while the capsule's own blobs come (their interpreter and
     imports off the weights' path): the spooled pull hands its pieces to those very processes (received into the
     spool, each checked), and processes no blob took end with the pull, without work."""
-    import hashlib
 
     from coldsnap.capsule import pieces
     from coldsnap.capsule.fetcher import PlainClient
-    from coldsnap.contracts import WeightFile
 
     monkeypatch.setenv("COLDSNAP_PULL_SPOOL", "1")
-    blob = safetensors_bytes(64_000)
-    cb = 4096
-    pins = [hashlib.sha256(blob[o:o + cb]).hexdigest() for o in range(0, len(blob), cb)]
-    wf = WeightFile(path=str(tmp_path / "w.safetensors"), sha256=hashlib.sha256(blob).hexdigest(), size=len(blob),
-                    chunks=pins, chunk_bytes=cb)
+    blob, wf = pinned_blob(tmp_path, 64_000)
     server, arrivals = RangeServer(blob), Arrivals()
     started: list = []
     real = pieces.Fetcher.__init__
