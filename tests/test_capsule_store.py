@@ -375,3 +375,127 @@ def test_weights_that_travel_apart_are_layers_every_blob_reachable_and_put_back(
     assert materialize(store, cap, [wf]) == [str(weights)]
     assert weights.read_bytes() == store.blob_path("sha256:" + wf.sha256).read_bytes()
     assert stat.S_IMODE(weights.stat().st_mode) == 0o640
+
+
+def _images(tmp_path):
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    pages = os.urandom(1 << 20) * 5 + bytes(4 << 20) + os.urandom(1 << 20) * 3 + b"tail"  # 12 MiB and 4 bytes
+    (src / "core-1.img").write_bytes(b"c" * 3000)
+    (src / "pages-1.img").write_bytes(pages)
+    (src / "pages-2.img").write_bytes(os.urandom(3 << 20))
+    (src / "sub" / "small").write_bytes(b"s" * 10)
+    (src / "zz-empty").write_bytes(b"")
+    return src
+
+
+def _members(layer):
+    import tarfile
+
+    import zstandard
+
+    with open(layer, "rb") as f, zstandard.ZstdDecompressor().stream_reader(f, read_across_frames=True) as zr:
+        return [(m.name, m.size, dict(m.pax_headers)) for m in tarfile.open(fileobj=zr, mode="r|")]
+
+
+def test_images_packed_as_several_layers_unpack_side_by_side_into_the_same_files(tmp_path):
+    """pack_parts cuts the images into layers of about equal bytes, a big file across two of them (each part a
+    member with its offset and the file's size); unpack_layers puts them together, holes kept, from layers given
+    in any order."""
+    from coldsnap.capsule import pack_parts, unpack_layers
+    from coldsnap.capsule.pack import PART_OFFSET, PART_SIZE
+
+    src = _images(tmp_path)
+    layers = pack_parts(src, tmp_path / "layers", 3)
+    assert len(layers) == 3
+    members = [_members(layer) for layer in layers]
+    parts = [(name, size, pax) for layer in members for name, size, pax in layer if PART_OFFSET in pax]
+    assert parts and all(pax[PART_SIZE] == str((src / name).stat().st_size) for name, _, pax in parts)
+    assert sum(size for name, size, _ in parts if name == "pages-1.img") == (src / "pages-1.img").stat().st_size
+    sizes = [layer.stat().st_size for layer in layers]
+    assert max(sizes) < 2 * min(sizes)  # about equal shares (random bytes: compressed as they are)
+    out = tmp_path / "out"
+    unpack_layers(list(reversed(layers)), out)
+    for f in ("core-1.img", "pages-1.img", "pages-2.img", "sub/small", "zz-empty"):
+        assert (out / f).read_bytes() == (src / f).read_bytes(), f
+    assert os.stat(out / "pages-1.img").st_blocks * 512 < (src / "pages-1.img").stat().st_size  # zeros: holes
+    assert len(pack_parts(src, tmp_path / "one", 1)) == 1 and not any(
+        PART_OFFSET in pax for _, _, pax in _members(tmp_path / "one" / "0.tar.zst"))
+
+
+def test_layers_whose_parts_do_not_fit_together_are_refused(tmp_path):
+    """A layer left out (a gap), or one given twice (parts overlapping, a file named twice): refused as corrupt."""
+    from coldsnap.capsule import pack_parts, unpack_layers
+
+    layers = pack_parts(_images(tmp_path), tmp_path / "layers", 3)
+    for i, chosen in enumerate(([layers[0], layers[2]], [layers[0], layers[1]], [layers[0], layers[0], *layers[1:]])):
+        with pytest.raises(ColdSnapError) as e:
+            unpack_layers(chosen, tmp_path / f"out{i}")
+        assert e.value.code == ErrorCode.CAPSULE_CORRUPT
+
+
+def test_several_layers_unpack_while_they_arrive_and_one_broken_stream_stops_them_all(tmp_path):
+    import threading
+
+    from coldsnap.capsule import pack_parts, unpack_layers
+    from coldsnap.capsule.growing import Growing, StopFollowing
+
+    src = _images(tmp_path)
+    layers = pack_parts(src, tmp_path / "layers", 3)
+
+    def arrive(layer, part, growing, stop_at=None):
+        blob = layer.read_bytes()
+        with open(part, "wb") as f:
+            growing.started(part, len(blob), 0)
+            for at in range(0, len(blob), 1 << 20):
+                if stop_at is not None and at >= stop_at:
+                    growing.broke()
+                    return
+                f.write(blob[at:at + (1 << 20)])
+                f.flush()
+                growing.wrote(min(at + (1 << 20), len(blob)))
+                time.sleep(0.01)
+        growing.ended(True)
+
+    for broken in (None, 1):
+        growing = [Growing() for _ in layers]
+        parts = [tmp_path / f"part{broken}-{i}" for i in range(len(layers))]
+        writers = [threading.Thread(target=arrive, args=(layer, part, g, 1 << 20 if i == broken else None))
+                   for i, (layer, part, g) in enumerate(zip(layers, parts, growing))]
+        for w in writers:
+            w.start()
+        out = tmp_path / f"out{broken}"
+        if broken is None:
+            unpack_layers(parts, out, following=growing)
+            assert (out / "pages-1.img").read_bytes() == (src / "pages-1.img").read_bytes()
+        else:
+            with pytest.raises(StopFollowing):
+                unpack_layers(parts, out, following=growing)
+        for w in writers:
+            w.join()
+
+
+@pytest.mark.parametrize("pax", [{"COLDSNAP.part.offset": "-1", "COLDSNAP.part.size": "8"},
+                                 {"COLDSNAP.part.offset": "4", "COLDSNAP.part.size": "6"},  # runs past its file
+                                 {"COLDSNAP.part.offset": "0", "COLDSNAP.part.size": str(1 << 41)},  # 2 TiB
+                                 {"COLDSNAP.part.offset": "x", "COLDSNAP.part.size": "8"},
+                                 {"COLDSNAP.part.size": "8"}], ids=["negative", "past-end", "huge", "nan", "no-offset"])
+def test_a_part_that_cannot_fit_its_file_is_refused(tmp_path, pax):
+    import io
+    import tarfile
+
+    import zstandard
+
+    from coldsnap.capsule import unpack_layers
+
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        info = tarfile.TarInfo("pages-1.img")
+        info.size, info.pax_headers = 4, pax
+        tar.addfile(info, io.BytesIO(b"abcd"))
+    layer = tmp_path / "layer.tar.zst"
+    layer.write_bytes(zstandard.ZstdCompressor().compress(raw.getvalue()))
+    with pytest.raises(ColdSnapError) as e:
+        unpack_layers([layer], tmp_path / "out")
+    assert e.value.code == ErrorCode.CAPSULE_CORRUPT
+    assert not (tmp_path / "out" / "pages-1.img").exists()  # refused before the file was made

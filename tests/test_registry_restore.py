@@ -128,15 +128,19 @@ def test_a_restore_streaming_its_weights_by_pieces_restores_with_criu_while_they
         registry, tmp_path, monkeypatch):  # noqa: F811
     """Weights pinned piece by piece (1 MiB pieces here, so that the test's small model has several): the pull
     fetches them by pieces into a partial file of full size, the restore links it at the weights' path and CRIU
-    restores the engine while the pieces still arrive (through a throttling proxy); the pieces land in memory
+    restores the engine while the pieces still arrive (through a throttling proxy); the CRIU images, in several
+    layers (4 MiB each here), are unpacked side by side while they arrive; the pieces land in memory
     first (the spool) and, this engine reading its file itself (no prefetcher on CPU), reach the file once all are
     checked; the engine resumes then, the disk's sync and the store's listing catching up behind; after the restore
     its file is the store's listed blob."""
     origin_host(tmp_path, monkeypatch)
     monkeypatch.setenv("COLDSNAP_PIN_PIECE_MIB", "1")
     monkeypatch.setenv("COLDSNAP_PULL_SPOOL", "1")
+    monkeypatch.setenv("COLDSNAP_IMAGES_LAYER_MIB", "4")
     cap, weights = captured_and_pushed(registry, "pyt-reg-pieces", "one", "pieces")
     assert len(weights.chunks) >= 3 and weights.chunk_digest == "blake3", weights  # a capture's pins
+    images = CapsuleStore(settings().store).load(cap.capsule).layers_of(mt.LAYER_CRIU)
+    assert len(images) == 4, images  # the images' layers, at most 4
     become_a_fresh_host(tmp_path, monkeypatch, weights)
     slow = Throttle(registry, rate=max(weights.size // 3, 1 << 20))  # the weights take ~3 s
     try:

@@ -267,7 +267,7 @@ def _corrupt(captured) -> str:
     data = b"not the images you are looking for"
     fake = Descriptor(mt.LAYER_CRIU, "sha256:" + "e" * 64, len(data))
     store.blob_path(fake.digest).write_bytes(data)
-    layers = [fake if d.media_type == mt.LAYER_CRIU else d for d in cap.layers]
+    layers = [fake] + [d for d in cap.layers if d.media_type != mt.LAYER_CRIU]  # in place of all its images' layers
     return store.write_capsule(cap.profile, layers, {})
 
 
@@ -370,7 +370,7 @@ def _tampered(captured, tmp: Path) -> str:
             pycriu.images.dump(img, f)
     pack_dir(images, tmp / "criu.tar.zst", skip=("dump.log",))
     criu = store.put_file(tmp / "criu.tar.zst", mt.LAYER_CRIU, {mt.ANNOTATION_TITLE: "criu-images"}, move=True)
-    layers = [criu if d.media_type == mt.LAYER_CRIU else d for d in cap.layers]
+    layers = [criu] + [d for d in cap.layers if d.media_type != mt.LAYER_CRIU]  # in place of all its images' layers
     digest = store.write_capsule(cap.profile, layers, dict(cap.manifest.get("annotations") or {}))
     adopt_capture(store, digest)
     return digest

@@ -42,6 +42,8 @@ VARIABLES = (
              "a file of more than one piece pulls by pieces and streams into a restore"),
     Variable("COLDSNAP_PIN_PIECE_HASH", "blake3", "the hash a capture pins those pieces by: blake3 (about 4x less "
              "CPU a byte, on every core a pull and a restore check them on) or sha256"),
+    Variable("COLDSNAP_IMAGES_LAYER_MIB", "64", "the CRIU images (MiB, at least 1) a capture packs per layer, in up "
+             "to 4 layers that a pull fetches and unpacks side by side"),
     Variable("COLDSNAP_WRITEBACK_MIB", "32", "write-back window of large files; 0 leaves it to the kernel"),
     Variable("COLDSNAP_LAYER_MAX_MIB", "1024", "the largest container file-system layer a capture packs"),
     Variable("COLDSNAP_LAZY_PAGES", "0", "1: CRIU restores memory pages lazily (userfaultfd)"),
@@ -99,6 +101,7 @@ class Settings:
     pull_connections: str = ""
     pin_piece_mib: str = "256"
     pin_piece_hash: str = "blake3"
+    images_layer_mib: str = "64"
     writeback_mib: str = ""
     layer_max_mib: str = "1024"
     lazy_pages: bool = False
@@ -160,6 +163,7 @@ def settings() -> Settings:
         pull_connections=os.environ.get("COLDSNAP_PULL_CONNECTIONS", ""),
         pin_piece_mib=os.environ.get("COLDSNAP_PIN_PIECE_MIB", "256"),
         pin_piece_hash=os.environ.get("COLDSNAP_PIN_PIECE_HASH", "blake3"),
+        images_layer_mib=os.environ.get("COLDSNAP_IMAGES_LAYER_MIB", "64"),
         writeback_mib=os.environ.get("COLDSNAP_WRITEBACK_MIB", ""),
         layer_max_mib=os.environ.get("COLDSNAP_LAYER_MAX_MIB", "1024"),
         lazy_pages=os.environ.get("COLDSNAP_LAZY_PAGES", "0") == "1",

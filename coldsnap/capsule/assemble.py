@@ -1,6 +1,7 @@
 """Capsule assembly: the one writer of the capsule format, shared by process and container captures.
 
-A capsule is an OCI image manifest in the store: the CRIU images (criu.tar.zst), the files the tree held open
+A capsule is an OCI image manifest in the store: the CRIU images (one layer, or several of about equal bytes that a
+pull fetches and unpacks side by side), the files the tree held open
 outside them (files.tar.zst), the weights manifest, the weight files when they travel apart from the images (one
 layer each, coldsnap.capsule.payload), and annotations (engine, model, environment names, the template it was
 captured with). Its config blob is the CapsuleProfile. Every blob is reached through its manifest's descriptors, so
@@ -17,12 +18,21 @@ from pathlib import Path
 
 from coldsnap.base.files import copy_sparse, private_dir
 from coldsnap.base.journal import Blob, Dir, Journal
+from coldsnap.base.paths import settings
 from coldsnap.capsule import trust
 from coldsnap.capsule.gc import discard
-from coldsnap.capsule.pack import pack_dir
+from coldsnap.capsule.pack import pack_dir, pack_parts
 from coldsnap.capsule.payload import put_weights
 from coldsnap.capsule.store import CapsuleStore, Descriptor
-from coldsnap.contracts import CapsuleProfile, CapturedFile, CaptureRequest, EngineRelease, HostProfile
+from coldsnap.contracts import (
+    CapsuleProfile,
+    CapturedFile,
+    CaptureRequest,
+    ColdSnapError,
+    EngineRelease,
+    ErrorCode,
+    HostProfile,
+)
 from coldsnap.contracts import capsule as mt
 from coldsnap.contracts.profile import SnapshotDriver
 
@@ -55,6 +65,26 @@ def weights_travel_apart(profile: CapsuleProfile, released: EngineRelease | None
     """Whether the weights travel apart from the images, as layers of their own: pinned files (recovery) or the
     engine's own save of its native weights. Otherwise (native weights kept in memory) they are in the images."""
     return profile.weights_mode == "recovery" or bool(released and released.saved_weights)
+
+
+IMAGES_LAYERS = 4  # at most: fewer than a pull fetches at once (coldsnap.capsule.registry.BLOB_STREAMS)
+
+
+def images_layers(images: Path) -> int:
+    """How many layers the CRIU images go in: one per COLDSNAP_IMAGES_LAYER_MIB (64: smaller ones gain nothing
+    from going side by side), at most IMAGES_LAYERS."""
+    raw = settings().images_layer_mib
+    try:
+        per_layer = max(1, int(raw)) << 20
+    except ValueError:
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, "COLDSNAP_IMAGES_LAYER_MIB must be a whole number of MiB, "
+                            f"not {raw[:40]!r}") from None
+    total = sum(f.stat().st_size for f in images.iterdir() if f.is_file() and not f.is_symlink())
+    return max(1, min(IMAGES_LAYERS, -(-total // per_layer)))
+
+
+def _images_title(i: int, count: int) -> str:
+    return "criu-images" if count == 1 else f"criu-images-{i + 1}-of-{count}"  # oras names pulled files by title
 
 
 def pack_capsule(store: CapsuleStore, images: Path, files: list[CapturedFile], profile: CapsuleProfile,
@@ -90,9 +120,9 @@ def _write(store: CapsuleStore, scratch: Path, files: list[CapturedFile], images
             journal.add(Blob(desc.digest))
         return desc
 
-    criu_tar = scratch / "criu.tar.zst"
-    pack_dir(images, criu_tar, skip=("dump.log",))
-    layers = [keep(store.put_file(criu_tar, mt.LAYER_CRIU, {mt.ANNOTATION_TITLE: "criu-images"}, move=True))]
+    parts = pack_parts(images, scratch / "criu", images_layers(images), skip=("dump.log",))
+    layers = [keep(store.put_file(part, mt.LAYER_CRIU, {mt.ANNOTATION_TITLE: _images_title(i, len(parts))},
+                                  move=True)) for i, part in enumerate(parts)]
     if files:
         staging = private_dir(scratch / "files")
         for i, f in enumerate(files):

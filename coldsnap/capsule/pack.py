@@ -3,7 +3,11 @@
 A layer is a series of independent zstd frames, each holding FRAME bytes of the tar stream (its size in its
 header): any zstd reader reads it as one stream, and unpack_layer decompresses its frames on several cores at
 once, found by walking their block headers. A first restore on a node waits for that unpack; one frame
-decompresses at about 1 GB/s on one core."""
+decompresses at about 1 GB/s on one core.
+
+A directory may also be packed as several layers of about equal bytes (pack_parts), which a pull fetches, checks
+and unpacks side by side (unpack_layers): a file too big for one layer is cut across them, each part a member of
+its own named as the file, with its offset and the whole file's size as PAX keywords (PART_OFFSET, PART_SIZE)."""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ import io
 import os
 import tarfile
 import threading
-from collections import deque
+from collections import defaultdict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -28,6 +32,8 @@ MAX_RATIO = 1000  # zeros become holes; a layer whose other bytes expand more th
 MAX_FILE = 1 << 40  # no file of a capsule is a terabyte
 SLACK = 64 << 20
 CHUNK = 1 << 20
+PART_OFFSET = "COLDSNAP.part.offset"  # PAX keywords of a member that is a part of a file cut across layers
+PART_SIZE = "COLDSNAP.part.size"
 
 
 def _workers() -> int:
@@ -82,6 +88,50 @@ class _FramedWriter(io.RawIOBase):
 def pack_dir(src: Path, dest: Path, level: int = 1, skip: tuple[str, ...] = ()) -> None:
     """tar.zst of src's contents, in frames of FRAME bytes; level 1 because restore latency, not capsule size, is
     what users wait on."""
+    _write_layer(dest, [(e, 0, None) for e in sorted(e for e in src.iterdir() if e.name not in skip)], level)
+
+
+def pack_parts(src: Path, dest: Path, count: int, level: int = 1, skip: tuple[str, ...] = ()) -> list[Path]:
+    """src's contents as up to `count` layers of about equal bytes (dest/0.tar.zst, …), for a pull to fetch, check
+    and unpack side by side: src's entries in name order, a regular file cut where a layer is full (at a whole
+    CHUNK, so that runs of zeros stay whole chunks). Returns the layers written, in order."""
+    dest.mkdir(parents=True, exist_ok=True, mode=0o700)
+    plan = _plan(sorted(e for e in src.iterdir() if e.name not in skip), max(1, count))
+    layers = [dest / f"{i}.tar.zst" for i in range(len(plan))]
+    for layer, members in zip(layers, plan):
+        _write_layer(layer, members, level)
+    return layers
+
+
+Member = tuple[Path, int, "int | None"]  # (entry, offset, part length; None: the entry whole)
+
+
+def _plan(entries: list[Path], count: int) -> list[list[Member]]:
+    """The members of each layer: the regular files' bytes, one after another, cut into `count` shares; other
+    entries (directories) whole, in the layer their place falls in. Layers left empty are dropped."""
+    sizes = [e.stat().st_size if e.is_file() and not e.is_symlink() else None for e in entries]
+    total = sum(size or 0 for size in sizes)
+    share = max(CHUNK, -(-total // count // CHUNK) * CHUNK)  # whole CHUNKs
+    plan: list[list[Member]] = [[] for _ in range(count)]
+    at = 0  # where the next file's bytes begin in the run of all of them
+    for entry, size in zip(entries, sizes):
+        if size is None:
+            plan[min(at // share, count - 1)].append((entry, 0, None))
+            continue
+        offset = 0
+        while True:
+            layer = min((at + offset) // share, count - 1)
+            end = size if layer == count - 1 else min(size, (layer + 1) * share - at)
+            whole = offset == 0 and end == size
+            plan[layer].append((entry, offset, None if whole else end - offset))
+            offset = end
+            if offset >= size:
+                break
+        at += size
+    return [members for members in plan if members]
+
+
+def _write_layer(dest: Path, members: list[Member], level: int) -> None:
     fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as raw:
         framed = _FramedWriter(raw, level)
@@ -91,8 +141,16 @@ def pack_dir(src: Path, dest: Path, level: int = 1, skip: tuple[str, ...] = ()) 
             opened = tarfile.open(fileobj=framed, mode="w|", format=tarfile.PAX_FORMAT,  # type: ignore[call-overload]
                                   bufsize=CHUNK, copybufsize=CHUNK)
             with opened as tar:
-                for entry in sorted(e for e in src.iterdir() if e.name not in skip):
-                    tar.add(entry, arcname=entry.name)
+                for entry, offset, length in members:
+                    if length is None:
+                        tar.add(entry, arcname=entry.name)
+                        continue
+                    info = tar.gettarinfo(entry, arcname=entry.name)
+                    info.pax_headers = {PART_OFFSET: str(offset), PART_SIZE: str(info.size)}
+                    info.size = length
+                    with open(entry, "rb") as f:
+                        f.seek(offset)
+                        tar.addfile(info, f)  # reads exactly info.size bytes
             framed.finish()
         finally:
             framed.pool.shutdown(cancel_futures=True)
@@ -161,12 +219,12 @@ def _following(fd: int, growing: Growing) -> Iterator[tuple[int, int, int]]:
 class _FrameStream(io.RawIOBase):
     """A layer's frames decompressed on several cores, read in order (at most 2 x workers frames ahead)."""
 
-    def __init__(self, fd: int, frames: Iterable[tuple[int, int, int]]):
-        self.pool = ThreadPoolExecutor(_workers())
+    def __init__(self, fd: int, frames: Iterable[tuple[int, int, int]], workers: int):
+        self.pool = ThreadPoolExecutor(workers)
         self.todo: Iterator[tuple[int, int, int]] = iter(frames)
         self.ahead: deque[Future[bytes]] = deque()
         self.fd, self.view, self.at = fd, memoryview(b""), 0
-        for _ in range(2 * _workers()):
+        for _ in range(2 * workers):
             self._submit()
 
     def _submit(self) -> None:
@@ -215,14 +273,14 @@ def _member_path(dest: Path, name: str) -> Path:
     return dest.joinpath(*parts)
 
 
-def _decompressed(raw, following: Growing | None = None) -> io.RawIOBase:
+def _decompressed(raw, following: Growing | None, workers: int) -> io.RawIOBase:
     """The layer's tar stream: its frames on several cores when they can be, else one stream (across frames);
     following: frame by frame as the file arrives."""
     if following is not None:
-        return _FrameStream(raw.fileno(), _following(raw.fileno(), following))
+        return _FrameStream(raw.fileno(), _following(raw.fileno(), following), workers)
     frames = _frames(raw.fileno(), os.fstat(raw.fileno()).st_size)
     if frames is not None and len(frames) > 1:
-        return _FrameStream(raw.fileno(), frames)
+        return _FrameStream(raw.fileno(), frames, workers)
     return zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)  # type: ignore[return-value]
 
 
@@ -263,7 +321,82 @@ class _ForwardReader(io.RawIOBase):
         return self.pos
 
 
-def unpack_layer(layer: Path, dest: Path, following: Growing | None = None) -> int:
+Placed = tuple[str, int, int, "int | None"]  # (file, offset, bytes, the whole file's size for a part; None: whole)
+
+
+def unpack_layers(layers: list[Path], dest: Path, following: list[Growing] | None = None) -> int:
+    """Layers into one directory side by side, each on a thread of its own (pack_parts' layers, or one), the files
+    cut across them put together; returns the bytes taken on disk. Refused (CAPSULE_CORRUPT) unless the parts of
+    every cut file add up to it exactly, each file named once otherwise. following: each layer's file still
+    arriving, as unpack_layer's; the first layer to fail stops the others."""
+    placed: list[Placed] = []
+    stop = threading.Event()
+    workers = max(2, min(8, (os.cpu_count() or 1) // max(1, len(layers))))
+
+    def one(i: int) -> int:
+        try:
+            return unpack_layer(layers[i], dest, following[i] if following else None, placed=placed,
+                                stop=stop, workers=workers)
+        except BaseException:
+            stop.set()
+            raise
+
+    if len(layers) == 1:
+        written = one(0)
+    else:
+        with ThreadPoolExecutor(len(layers), thread_name_prefix="coldsnap-unpack") as pool:
+            futures = [pool.submit(one, i) for i in range(len(layers))]
+            errors = [e for f in futures if (e := f.exception()) is not None]
+            stopped = [e for e in errors if not isinstance(e, _Stopped)]
+            if errors:
+                raise (stopped or errors)[0]
+            written = sum(f.result() for f in futures)
+    _check_placed(placed)
+    return written
+
+
+def _check_placed(placed: list[Placed]) -> None:
+    """Each file named once, or its parts covering it exactly, end to end, all of one size."""
+    by_name: dict[str, list[Placed]] = defaultdict(list)
+    for item in placed:
+        by_name[item[0]].append(item)
+    for name, items in by_name.items():
+        wholes = {whole for _, _, _, whole in items}
+        if len(items) == 1 and wholes == {None}:
+            continue
+        if None in wholes or len(wholes) != 1:
+            raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"layers name {short(name)} more than once")
+        at = 0
+        for _, offset, length, _ in sorted(items, key=lambda item: item[1]):
+            if offset != at:
+                raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"the parts of {short(name)} do not fit together "
+                                    f"(at byte {at}: a part from byte {offset})")
+            at += length
+        if at != wholes.pop():
+            raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"the parts of {short(name)} end at byte {at}, short of "
+                                "its size")
+
+
+class _Stopped(Exception):
+    """Another layer of the same unpack failed: this one stops too."""
+
+
+def _part(member: tarfile.TarInfo) -> tuple[int, int] | None:
+    """(offset, whole file's size) of a member that is a part of a file cut across layers; None: a whole file."""
+    if PART_OFFSET not in member.pax_headers and PART_SIZE not in member.pax_headers:
+        return None
+    try:
+        offset, whole = int(member.pax_headers[PART_OFFSET]), int(member.pax_headers[PART_SIZE])
+    except (KeyError, ValueError):
+        offset = whole = -1
+    if not 0 <= offset <= offset + member.size <= whole <= MAX_FILE:
+        raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"layer member {short(member.name)} is a part that does not "
+                            "fit its file: refused")
+    return offset, whole
+
+
+def unpack_layer(layer: Path, dest: Path, following: Growing | None = None, *, placed: list[Placed] | None = None,
+                 stop: threading.Event | None = None, workers: int | None = None) -> int:
     """Extract a tar.zst layer into dest; returns the bytes it took on disk. Only regular files and directories, each
     inside dest (no absolute paths, no `..`, no links, no devices). Runs of zeros become holes (a layer's /dev/shm
     queues are mostly holes; so is a bomb of zeros), and the data written may not exceed MAX_RATIO times the layer's
@@ -272,7 +405,11 @@ def unpack_layer(layer: Path, dest: Path, following: Growing | None = None) -> i
     the file (a first restore on a node waits for this: tarfile's own reads copy each byte several times).
     following: the layer's file is still arriving (coldsnap.capsule.growing): read as it does, raising
     StopFollowing when it will not come whole that way; its digest is not yet checked, so dest is the caller's to
-    publish only once it is."""
+    publish only once it is. A part of a file cut across layers is written at its offset into a file of its whole
+    size; placed: where each file and part went, for unpack_layers to check that they fit together (only it
+    unpacks layers with parts). stop: set by another layer's failure (raises _Stopped)."""
+    if following is not None and following.wait_started(timeout=120.0) is None:
+        raise StopFollowing("the layer's stream did not start from its first byte")
     dest.mkdir(parents=True, exist_ok=True, mode=0o700)
     st = os.statvfs(dest)
     size = following.size if following is not None else os.path.getsize(layer)
@@ -282,7 +419,7 @@ def unpack_layer(layer: Path, dest: Path, following: Growing | None = None) -> i
     buf = bytearray(CHUNK)
     view = memoryview(buf)
     try:
-        with open(layer, "rb") as raw, _decompressed(raw, following) as zr:
+        with open(layer, "rb") as raw, _decompressed(raw, following, workers or _workers()) as zr:
             source = _ForwardReader(zr)
             tar = tarfile.open(fileobj=source, mode="r:")  # type: ignore[call-overload]
             for member in tar:
@@ -296,19 +433,32 @@ def unpack_layer(layer: Path, dest: Path, following: Growing | None = None) -> i
                 if member.size > MAX_FILE:
                     raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"layer member {short(member.name)} claims "
                                         f"{member.size} bytes: refused")
+                part = _part(member)
                 target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
                 source.seek(member.offset_data)
-                fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (0 if part else os.O_EXCL)
+                fd = os.open(target, flags, 0o600)
                 try:
+                    at = 0
+                    if part is not None:
+                        at, whole = part
+                        if os.fstat(fd).st_size > whole:
+                            raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"the parts of {short(member.name)} "
+                                                "disagree on its size")
+                        os.ftruncate(fd, whole)  # a part of any layer may come first: all of them see one size
+                    if placed is not None:
+                        placed.append((str(target), at, member.size, part[1] if part else None))
                     left = member.size
                     while left:
+                        if stop is not None and stop.is_set():
+                            raise _Stopped()
                         n = source.readinto(view[:min(CHUNK, left)])
                         if not n:
                             raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"layer member {short(member.name)} is "
                                                 "truncated")
                         left -= n
                         if (buf if n == CHUNK else view[:n].tobytes()) == zeros[:n]:
-                            os.lseek(fd, n, os.SEEK_CUR)  # a hole
+                            at += n  # a hole
                             continue
                         written += n
                         if written > budget:
@@ -316,8 +466,10 @@ def unpack_layer(layer: Path, dest: Path, following: Growing | None = None) -> i
                                                 f"beyond {budget} bytes of data (at {short(member.name)}): refused")
                         out = view[:n]
                         while out:
-                            out = out[os.write(fd, out):]
-                    os.ftruncate(fd, member.size)  # trailing holes
+                            wrote = os.pwrite(fd, out, at)
+                            out, at = out[wrote:], at + wrote
+                    if part is None:
+                        os.ftruncate(fd, member.size)  # trailing holes
                 finally:
                     os.close(fd)
     except FileExistsError as e:

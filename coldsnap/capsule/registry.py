@@ -720,7 +720,7 @@ def _present_for(store: CapsuleStore, d: Descriptor, wf: WeightFile | None) -> b
     return False
 
 
-BLOB_STREAMS = 4  # blobs fetched at once (the CRIU images' layers side by side; a weights blob by pieces has its own)
+BLOB_STREAMS = 6  # blobs fetched at once (the CRIU images' layers side by side; a weights blob by pieces has its own)
 
 
 def _fetch_missing(store: CapsuleStore, client: "_Client", descs: list[Descriptor], progress,

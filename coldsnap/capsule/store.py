@@ -66,6 +66,10 @@ class LoadedCapsule:
     def layer(self, media_type: str) -> Descriptor | None:
         return next((d for d in self.layers if d.media_type == media_type), None)
 
+    def layers_of(self, media_type: str) -> list[Descriptor]:
+        """Its layers of that media type, in order (the CRIU images may be several: coldsnap.capsule.pack_parts)."""
+        return [d for d in self.layers if d.media_type == media_type]
+
     @property
     def annotations(self) -> dict[str, str]:
         return manifest_annotations(self.manifest)

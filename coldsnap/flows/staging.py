@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 from coldsnap.base.files import private_dir
 from coldsnap.base.journal import Dir, Journal
 from coldsnap.base.paths import settings
-from coldsnap.capsule import CapsuleStore, LoadedCapsule, unpack_layer
+from coldsnap.capsule import CapsuleStore, LoadedCapsule, unpack_layer, unpack_layers
 from coldsnap.capsule import staged as staged_area
 from coldsnap.capsule.growing import Growing
 from coldsnap.capsule.payload import materialize, pinned_modes
@@ -42,12 +42,12 @@ class StagedForRestore:
 
 
 class UnpackingEarly:
-    """A pulled capsule's CRIU images, unpacked while their blob arrives (coldsnap.capsule.growing) into a private
-    directory: stage() publishes it once the blob is in the store and verified, and discards it otherwise (a
-    refused capsule, a blob that failed its digest, a stream that did not come in one run: stage then unpacks the
-    verified blob as usual). The directory is journaled, as any staging's."""
+    """A pulled capsule's CRIU images, unpacked while their blobs arrive (coldsnap.capsule.growing), all of their
+    layers side by side, into a private directory: stage() publishes it once every blob is in the store and
+    verified, and discards it otherwise (a refused capsule, a blob that failed its digest, a stream that did not
+    come in one run: stage then unpacks the verified blobs as usual). The directory is journaled, as any staging's."""
 
-    def __init__(self, capsule: str, criu: str, growing: Growing) -> None:
+    def __init__(self, capsule: str, criu: list[str], growing: list[Growing]) -> None:
         self.capsule, self.criu, self.growing = capsule, criu, growing
         self.tmp: Path | None = None
         self.journal: Journal | None = None
@@ -59,18 +59,22 @@ class UnpackingEarly:
 
     @classmethod
     def start(cls, capsule: str, manifest: dict, arrivals: Arrivals) -> UnpackingEarly | None:
-        """Follow the capsule's CRIU images blob (called with its checked manifest, before the blob moves); None
-        where there is nothing to gain: the capsule is staged already, or its blob is in the store."""
-        criu = next((d.get("digest") for d in manifest.get("layers") or []
-                     if isinstance(d, dict) and d.get("mediaType") == mt.LAYER_CRIU), None)
-        if not isinstance(criu, str) or (staged_area.path_of(capsule) / ".complete").exists() \
-                or CapsuleStore(settings().store).has_blob(criu):
+        """Follow the capsule's CRIU images blobs (called with its checked manifest, before the blobs move); None
+        where there is nothing to gain: the capsule is staged already, or a blob of its images is in the store."""
+        listed = [d.get("digest") for d in manifest.get("layers") or []
+                  if isinstance(d, dict) and d.get("mediaType") == mt.LAYER_CRIU]
+        criu = [d for d in listed if isinstance(d, str)]
+        store = CapsuleStore(settings().store)
+        if not criu or len(set(criu)) < len(listed) or (staged_area.path_of(capsule) / ".complete").exists() \
+                or any(store.has_blob(d) for d in criu):
             return None
-        return cls(capsule, criu, arrivals.follow(criu))
+        return cls(capsule, criu, [arrivals.follow(d) for d in criu])
 
     def _run(self) -> None:
-        path = self.growing.wait_started(timeout=120.0)
-        if path is None:
+        paths = [g.wait_started(timeout=120.0) for g in self.growing]
+        if any(path is None for path in paths):
+            for g in self.growing:  # nobody follows the others either: no stream waits on a reader that left
+                g.broke()
             return
         private_dir(staged_area.root())
         root = staged_area.path_of(self.capsule)
@@ -79,20 +83,21 @@ class UnpackingEarly:
         self.journal.add(Dir(str(tmp)))
         self.tmp = private_dir(tmp)
         t0 = time.monotonic()
-        if not path.exists():  # listed already (a small blob on a fast link): the same file, in the store
-            path = CapsuleStore(settings().store).blob_path(self.criu)
+        store = CapsuleStore(settings().store)
+        # listed already (a small blob on a fast link): the same file, in the store
+        files = [p if p is not None and p.exists() else store.blob_path(d) for p, d in zip(paths, self.criu)]
         try:
-            unpack_layer(path, tmp / "images", following=self.growing)
+            unpack_layers(files, tmp / "images", following=self.growing)
             self.seconds = round(time.monotonic() - t0, 6)
-        except Exception as e:  # noqa: BLE001 - only a head start lost: stage unpacks the verified blob
+        except Exception as e:  # noqa: BLE001 - only a head start lost: stage unpacks the verified blobs
             self.failed = e
 
-    def take(self, capsule: str, criu: str) -> tuple[Path, Journal] | None:
-        """The directory with the images unpacked, and its journal, once the blob they came from is verified (the
+    def take(self, capsule: str, criu: list[str]) -> tuple[Path, Journal] | None:
+        """The directory with the images unpacked, and its journal, once the blobs they came from are verified (the
         caller publishes it); None: unpack as usual."""
         self.thread.join()
         if (capsule, criu) != (self.capsule, self.criu) or self.failed is not None or self.tmp is None \
-                or self.journal is None or not self.growing.verified(timeout=0):
+                or self.journal is None or not all(g.verified(timeout=0) for g in self.growing):
             return None
         taken, self.tmp = (self.tmp, self.journal), None
         self.journal, self.taken = None, True
@@ -215,21 +220,23 @@ def _timed(parts: dict[str, float], name: str) -> Iterator[None]:
 
 
 def _unpack(store: CapsuleStore, capsule: LoadedCapsule, root: Path, early: UnpackingEarly | None = None) -> None:
-    criu, files = capsule.layer(mt.LAYER_CRIU), capsule.layer(mt.LAYER_FILES)
-    if criu is None:
+    criu = [d.digest for d in capsule.layers_of(mt.LAYER_CRIU)]
+    files = capsule.layer(mt.LAYER_FILES)
+    if not criu:
         raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"capsule {capsule.digest} has no CRIU images layer")
     try:
-        _unpack_layers(store, capsule.digest, criu.digest, files.digest if files else None, root,
-                       early.take(capsule.digest, criu.digest) if early is not None else None)
+        _unpack_layers(store, capsule.digest, criu, files.digest if files else None, root,
+                       early.take(capsule.digest, criu) if early is not None else None)
     finally:
         if early is not None:
             early.discard()
 
 
-def _unpack_layers(store: CapsuleStore, digest: str, criu: str, files: str | None, root: Path,
+def _unpack_layers(store: CapsuleStore, digest: str, criu: list[str], files: str | None, root: Path,
                    unpacked: tuple[Path, Journal] | None = None) -> None:
-    """A capsule's CRIU images and files under root, published whole (root/.complete) or not at all. unpacked: a
-    directory whose images/ an early unpack filled from the verified blob (UnpackingEarly.take), and its journal."""
+    """A capsule's CRIU images (its layers side by side) and files under root, published whole (root/.complete) or
+    not at all. unpacked: a directory whose images/ an early unpack filled from the verified blobs
+    (UnpackingEarly.take), and its journal."""
     done = root / ".complete"
     if done.exists():
         if unpacked is not None:  # a concurrent restore published it first
@@ -246,7 +253,7 @@ def _unpack_layers(store: CapsuleStore, digest: str, criu: str, files: str | Non
         private_dir(tmp)
     try:
         if unpacked is None:
-            unpack_layer(store.blob_path(criu), tmp / "images")
+            unpack_layers([store.blob_path(d) for d in criu], tmp / "images")
         if files:
             unpack_layer(store.blob_path(files), tmp / "files")
         (tmp / ".complete").write_text(digest)
@@ -258,7 +265,7 @@ def _unpack_layers(store: CapsuleStore, digest: str, criu: str, files: str | Non
             shutil.rmtree(tmp, ignore_errors=True)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise out_of_room(e, tmp.parent, store.blob_path(criu)) from None
+        raise out_of_room(e, tmp.parent, store.blob_path(criu[0])) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
