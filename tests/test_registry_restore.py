@@ -159,8 +159,10 @@ def test_a_restore_streaming_its_weights_by_pieces_restores_with_criu_while_they
         assert r.result.pull.get("spooled") == 1, r.result.pull  # in memory first, filed for the engine's reads
         assert r.result.stage_parts.get("unpack_early"), r.result.stage_parts  # the images unpacked as they came
         steps = r.result.pull["steps_s"]  # where the pull's time went, in the order it went
-        order = ["started", "manifest", "own_blobs", "provenance", "weights_sized", "weights_checked"]
-        assert [steps[k] for k in order] == sorted(steps[k] for k in order), steps
+        for order in (["started", "manifest", "own_blobs", "provenance"],
+                      ["manifest", "weights_sized", "own_blobs"],  # the weights move beside the images
+                      ["weights_sized", "weights_checked"]):
+            assert [steps[k] for k in order] == sorted(steps[k] for k in order), (order, steps)
         assert steps["weights_checked"] - steps["weights_sized"] > 1.0, steps  # the throttled weights, ~3 s
         store = CapsuleStore(settings().store)
         assert any(m["digest"] == cap.capsule for m in store.index())
@@ -204,6 +206,39 @@ def test_a_streamed_restore_whose_weights_fail_their_pin_fails_and_lists_nothing
         assert not [w for w in list_states() if w.name == "pyt-reg-bad"]
         assert "coldsnap-pyt-reg-bad" not in subprocess.run(["ip", "netns", "list"], capture_output=True,
                                                             text=True).stdout
+    finally:
+        blob.write_bytes(original)
+        os.replace(weights.path + ".gone", weights.path)
+
+
+def test_a_restore_whose_images_fail_their_digest_while_its_weights_move_keeps_nothing(registry, tmp_path,  # noqa: F811
+                                                                                        monkeypatch):
+    """A layer of the CRIU images altered in the registry, while the weights (pinned by pieces) already move beside
+    the images: the restore fails with exit 4 before admitting anything, the weights' fetch ends with it, and the
+    store keeps no blob, the weights' included."""
+    from test_registry import registry_blob_file
+
+    from coldsnap.contracts import ColdSnapError, ErrorCode
+
+    origin_host(tmp_path, monkeypatch)
+    monkeypatch.setenv("COLDSNAP_PIN_PIECE_MIB", "1")
+    monkeypatch.setenv("COLDSNAP_IMAGES_LAYER_MIB", "4")
+    cap, weights = captured_and_pushed(registry, "pyt-reg-badimg", "bad", "badimages")
+    layers = CapsuleStore(settings().store).load(cap.capsule).layers_of(mt.LAYER_CRIU)
+    assert len(layers) > 1 and len(weights.chunks) >= 3, (layers, weights)
+    blob = registry_blob_file(registry, layers[-1].digest)
+    original = blob.read_bytes()
+    blob.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+    become_a_fresh_host(tmp_path, monkeypatch, weights)
+    try:
+        with pytest.raises(ColdSnapError) as e:
+            restore(RestoreRequest(operation="restore", capsule=f"{registry}/coldsnap/badimages@{cap.capsule}",
+                                   insecure_registry=True, policy=Policy(fallback_to_cold=True)))
+        assert e.value.code == ErrorCode.CAPSULE_CORRUPT and e.value.exit_code == 4, e.value
+        assert layers[-1].digest in str(e.value), e.value  # the blob that failed is named
+        fresh = CapsuleStore(settings().store)
+        assert fresh.index() == [] and not list(fresh.blobs.iterdir()), list(fresh.blobs.iterdir())
+        assert not os.path.exists(weights.path)
     finally:
         blob.write_bytes(original)
         os.replace(weights.path + ".gone", weights.path)

@@ -223,7 +223,7 @@ class _FrameStream(io.RawIOBase):
         self.pool = ThreadPoolExecutor(workers)
         self.todo: Iterator[tuple[int, int, int]] = iter(frames)
         self.ahead: deque[Future[bytes]] = deque()
-        self.fd, self.view, self.at = fd, memoryview(b""), 0
+        self.fd, self.frame, self.at = fd, memoryview(b""), 0
         for _ in range(2 * workers):
             self._submit()
 
@@ -242,16 +242,22 @@ class _FrameStream(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def readinto(self, b) -> int:  # type: ignore[override]
-        while self.at >= len(self.view):
+    def take(self, n: int) -> memoryview:
+        """Up to n next bytes of the stream, as they lie in their decompressed frame (nothing copied: the unpack
+        writes them from there, holding the GIL less); empty at its end."""
+        while self.at >= len(self.frame):
             if not self.ahead:
-                return 0
-            self.view, self.at = memoryview(self.ahead.popleft().result()), 0
+                return memoryview(b"")
+            self.frame, self.at = memoryview(self.ahead.popleft().result()), 0
             self._submit()
-        n = min(len(b), len(self.view) - self.at)
-        b[:n] = self.view[self.at:self.at + n]
-        self.at += n
-        return n
+        taken = self.frame[self.at:self.at + n]
+        self.at += len(taken)
+        return taken
+
+    def readinto(self, b) -> int:  # type: ignore[override]
+        taken = self.take(len(b))
+        b[:len(taken)] = taken
+        return len(taken)
 
     def read(self, n: int | None = -1) -> bytes:
         buf = bytearray(CHUNK if n is None or n < 0 else n)
@@ -305,6 +311,12 @@ class _ForwardReader(io.RawIOBase):
         n = self.raw.readinto(b)
         self.pos += n
         return n
+
+    def take(self, n: int, buf: memoryview) -> memoryview:
+        """Up to n next bytes: where the frames lie when they can (_FrameStream.take), else read into buf."""
+        taken = self.raw.take(n) if isinstance(self.raw, _FrameStream) else buf[:self.raw.readinto(buf[:n])]
+        self.pos += len(taken)
+        return taken
 
     def read(self, n: int | None = -1) -> bytes:
         data = self.raw.read(-1 if n is None else n)
@@ -416,8 +428,7 @@ def unpack_layer(layer: Path, dest: Path, following: Growing | None = None, *, p
     budget = min(MAX_RATIO * size + SLACK, st.f_bavail * st.f_frsize)
     written = 0
     zeros = bytes(CHUNK)
-    buf = bytearray(CHUNK)
-    view = memoryview(buf)
+    view = memoryview(bytearray(CHUNK))
     try:
         with open(layer, "rb") as raw, _decompressed(raw, following, workers or _workers()) as zr:
             source = _ForwardReader(zr)
@@ -452,19 +463,19 @@ def unpack_layer(layer: Path, dest: Path, following: Growing | None = None, *, p
                     while left:
                         if stop is not None and stop.is_set():
                             raise _Stopped()
-                        n = source.readinto(view[:min(CHUNK, left)])
+                        out = source.take(min(CHUNK, left), view)
+                        n = len(out)
                         if not n:
                             raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"layer member {short(member.name)} is "
                                                 "truncated")
                         left -= n
-                        if (buf if n == CHUNK else view[:n].tobytes()) == zeros[:n]:
+                        if zeros.startswith(out):  # all zeros (a memcmp; comparing a memoryview goes byte by byte)
                             at += n  # a hole
                             continue
                         written += n
                         if written > budget:
                             raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"layer {layer.name[:19]}… expands "
                                                 f"beyond {budget} bytes of data (at {short(member.name)}): refused")
-                        out = view[:n]
                         while out:
                             wrote = os.pwrite(fd, out, at)
                             out, at = out[wrote:], at + wrote
