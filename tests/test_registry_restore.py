@@ -124,12 +124,14 @@ def test_a_restore_of_a_registry_reference_admits_and_stages_while_its_weights_s
     assert e.value.code == ErrorCode.CAPSULE_UNPINNED and e.value.receipt is not None
 
 
+@pytest.mark.parametrize("ahead", [True, False], ids=["weights-beside-images", "weights-after-images"])
 def test_a_restore_streaming_its_weights_by_pieces_restores_with_criu_while_they_arrive(
-        registry, tmp_path, monkeypatch):  # noqa: F811
+        registry, tmp_path, monkeypatch, ahead):  # noqa: F811
     """Weights pinned piece by piece (1 MiB pieces here, so that the test's small model has several): the pull
     fetches them by pieces into a partial file of full size, the restore links it at the weights' path and CRIU
     restores the engine while the pieces still arrive (through a throttling proxy); the CRIU images, in several
-    layers (4 MiB each here), are unpacked side by side while they arrive; the pieces land in memory
+    layers (4 MiB each here), are unpacked side by side while they arrive, the weights moving beside them (or
+    after them: COLDSNAP_PULL_WEIGHTS_AHEAD=0); the pieces land in memory
     first (the spool) and, this engine reading its file itself (no prefetcher on CPU), reach the file once all are
     checked; the engine resumes then, the disk's sync and the store's listing catching up behind; after the restore
     its file is the store's listed blob."""
@@ -137,6 +139,7 @@ def test_a_restore_streaming_its_weights_by_pieces_restores_with_criu_while_they
     monkeypatch.setenv("COLDSNAP_PIN_PIECE_MIB", "1")
     monkeypatch.setenv("COLDSNAP_PULL_SPOOL", "1")
     monkeypatch.setenv("COLDSNAP_IMAGES_LAYER_MIB", "4")
+    monkeypatch.setenv("COLDSNAP_PULL_WEIGHTS_AHEAD", "1" if ahead else "0")
     cap, weights = captured_and_pushed(registry, "pyt-reg-pieces", "one", "pieces")
     assert len(weights.chunks) >= 3 and weights.chunk_digest == "blake3", weights  # a capture's pins
     images = CapsuleStore(settings().store).load(cap.capsule).layers_of(mt.LAYER_CRIU)
@@ -160,7 +163,7 @@ def test_a_restore_streaming_its_weights_by_pieces_restores_with_criu_while_they
         assert r.result.stage_parts.get("unpack_early"), r.result.stage_parts  # the images unpacked as they came
         steps = r.result.pull["steps_s"]  # where the pull's time went, in the order it went
         for order in (["started", "manifest", "own_blobs", "provenance"],
-                      ["manifest", "weights_sized", "own_blobs"],  # the weights move beside the images
+                      ["manifest", "weights_sized", "own_blobs"] if ahead else ["provenance", "weights_sized"],
                       ["weights_sized", "weights_checked"]):
             assert [steps[k] for k in order] == sorted(steps[k] for k in order), (order, steps)
         assert steps["weights_checked"] - steps["weights_sized"] > 1.0, steps  # the throttled weights, ~3 s

@@ -639,7 +639,7 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
             if arrivals is not None and weights_missing:
                 arrivals.start_fetchers()  # the weights' fetching processes start while the images come
             with _blob_locks(store, [d.digest for d in own]):
-                if arrivals is not None and weights_missing and not payload:
+                if arrivals is not None and weights_missing and not payload and settings().pull_weights_ahead:
                     # the profile first (it pins the weights' pieces), then the weights move beside the images
                     config = own[:1]  # _descriptors puts the config first
                     early = _fetch_missing(store, client, config, progress, arrivals=arrivals)

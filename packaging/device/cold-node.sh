@@ -9,12 +9,13 @@
 # WARMUP=1 does only a first capture (the seeded weights written, the compile cache filled) and removes its capsule:
 # on a fresh machine the first cold start of the 31 GB workload takes ~410 s, more than one call leaves the bench.
 # Run it as its own call, then the bench as the next call on the same (still warm) machine.
-# Usage (repo root there, .whl and .carry/gpu carried: prepare.sh): [LAYERS=6] [N=3] [SHM=1] [WARMUP=1] packaging/device/cold-node.sh
+# Usage (repo root there, .whl and .carry/gpu carried: prepare.sh):
+#   [LAYERS=6] [N=3] [SHM=1] [WARMUP=1] [SUFFIX=name] packaging/device/cold-node.sh
 source packaging/device/env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 command -v docker-registry >/dev/null || { echo "cold-node: no docker-registry: carry .carry/registry"; exit 12; }
 L=${LAYERS:-6}
-NAME=reference-cuda-cold-node-$L
+NAME=reference-cuda-cold-node-$L${SUFFIX:+-$SUFFIX}  # SUFFIX: runs side by side in one call keep apart
 if [ "${SHM:-0}" = 1 ]; then
   export COLDSNAP_HOME=/dev/shm/coldsnap COLDSNAP_RUN=/dev/shm/coldsnap-run
   NAME=$NAME-tmpfs
