@@ -86,12 +86,31 @@ def test_a_large_layer_is_frames_unpacked_on_several_cores_and_a_cut_one_is_refu
     assert e.value.code == ErrorCode.CAPSULE_CORRUPT
 
 
+def arriving(blob: bytes, part, growing, stop_at: int | None = None):
+    """A thread writing blob into part a MiB at a time, as a pull does, telling growing; stop_at: it breaks there."""
+    import threading
+
+    def write() -> None:
+        with open(part, "wb") as f:
+            growing.started(part, len(blob), 0)
+            for at in range(0, len(blob), 1 << 20):
+                if stop_at is not None and at >= stop_at:
+                    growing.broke()
+                    return
+                f.write(blob[at:at + (1 << 20)])
+                f.flush()
+                growing.wrote(min(at + (1 << 20), len(blob)))
+                time.sleep(0.01)
+        growing.ended(True)
+    t = threading.Thread(target=write)
+    t.start()
+    return t
+
+
 def test_a_layer_is_unpacked_while_it_arrives_and_a_broken_stream_stops_the_follower(tmp_path):
     """A restore unpacks its CRIU images while their blob is still being written (coldsnap.capsule.growing): frame
     by frame, each once its bytes are in the file, to the same files as an unpack of the whole blob; a stream that
     breaks (a retry, a failed pull) stops the follower, which never waits for bytes that are not coming."""
-    import threading
-
     from coldsnap.capsule.growing import Growing, StopFollowing
 
     src = tmp_path / "src"
@@ -103,25 +122,8 @@ def test_a_layer_is_unpacked_while_it_arrives_and_a_broken_stream_stops_the_foll
     pack_dir(src, layer)
     blob = layer.read_bytes()
 
-    def arriving(growing: Growing, part, stop_at: int | None = None) -> threading.Thread:
-        def write() -> None:
-            with open(part, "wb") as f:
-                growing.started(part, len(blob), 0)
-                for at in range(0, len(blob), 1 << 20):
-                    if stop_at is not None and at >= stop_at:
-                        growing.broke()
-                        return
-                    f.write(blob[at:at + (1 << 20)])
-                    f.flush()
-                    growing.wrote(min(at + (1 << 20), len(blob)))
-                    time.sleep(0.01)
-            growing.ended(True)
-        t = threading.Thread(target=write)
-        t.start()
-        return t
-
     growing = Growing()
-    writer = arriving(growing, tmp_path / "part")
+    writer = arriving(blob, tmp_path / "part", growing)
     unpack_layer(tmp_path / "part", tmp_path / "out", following=growing)
     writer.join()
     assert growing.verified(timeout=0)
@@ -129,7 +131,7 @@ def test_a_layer_is_unpacked_while_it_arrives_and_a_broken_stream_stops_the_foll
     assert (tmp_path / "out" / "core.img").read_bytes() == b"c" * 4000
 
     broken = Growing()
-    writer = arriving(broken, tmp_path / "part2", stop_at=len(blob) // 2)
+    writer = arriving(blob, tmp_path / "part2", broken, stop_at=len(blob) // 2)
     t0 = time.monotonic()
     with pytest.raises(StopFollowing):
         unpack_layer(tmp_path / "part2", tmp_path / "out2", following=broken)
@@ -435,35 +437,17 @@ def test_layers_whose_parts_do_not_fit_together_are_refused(tmp_path):
 
 
 def test_several_layers_unpack_while_they_arrive_and_one_broken_stream_stops_them_all(tmp_path):
-    import threading
-
     from coldsnap.capsule import pack_parts, unpack_layers
     from coldsnap.capsule.growing import Growing, StopFollowing
 
     src = _images(tmp_path)
     layers = pack_parts(src, tmp_path / "layers", 3)
 
-    def arrive(layer, part, growing, stop_at=None):
-        blob = layer.read_bytes()
-        with open(part, "wb") as f:
-            growing.started(part, len(blob), 0)
-            for at in range(0, len(blob), 1 << 20):
-                if stop_at is not None and at >= stop_at:
-                    growing.broke()
-                    return
-                f.write(blob[at:at + (1 << 20)])
-                f.flush()
-                growing.wrote(min(at + (1 << 20), len(blob)))
-                time.sleep(0.01)
-        growing.ended(True)
-
     for broken in (None, 1):
         growing = [Growing() for _ in layers]
         parts = [tmp_path / f"part{broken}-{i}" for i in range(len(layers))]
-        writers = [threading.Thread(target=arrive, args=(layer, part, g, 1 << 20 if i == broken else None))
+        writers = [arriving(layer.read_bytes(), part, g, 1 << 20 if i == broken else None)
                    for i, (layer, part, g) in enumerate(zip(layers, parts, growing))]
-        for w in writers:
-            w.start()
         out = tmp_path / f"out{broken}"
         if broken is None:
             unpack_layers(parts, out, following=growing)
