@@ -130,8 +130,8 @@ def test_a_restore_streaming_its_weights_by_pieces_restores_with_criu_while_they
     """Weights pinned piece by piece (1 MiB pieces here, so that the test's small model has several): the pull
     fetches them by pieces into a partial file of full size, the restore links it at the weights' path and CRIU
     restores the engine while the pieces still arrive (through a throttling proxy); the CRIU images, in several
-    layers (4 MiB each here), are unpacked side by side while they arrive, the weights moving beside them (or
-    after them: COLDSNAP_PULL_WEIGHTS_AHEAD=0); the pieces land in memory
+    layers (4 MiB each here), are unpacked side by side while they arrive, the weights moving after them (or
+    beside them: COLDSNAP_PULL_WEIGHTS_AHEAD=1); the pieces land in memory
     first (the spool) and, this engine reading its file itself (no prefetcher on CPU), reach the file once all are
     checked; the engine resumes then, the disk's sync and the store's listing catching up behind; after the restore
     its file is the store's listed blob."""
@@ -226,6 +226,7 @@ def test_a_restore_whose_images_fail_their_digest_while_its_weights_move_keeps_n
     origin_host(tmp_path, monkeypatch)
     monkeypatch.setenv("COLDSNAP_PIN_PIECE_MIB", "1")
     monkeypatch.setenv("COLDSNAP_IMAGES_LAYER_MIB", "4")
+    monkeypatch.setenv("COLDSNAP_PULL_WEIGHTS_AHEAD", "1")
     cap, weights = captured_and_pushed(registry, "pyt-reg-badimg", "bad", "badimages")
     layers = CapsuleStore(settings().store).load(cap.capsule).layers_of(mt.LAYER_CRIU)
     assert len(layers) > 1 and len(weights.chunks) >= 3, (layers, weights)
