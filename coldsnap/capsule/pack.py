@@ -94,7 +94,8 @@ def pack_dir(src: Path, dest: Path, level: int = 1, skip: tuple[str, ...] = ()) 
 def pack_parts(src: Path, dest: Path, count: int, level: int = 1, skip: tuple[str, ...] = ()) -> list[Path]:
     """src's contents as up to `count` layers of about equal bytes (dest/0.tar.zst, …), for a pull to fetch, check
     and unpack side by side: src's entries in name order, a regular file cut where a layer is full (at a whole
-    CHUNK, so that runs of zeros stay whole chunks). Returns the layers written, in order."""
+    CHUNK of the file: its parts are written, and their runs of zeros found, a whole CHUNK at a time). Returns the
+    layers written, in order."""
     dest.mkdir(parents=True, exist_ok=True, mode=0o700)
     plan = _plan(sorted(e for e in src.iterdir() if e.name not in skip), max(1, count))
     layers = [dest / f"{i}.tar.zst" for i in range(len(plan))]
@@ -121,7 +122,8 @@ def _plan(entries: list[Path], count: int) -> list[list[Member]]:
         offset = 0
         while True:
             layer = min((at + offset) // share, count - 1)
-            end = size if layer == count - 1 else min(size, (layer + 1) * share - at)
+            cut = -(-((layer + 1) * share - at) // CHUNK) * CHUNK  # the layer's end, at a whole CHUNK of the file
+            end = size if layer == count - 1 else min(size, cut)
             whole = offset == 0 and end == size
             plan[layer].append((entry, offset, None if whole else end - offset))
             offset = end
