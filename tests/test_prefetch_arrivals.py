@@ -97,11 +97,12 @@ class RangeServer:
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                if not ranges:  # a registry that ignores Range: the whole blob
+                if not ranges:  # a registry that ignores Range: the whole blob (short: its first half)
                     self.send_response(200)
                     self.send_header("Content-Length", str(len(blob)))
                     self.end_headers()
-                    self.wfile.write(blob)
+                    self.wfile.write(blob[:len(blob) // 2] if short else blob)
+                    self.close_connection = short
                     return
                 first, last = (int(x) for x in self.headers["Range"].removeprefix("bytes=").split("-"))
                 self.send_response(206)
@@ -229,8 +230,7 @@ def test_a_piece_whose_connection_breaks_is_fetched_again_not_refused(tmp_path):
     import hashlib
     import os
 
-    from coldsnap.capsule.fetcher import PlainClient
-    from coldsnap.capsule.pieces import BROKEN, fetch_piece
+    from coldsnap.capsule.fetcher import BROKEN, PlainClient, fetch_piece
 
     blob = os.urandom(64_000)
     pin = hashlib.sha256(blob[4096:8192]).hexdigest()
@@ -239,12 +239,48 @@ def test_a_piece_whose_connection_breaks_is_fetched_again_not_refused(tmp_path):
     broken, whole = RangeServer(blob, short=True), RangeServer(blob)
     try:
         with pytest.raises(BROKEN):
-            fetch_piece(PlainClient(), broken.url, fd, 4096, 4096, pin, "test", lambda n: None, write_behind=False,
-                        base=4096)
-        assert fetch_piece(PlainClient(), whole.url, fd, 4096, 4096, pin, "test", lambda n: None,
-                           write_behind=False, base=4096)
+            fetch_piece(PlainClient(), broken.url, fd, 4096, 4096, pin, "test", lambda n: None, base=4096)
+        assert fetch_piece(PlainClient(), whole.url, fd, 4096, 4096, pin, "test", lambda n: None, base=4096)
         assert os.pread(fd, 4096, 0) == blob[4096:8192]
     finally:
         os.close(fd)
         broken.close()
         whole.close()
+
+
+def test_a_fetching_process_brings_a_whole_blob_hashed_and_says_how_far_it_is(tmp_path):
+    """A restore's pull fetches the capsule's CRIU images in processes of their own (a GIL each, started ahead), a
+    stream per blob: the process writes the blob into the partial file from byte 0, says how far it is as it goes
+    (the restore unpacks behind it) and the sha256 of what came, for the pull to compare with the digest; a broken
+    connection is told with how far it got (the pull resumes from there), more bytes than the blob's size as such."""
+    import hashlib
+    import os
+
+    from coldsnap.capsule import pieces
+
+    blob = os.urandom((3 << 20) + 12345)
+
+    def fetched(server: RangeServer, size: int) -> tuple[list[list[str]], bytes]:
+        part = tmp_path / f"part{server.url.split(':')[-1].split('/')[0]}"
+        fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fetcher = pieces.Fetcher()
+        try:
+            fetcher.give({"url": server.url, "authorization": None, "blob": size, "every": 1 << 20}, [fd])
+            assert fetcher.proc.stdout is not None
+            lines = [line.decode().split() for line in fetcher.proc.stdout]
+            assert fetcher.ended() is None
+        finally:
+            os.close(fd)
+            server.close()
+        return lines, part.read_bytes()
+
+    lines, got = fetched(RangeServer(blob, ranges=False), len(blob))
+    assert got == blob and lines[-1] == ["whole", str(len(blob)), hashlib.sha256(blob).hexdigest()]
+    told = [int(n) for word, n in lines[:-1] if word == "at"]
+    assert len(told) == len(lines) - 1 >= 3 and told == sorted(told) and told[-1] == len(blob)  # as it went
+
+    lines, got = fetched(RangeServer(blob, ranges=False, short=True), len(blob))
+    assert lines[-1][0] == "broken" and 0 < int(lines[-1][1]) < len(blob) and got == blob[:int(lines[-1][1])]
+
+    lines, got = fetched(RangeServer(blob, ranges=False), len(blob) - 1)
+    assert lines[-1] == ["long"]  # never hashed as the blob

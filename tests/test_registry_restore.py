@@ -129,10 +129,10 @@ def test_a_restore_streaming_its_weights_by_pieces_restores_with_criu_while_they
     """Weights pinned piece by piece (1 MiB pieces here, so that the test's small model has several): the pull
     fetches them by pieces into a partial file of full size, the restore links it at the weights' path and CRIU
     restores the engine while the pieces still arrive (through a throttling proxy); the CRIU images, in several
-    layers (4 MiB each here), are unpacked side by side while they arrive; the pieces land in memory
-    first (the spool) and, this engine reading its file itself (no prefetcher on CPU), reach the file once all are
-    checked; the engine resumes then, the disk's sync and the store's listing catching up behind; after the restore
-    its file is the store's listed blob."""
+    layers (4 MiB each here), are unpacked side by side while they arrive, two fetched by processes of their own;
+    the pieces land in memory first (the spool) and, this engine reading its file itself (no prefetcher on CPU),
+    reach the file once all are checked; the engine resumes then, the disk's sync and the store's listing catching
+    up behind; after the restore its file is the store's listed blob."""
     origin_host(tmp_path, monkeypatch)
     monkeypatch.setenv("COLDSNAP_PIN_PIECE_MIB", "1")
     monkeypatch.setenv("COLDSNAP_PULL_SPOOL", "1")
@@ -142,6 +142,14 @@ def test_a_restore_streaming_its_weights_by_pieces_restores_with_criu_while_they
     images = CapsuleStore(settings().store).load(cap.capsule).layers_of(mt.LAYER_CRIU)
     assert len(images) == 4, images  # the images' layers, at most 4
     become_a_fresh_host(tmp_path, monkeypatch, weights)
+    from coldsnap.capsule import registry as registry_client
+
+    monkeypatch.setenv("COLDSNAP_PULL_IMAGE_FETCHERS", "2")  # two layers in processes, two on the pull's threads
+    by_process: list = []  # (digest, what a fetching process brought) for each image blob given to one
+    real = registry_client._download_by_fetcher
+    monkeypatch.setattr(registry_client, "_download_by_fetcher",
+                        lambda fetcher, client, desc, *rest: by_process.append(
+                            (desc.digest, real(fetcher, client, desc, *rest))) or by_process[-1][1])
     slow = Throttle(registry, rate=max(weights.size // 3, 1 << 20))  # the weights take ~3 s
     try:
         ref = f"{slow.address}/coldsnap/pieces@{cap.capsule}"
@@ -158,6 +166,9 @@ def test_a_restore_streaming_its_weights_by_pieces_restores_with_criu_while_they
         assert r.result.hydrate.weights_wait_s > 0  # the engine's resume waited for the rest
         assert r.result.pull.get("spooled") == 1, r.result.pull  # in memory first, filed for the engine's reads
         assert r.result.stage_parts.get("unpack_early"), r.result.stage_parts  # the images unpacked as they came
+        sizes = {d.digest: d.size for d in images}
+        assert len(by_process) == 2, by_process  # in processes of their own
+        assert all(got == (sizes[d], True) for d, got in by_process), by_process  # whole, digest checked
         steps = r.result.pull["steps_s"]  # where the pull's time went, in the order it went
         order = ["started", "manifest", "own_blobs", "provenance", "weights_sized", "weights_checked"]
         assert [steps[k] for k in order] == sorted(steps[k] for k in order), steps

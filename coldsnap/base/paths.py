@@ -38,6 +38,8 @@ VARIABLES = (
              "store's file (0), or in memory when the node has twice their size free (auto)"),
     Variable("COLDSNAP_PULL_CONNECTIONS", "", "connections a pull by pieces uses at once (1-64); default one per "
              "core, 2 to 16"),
+    Variable("COLDSNAP_PULL_IMAGE_FETCHERS", "", "a streamed restore fetches this many of its CRIU images' layers "
+             "(0-4) in processes of their own; default one per 4 cores, at least 1; 0: all on its own threads"),
     Variable("COLDSNAP_PIN_PIECE_MIB", "256", "the pieces (MiB, at least 1) a weights file is pinned by at capture; "
              "a file of more than one piece pulls by pieces and streams into a restore"),
     Variable("COLDSNAP_PIN_PIECE_HASH", "blake3", "the hash a capture pins those pieces by: blake3 (about 4x less "
@@ -99,6 +101,7 @@ class Settings:
     pull_pieces: bool = True
     pull_spool: str = "auto"
     pull_connections: str = ""
+    pull_image_fetchers: str = ""
     pin_piece_mib: str = "256"
     pin_piece_hash: str = "blake3"
     images_layer_mib: str = "64"
@@ -161,6 +164,7 @@ def settings() -> Settings:
         pull_pieces=_flag("COLDSNAP_PULL_PIECES", True),
         pull_spool=os.environ.get("COLDSNAP_PULL_SPOOL", "auto"),
         pull_connections=os.environ.get("COLDSNAP_PULL_CONNECTIONS", ""),
+        pull_image_fetchers=os.environ.get("COLDSNAP_PULL_IMAGE_FETCHERS", ""),
         pin_piece_mib=os.environ.get("COLDSNAP_PIN_PIECE_MIB", "256"),
         pin_piece_hash=os.environ.get("COLDSNAP_PIN_PIECE_HASH", "blake3"),
         images_layer_mib=os.environ.get("COLDSNAP_IMAGES_LAYER_MIB", "64"),

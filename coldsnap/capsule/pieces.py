@@ -30,22 +30,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-import requests
-
-from coldsnap.base.digests import chunk_digest, piece_hasher
+from coldsnap.base.digests import chunk_digest
 from coldsnap.base.files import WriteBehind
 from coldsnap.base.paths import settings
+from coldsnap.capsule import fetcher as fetching
+from coldsnap.capsule.fetcher import ATTEMPTS, BROKEN, FD_BATCH, NoRanges, fetch_piece
 from coldsnap.capsule.growing import Growing
 from coldsnap.contracts import ColdSnapError, ErrorCode, WeightFile
 
-READ = 1 << 20
 COPY = 16 << 20  # bytes per write when a spool's pieces go to disk
-ATTEMPTS = 3  # a piece whose connection breaks is fetched again, this many times in all
-BROKEN = (requests.exceptions.ConnectionError, requests.exceptions.ChunkedEncodingError, requests.exceptions.Timeout)
-
-
-class NoRanges(Exception):
-    """The registry does not answer Range requests as asked: fetch the blob as one stream instead."""
 
 
 def wanted() -> bool:
@@ -90,6 +83,7 @@ class Arrivals:
         self._sized_at: dict[str, float] = {}
         self._growing: dict[str, Growing] = {}  # blobs fetched as one stream that someone follows as they land
         self._fetchers: list[Fetcher] = []  # fetching processes started ahead, for the first spooled blob
+        self._blob_fetchers: list[Fetcher] = []  # and for the blobs followed (one each)
         self.ended = False
         self._t0 = time.monotonic()
         self.marks: dict[str, float] = {}  # seconds from this object's start to each step of the pull (mark)
@@ -100,22 +94,25 @@ class Arrivals:
         with self._cond:
             self.marks.setdefault(step, round(time.monotonic() - self._t0, 4))
 
-    def start_fetchers(self) -> None:
-        """Start the fetching processes of a spooled pull now, ahead of the weights (Fetcher): the pull calls this
-        as the capsule's own blobs begin. Those no blob takes end with the pull."""
+    def start_fetchers(self, weights: bool = True, blobs: int = 0) -> None:
+        """Start the fetching processes of a streamed pull now, ahead of their work (Fetcher): the pull calls this
+        as soon as its manifest is in. weights: those of a spooled weights blob; blobs: that many more, for the
+        blobs someone follows (the CRIU images, one stream each: take_blob_fetcher). Those no blob takes end with
+        the pull."""
         with self._cond:
-            if self._fetchers or self.ended:
+            if self._fetchers or self._blob_fetchers or self.ended:
                 return
         started: list[Fetcher] = []
         try:
-            for _ in range(fetcher_count()):
+            for _ in range((fetcher_count() if weights else 0) + blobs):
                 started.append(Fetcher())
         except OSError:  # the pull starts them when it needs them, and says so if it cannot
             for f in started:
                 f.close()
             return
         with self._cond:
-            self._fetchers, started = started, ([] if not self.ended else started)
+            if not self.ended:
+                self._blob_fetchers, self._fetchers, started = started[:blobs], started[blobs:], []
         for f in started:
             f.close()
 
@@ -123,6 +120,12 @@ class Arrivals:
         with self._cond:
             taken, self._fetchers = self._fetchers, []
             return taken
+
+    def take_blob_fetcher(self, digest: str) -> Fetcher | None:
+        """A fetching process for a blob someone follows, if one was started for it (else the pull's own thread
+        fetches it)."""
+        with self._cond:
+            return self._blob_fetchers.pop() if digest in self._growing and self._blob_fetchers else None
 
     def sized(self, digest: str, path: Path, spool: Spool | None = None) -> None:
         """The blob's partial file has its full size; spool: the memory holding its checked pieces (the partial
@@ -189,7 +192,9 @@ class Arrivals:
             growing = list(self._growing.values())
         for g in growing:  # those it never fetched, or not whole: whoever follows them stops
             g.broke()
-        for f in self.take_fetchers():
+        with self._cond:
+            spare, self._blob_fetchers = self.take_fetchers() + self._blob_fetchers, []
+        for f in spare:
             f.close()
 
     def allow_sync(self) -> None:
@@ -332,30 +337,6 @@ def covers(wf: WeightFile, size: int) -> bool:
     return n > 0 and cb > 0 and (n - 1) * cb < size <= n * cb
 
 
-def fetch_piece(client, url: str, fd: int, offset: int, length: int, pin: str, what: str,
-                 counted: Callable[[int], None], write_behind: bool = True, base: int = 0,
-                 algorithm: str = "sha256") -> bool:
-    """One piece into the file at its offset (less base: a spool's piece is a file of its own from 0); whether its
-    bytes match the pin (a digest by `algorithm`)."""
-    last = offset + length - 1
-    r = client.request("GET", url, ok=(200, 206), what=what, headers={"Range": f"bytes={offset}-{last}"},
-                       stream=True, not_found=ErrorCode.CAPSULE_NOT_FOUND)
-    with r:
-        if r.status_code != 206 or not r.headers.get("Content-Range", "").startswith(f"bytes {offset}-{last}/"):
-            raise NoRanges()
-        h, behind, at = piece_hasher(algorithm), WriteBehind(fd, offset) if write_behind else None, offset
-        for chunk in r.iter_content(READ):
-            if at + len(chunk) > offset + length:
-                return False  # more than asked for: not this piece
-            h.update(chunk)
-            os.pwrite(fd, chunk, at - base)
-            if behind is not None:
-                behind.wrote(len(chunk))
-            at += len(chunk)
-            counted(len(chunk))
-    return at == offset + length and h.hexdigest() == pin
-
-
 def fetch_by_pieces(new_client: Callable[[], object], url: str, part: Path, size: int, wf: WeightFile,
                     what: str, progress: Callable[[int, int], None] | None = None,
                     arrivals: Arrivals | None = None, digest: str = "") -> tuple[int, int]:
@@ -429,7 +410,8 @@ def fetch_by_pieces(new_client: Callable[[], object], url: str, part: Path, size
                 try:
                     into, base = (spool.fds[i], offset) if spool else (fd, 0)
                     good = fetch_piece(local.client, url, into, offset, length, wf.chunks[i], what, counted,
-                                       write_behind=arrivals is None, base=base, algorithm=wf.chunk_digest)
+                                       WriteBehind(fd, offset).wrote if arrivals is None else None, base,
+                                       wf.chunk_digest, ErrorCode.CAPSULE_NOT_FOUND)
                     if good and arrivals is not None:
                         announce(i, offset, length)
                     return good
@@ -477,7 +459,6 @@ def fetch_by_pieces(new_client: Callable[[], object], url: str, part: Path, size
 
 
 FETCHERS = 4  # processes a spooled pull spreads its connections over (each has a GIL of its own)
-FD_BATCH = 200  # descriptors per message to a fetching process (the kernel takes at most 253)
 
 
 class Fetcher:
@@ -490,9 +471,10 @@ class Fetcher:
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.err = tempfile.TemporaryFile()
         try:
-            self.proc = subprocess.Popen([sys.executable, "-m", "coldsnap.capsule.fetcher", "--socket",
-                                          str(theirs.fileno())], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=self.err, pass_fds=[theirs.fileno()])
+            # by its path (-P: its directory not on sys.path), so that it imports nothing of the package
+            self.proc = subprocess.Popen([sys.executable, "-P", fetching.__file__, "--socket", str(theirs.fileno())],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err,
+                                         pass_fds=[theirs.fileno()])
         except OSError:
             self.sock.close()
             self.err.close()
@@ -546,6 +528,15 @@ def fetcher_count() -> int:
     """How many fetching processes a spooled pull runs: a connection per core up to 16 in all, four to a
     process, up to FETCHERS."""
     return max(1, min(FETCHERS, _connections() // 4))
+
+
+def blob_fetcher_count() -> int:
+    """How many of the blobs a restore follows as they arrive (its CRIU images) its pull fetches in processes of
+    their own: COLDSNAP_PULL_IMAGE_FETCHERS (0-4), else one per four cores, at least one."""
+    n = settings().pull_image_fetchers
+    if n.isdigit() and int(n) <= 4:
+        return int(n)
+    return max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
 def _connections() -> int:

@@ -515,10 +515,70 @@ def _download_into(client: _Client, desc: Descriptor, part: Path, progress: Tran
     return received, resumed, ok
 
 
-def _fetch_blob(client: _Client, store: CapsuleStore, desc: Descriptor,
-                progress: TransferProgress | None, growing: Growing | None = None) -> tuple[int, int]:
+def _download_by_fetcher(fetcher: pieces.Fetcher, client: _Client, desc: Descriptor, part: Path,
+                         progress: TransferProgress | None, growing: Growing) -> tuple[int, bool] | None:
+    """desc's blob streamed into a new partial file by a fetching process started ahead of it (pieces.Fetcher: a
+    GIL of its own, so the restore's threads neither slow it nor wait for it), growing told as it is written:
+    (bytes received, whether they match the digest and size). None when it did not bring the blob (a partial was
+    there already, the connection broke, the registry answered something else, the process failed): the caller
+    then fetches the rest itself, which says what went wrong."""
+    url = f"{client.base}/blobs/{desc.digest}"
+    try:
+        fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except FileExistsError:  # an earlier pull's partial: resumed on this process's thread
+        fetcher.close()
+        return None
+    try:
+        try:
+            r = client.request("GET", url, ok=(200, 206), what=f"fetching blob {desc.digest}",
+                               headers={"Range": "bytes=0-0"}, stream=True, not_found=ErrorCode.CAPSULE_NOT_FOUND)
+            with r:  # with which authorization (the first request's, before a redirect)
+                authorization = (r.history[0] if r.history else r).request.headers.get("Authorization")
+            fetcher.give({"url": url, "authorization": authorization, "blob": desc.size, "every": READ_CHUNK}, [fd])
+        except BaseException:
+            fetcher.close(at_once=True)
+            raise
+        growing.started(part, desc.size, 0)
+        at, whole = 0, None
+        assert fetcher.proc.stdout is not None
+        for raw in fetcher.proc.stdout:
+            word, *rest = raw.decode(errors="replace").split() or [""]
+            if word == "at" and rest and rest[0].isdigit():
+                at = int(rest[0])
+                growing.wrote(at)
+                if progress:
+                    progress(desc.digest, at, desc.size)
+            elif word == "whole" and len(rest) == 2 and rest[0].isdigit():
+                at, whole = int(rest[0]), int(rest[0]) == desc.size and f"sha256:{rest[1]}" == desc.digest
+            elif word == "long":
+                at, whole = desc.size + 1, False
+        fetcher.ended()
+        if whole is None:
+            growing.broke()
+            return None
+        if whole:
+            os.fsync(fd)
+        growing.ended(whole)
+        return at, whole
+    except BaseException:
+        growing.broke()
+        raise
+    finally:
+        os.close(fd)
+
+
+def _fetch_blob(client: _Client, store: CapsuleStore, desc: Descriptor, progress: TransferProgress | None,
+                growing: Growing | None = None, fetcher: pieces.Fetcher | None = None) -> tuple[int, int]:
+    """Bring one blob into its partial file, verified: by a fetching process started for it (a blob someone follows
+    while it arrives), else, or for what that one did not bring, on this thread."""
     part = partial_path(store, desc.digest)
-    received, resumed, ok = _download(client, desc, part, progress, growing)
+    got = _download_by_fetcher(fetcher, client, desc, part, progress, growing) \
+        if fetcher is not None and growing is not None else None
+    if got is not None:
+        received, ok = got
+        resumed = 0
+    else:
+        received, resumed, ok = _download(client, desc, part, progress, growing)
     if not ok and resumed:  # a resumed partial may have been bad locally: one clean retry
         part.unlink(missing_ok=True)
         more, more_resumed, ok = _download(client, desc, part, progress)
@@ -635,8 +695,10 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
             if on_manifest is not None:
                 on_manifest(digest, manifest)
             weights_missing = payload or any(not store.has_blob(d.digest) for d in descs if d not in own)
-            if arrivals is not None and weights_missing:
-                arrivals.start_fetchers()  # the weights' fetching processes start while the images come
+            if arrivals is not None:  # fetching processes: one for each image blob followed, then the weights'
+                followed = [d for d in own if arrivals.followed(d.digest) and not store.has_blob(d.digest)]
+                arrivals.start_fetchers(weights=bool(weights_missing),
+                                        blobs=min(len(followed), pieces.blob_fetcher_count()))
             with _blob_locks(store, [d.digest for d in own]):
                 early = _fetch_missing(store, client, own, progress, arrivals=arrivals)
             if arrivals is not None:
@@ -745,7 +807,8 @@ def _fetch_missing(store: CapsuleStore, client: "_Client", descs: list[Descripto
                 (got_pieces := _fetch_pieces(local.client, store, d, wf, progress, arrivals)):
             by_pieces[d.digest] = wf
             return got_pieces
-        return _fetch_blob(local.client, store, d, progress, arrivals.followed(d.digest) if arrivals else None)
+        return _fetch_blob(local.client, store, d, progress, arrivals.followed(d.digest) if arrivals else None,
+                           arrivals.take_blob_fetcher(d.digest) if arrivals else None)
 
     outcomes: list[tuple[int, int] | BaseException] = []
     with ThreadPoolExecutor(max(1, min(BLOB_STREAMS, len(missing))), thread_name_prefix="coldsnap-blob") as pool:
