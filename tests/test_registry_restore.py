@@ -220,16 +220,19 @@ def test_a_streamed_restore_whose_weights_fail_their_pin_fails_and_lists_nothing
         os.replace(weights.path + ".gone", weights.path)
 
 
-def test_a_restore_whose_images_layer_fails_its_digest_keeps_nothing(registry, tmp_path, monkeypatch):  # noqa: F811
+@pytest.mark.parametrize("fetchers", ["0", "4"], ids=["threads", "processes"])
+def test_a_restore_whose_images_layer_fails_its_digest_keeps_nothing(registry, tmp_path, monkeypatch,  # noqa: F811
+                                                                     fetchers):
     """One of the CRIU images' layers altered in the registry (the others, and the profile, arrive whole; the
-    images unpack while they come): the restore fails with exit 4 before admitting anything, naming the blob, and the
-    store keeps no blob."""
+    images unpack while they come), fetched on the pull's threads or by fetching processes of their own: the restore
+    fails with exit 4 before admitting anything, naming the blob, and the store keeps no blob."""
     from test_registry import registry_blob_file
 
     from coldsnap.contracts import ColdSnapError, ErrorCode
 
     origin_host(tmp_path, monkeypatch)
     monkeypatch.setenv("COLDSNAP_IMAGES_LAYER_MIB", "4")
+    monkeypatch.setenv("COLDSNAP_PULL_IMAGE_FETCHERS", fetchers)
     cap, weights = captured_and_pushed(registry, "pyt-reg-badimg", "bad", "badimages")
     layers = CapsuleStore(settings().store).load(cap.capsule).layers_of(mt.LAYER_CRIU)
     assert len(layers) > 1, layers
