@@ -84,6 +84,7 @@ class Arrivals:
         self._growing: dict[str, Growing] = {}  # blobs fetched as one stream that someone follows as they land
         self._fetchers: list[Fetcher] = []  # fetching processes started ahead, for the first spooled blob
         self._blob_fetchers: list[Fetcher] = []  # and for the blobs followed (one each)
+        self._starting = self._started = False  # start_fetchers was called; it has returned
         self.ended = False
         self._t0 = time.monotonic()
         self.marks: dict[str, float] = {}  # seconds from this object's start to each step of the pull (mark)
@@ -95,29 +96,36 @@ class Arrivals:
             self.marks.setdefault(step, round(time.monotonic() - self._t0, 4))
 
     def start_fetchers(self, weights: bool = True, blobs: int = 0) -> None:
-        """Start the fetching processes of a streamed pull now, ahead of their work (Fetcher): the pull calls this
-        as soon as its manifest is in. weights: those of a spooled weights blob; blobs: that many more, for the
-        blobs someone follows (the CRIU images, one stream each: take_blob_fetcher). Those no blob takes end with
-        the pull."""
+        """Start the fetching processes of a streamed pull now, ahead of their work (Fetcher): a restore's pull
+        calls this as it starts, before its manifest is in. weights: those of a spooled weights blob; blobs: that
+        many more, for the blobs someone follows (the CRIU images, one stream each: take_blob_fetcher). Only the
+        first call starts any; those no blob takes end with the pull."""
         with self._cond:
-            if self._fetchers or self._blob_fetchers or self.ended:
+            if self._starting or self.ended:
                 return
+            self._starting = True
         started: list[Fetcher] = []
         try:
             for _ in range((fetcher_count() if weights else 0) + blobs):
                 started.append(Fetcher())
         except OSError:  # the pull starts them when it needs them, and says so if it cannot
+            pass
+        finally:
+            with self._cond:
+                if len(started) == (fetcher_count() if weights else 0) + blobs and not self.ended:
+                    self._blob_fetchers, self._fetchers, started = started[:blobs], started[blobs:], []
+                self._started = True
+                self._cond.notify_all()
             for f in started:
                 f.close()
-            return
-        with self._cond:
-            if not self.ended:
-                self._blob_fetchers, self._fetchers, started = started[:blobs], started[blobs:], []
-        for f in started:
-            f.close()
+
+    def _wait_started(self) -> None:
+        """Until the fetching processes being started are (the caller holds the condition)."""
+        self._cond.wait_for(lambda: self._started or not self._starting, timeout=30)
 
     def take_fetchers(self) -> list[Fetcher]:
         with self._cond:
+            self._wait_started()
             taken, self._fetchers = self._fetchers, []
             return taken
 
@@ -125,6 +133,7 @@ class Arrivals:
         """A fetching process for a blob someone follows, if one was started for it (else the pull's own thread
         fetches it)."""
         with self._cond:
+            self._wait_started()
             return self._blob_fetchers.pop() if digest in self._growing and self._blob_fetchers else None
 
     def sized(self, digest: str, path: Path, spool: Spool | None = None) -> None:
@@ -193,7 +202,8 @@ class Arrivals:
         for g in growing:  # those it never fetched, or not whole: whoever follows them stops
             g.broke()
         with self._cond:
-            spare, self._blob_fetchers = self.take_fetchers() + self._blob_fetchers, []
+            spare = self.take_fetchers()
+            spare, self._blob_fetchers = spare + self._blob_fetchers, []
         for f in spare:
             f.close()
 

@@ -14,7 +14,7 @@ from typing import Callable
 from coldsnap.base.paths import settings
 from coldsnap.base.progress import Progress
 from coldsnap.capsule import CapsuleStore
-from coldsnap.capsule.pieces import Arrivals
+from coldsnap.capsule.pieces import Arrivals, blob_fetcher_count
 from coldsnap.contracts import RestoreRequest
 from coldsnap.flows.staging import UnpackingEarly
 
@@ -131,6 +131,9 @@ def fetch(request: RestoreRequest, progress: Progress, meanwhile: Callable[[], N
 
     def run() -> None:
         arrivals.mark("started")
+        # its fetching processes start now, beside the manifest's request: ready (~0.1 s) before the images move
+        threading.Thread(target=arrivals.start_fetchers, kwargs={"blobs": blob_fetcher_count()},
+                         name="pull-fetchers", daemon=True).start()
         insecure = request.insecure_registry or ref.split("/", 1)[0] in insecure_registries()
         transfer = getattr(progress, "transfer", None)  # a display that shows transfers (the CLI's) gets the bytes
         try:
