@@ -124,19 +124,22 @@ def test_a_restore_of_a_registry_reference_admits_and_stages_while_its_weights_s
     assert e.value.code == ErrorCode.CAPSULE_UNPINNED and e.value.receipt is not None
 
 
+@pytest.mark.parametrize("ahead", [True, False], ids=["weights-beside-images", "weights-after-images"])
 def test_a_restore_streaming_its_weights_by_pieces_restores_with_criu_while_they_arrive(
-        registry, tmp_path, monkeypatch):  # noqa: F811
+        registry, tmp_path, monkeypatch, ahead):  # noqa: F811
     """Weights pinned piece by piece (1 MiB pieces here, so that the test's small model has several): the pull
     fetches them by pieces into a partial file of full size, the restore links it at the weights' path and CRIU
     restores the engine while the pieces still arrive (through a throttling proxy); the CRIU images, in several
-    layers (4 MiB each here), are unpacked side by side while they arrive, two fetched by processes of their own;
-    the pieces land in memory first (the spool) and, this engine reading its file itself (no prefetcher on CPU),
-    reach the file once all are checked; the engine resumes then, the disk's sync and the store's listing catching
-    up behind; after the restore its file is the store's listed blob."""
+    layers (4 MiB each here), are unpacked side by side while they arrive, two fetched by processes of their own,
+    the weights moving after them (or beside them: COLDSNAP_PULL_WEIGHTS_AHEAD=1); the pieces land in memory first
+    (the spool) and, this engine reading its file itself (no prefetcher on CPU), reach the file once all are
+    checked; the engine resumes then, the disk's sync and the store's listing catching up behind; after the restore
+    its file is the store's listed blob."""
     origin_host(tmp_path, monkeypatch)
     monkeypatch.setenv("COLDSNAP_PIN_PIECE_MIB", "1")
     monkeypatch.setenv("COLDSNAP_PULL_SPOOL", "1")
     monkeypatch.setenv("COLDSNAP_IMAGES_LAYER_MIB", "4")
+    monkeypatch.setenv("COLDSNAP_PULL_WEIGHTS_AHEAD", "1" if ahead else "0")
     cap, weights = captured_and_pushed(registry, "pyt-reg-pieces", "one", "pieces")
     assert len(weights.chunks) >= 3 and weights.chunk_digest == "blake3", weights  # a capture's pins
     images = CapsuleStore(settings().store).load(cap.capsule).layers_of(mt.LAYER_CRIU)
@@ -170,8 +173,10 @@ def test_a_restore_streaming_its_weights_by_pieces_restores_with_criu_while_they
         assert len(by_process) == 2, by_process  # in processes of their own
         assert all(got == (sizes[d], True) for d, got in by_process), by_process  # whole, digest checked
         steps = r.result.pull["steps_s"]  # where the pull's time went, in the order it went
-        order = ["started", "manifest", "own_blobs", "provenance", "weights_sized", "weights_checked"]
-        assert [steps[k] for k in order] == sorted(steps[k] for k in order), steps
+        for order in (["started", "manifest", "own_blobs", "provenance"],
+                      ["manifest", "weights_sized", "own_blobs"] if ahead else ["provenance", "weights_sized"],
+                      ["weights_sized", "weights_checked"]):
+            assert [steps[k] for k in order] == sorted(steps[k] for k in order), (order, steps)
         assert steps["weights_checked"] - steps["weights_sized"] > 1.0, steps  # the throttled weights, ~3 s
         store = CapsuleStore(settings().store)
         assert any(m["digest"] == cap.capsule for m in store.index())
@@ -220,22 +225,25 @@ def test_a_streamed_restore_whose_weights_fail_their_pin_fails_and_lists_nothing
         os.replace(weights.path + ".gone", weights.path)
 
 
-@pytest.mark.parametrize("fetchers", ["0", "4"], ids=["threads", "processes"])
+@pytest.mark.parametrize("fetchers,ahead", [("0", "0"), ("4", "1")], ids=["threads", "processes-weights-ahead"])
 def test_a_restore_whose_images_layer_fails_its_digest_keeps_nothing(registry, tmp_path, monkeypatch,  # noqa: F811
-                                                                     fetchers):
+                                                                     fetchers, ahead):
     """One of the CRIU images' layers altered in the registry (the others, and the profile, arrive whole; the
-    images unpack while they come), fetched on the pull's threads or by fetching processes of their own: the restore
-    fails with exit 4 before admitting anything, naming the blob, and the store keeps no blob."""
+    images unpack while they come), fetched on the pull's threads, or by fetching processes of their own while the
+    weights (pinned by pieces) already move beside them: the restore fails with exit 4 before admitting anything,
+    naming the blob, the weights' fetch ends with it, and the store keeps no blob, the weights' included."""
     from test_registry import registry_blob_file
 
     from coldsnap.contracts import ColdSnapError, ErrorCode
 
     origin_host(tmp_path, monkeypatch)
+    monkeypatch.setenv("COLDSNAP_PIN_PIECE_MIB", "1")
     monkeypatch.setenv("COLDSNAP_IMAGES_LAYER_MIB", "4")
     monkeypatch.setenv("COLDSNAP_PULL_IMAGE_FETCHERS", fetchers)
+    monkeypatch.setenv("COLDSNAP_PULL_WEIGHTS_AHEAD", ahead)
     cap, weights = captured_and_pushed(registry, "pyt-reg-badimg", "bad", "badimages")
     layers = CapsuleStore(settings().store).load(cap.capsule).layers_of(mt.LAYER_CRIU)
-    assert len(layers) > 1, layers
+    assert len(layers) > 1 and len(weights.chunks) >= 3, (layers, weights)
     blob = registry_blob_file(registry, layers[-1].digest)
     original = blob.read_bytes()
     blob.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))

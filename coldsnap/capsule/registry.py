@@ -683,6 +683,7 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
     payload, template = annotations.get(mt.ANNOTATION_PAYLOAD), annotations.get(mt.ANNOTATION_TEMPLATE)
     pulled: list[PullResult] = []  # what this pull brought before the capsule itself
     early = _Fetched()
+    ahead: _WeightsAhead | None = None  # the weights, moving while the images do
     signatures: int | None = None  # pulled with the capsule's own blobs, when someone admits it early
     descs = _descriptors(manifest, digest)
     own = [d for d in descs if d.media_type != mt.LAYER_WEIGHTS]
@@ -700,7 +701,15 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
                 arrivals.start_fetchers(weights=bool(weights_missing),
                                         blobs=min(len(followed), pieces.blob_fetcher_count()))
             with _blob_locks(store, [d.digest for d in own]):
-                early = _fetch_missing(store, client, own, progress, arrivals=arrivals)
+                if arrivals is not None and weights_missing and not payload and settings().pull_weights_ahead:
+                    # the profile first (it pins the weights' pieces), then the weights move beside the images
+                    config = own[:1]  # _descriptors puts the config first
+                    early = _fetch_missing(store, client, config, progress, arrivals=arrivals)
+                    ahead = _WeightsAhead(store, client, manifest, [d for d in descs if d not in own], progress,
+                                          arrivals)
+                    early.add(_fetch_missing(store, client, own[1:], progress, arrivals=arrivals))
+                else:
+                    early = _fetch_missing(store, client, own, progress, arrivals=arrivals)
             if arrivals is not None:
                 arrivals.mark("own_blobs")
             if on_blobs is not None:
@@ -714,8 +723,11 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
                     arrivals.mark("provenance")
                 on_blobs(digest, manifest)
             # then the shared weights, fetched and checked by the pieces its verified profile pins: only their
-            # missing blobs move
+            # missing blobs move (those moving ahead already: waited for)
             pins = _weight_pins(store, manifest)
+            if ahead is not None:
+                early.add(ahead.join())
+                ahead = None
         if payload:  # an earlier capsule: its weights are a payload artifact of their own
             pulled.append(pull(store, f"{remote.name}@{payload}", insecure, True, progress,
                                artifact_type=mt.PAYLOAD_ARTIFACT_TYPE, pins=pins, arrivals=arrivals))
@@ -725,9 +737,13 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
             template_found = got is not None
         result = _pull_capsule(store, client, remote, raw, digest, manifest, artifact_type, progress,
                                pulled[0] if payload else None, t0, early, pins, signatures, arrivals)
-    except ColdSnapError as e:
-        if e.code == ErrorCode.CAPSULE_CORRUPT and (pulled or early.digests):  # a refused pull keeps nothing
-            from coldsnap.capsule.gc import discard
+    except BaseException as e:
+        if ahead is not None:  # failed while the weights moved: they end first (nothing will read them)
+            if arrivals is not None:
+                arrivals.allow_sync()
+            early.add(ahead.join(quiet=True))
+        if isinstance(e, ColdSnapError) and e.code == ErrorCode.CAPSULE_CORRUPT and (pulled or early.digests):
+            from coldsnap.capsule.gc import discard  # a refused pull keeps nothing
 
             discard(store, [d for p in pulled for d in (*p.blobs_fetched, p.manifest_written) if d] + early.digests)
         raise
@@ -752,6 +768,41 @@ class _Fetched:
     received: int = 0
     resumed: int = 0
     digests: list[str] = field(default_factory=list)
+
+    def add(self, more: "_Fetched") -> None:
+        self.received += more.received
+        self.resumed += more.resumed
+        self.digests += more.digests
+
+
+class _WeightsAhead:
+    """A capsule's weights blobs fetched on a thread of their own (and its own connection) while the rest of its
+    blobs come: by the pieces its profile pins (in the store, verified, before this starts), so that a restore's
+    weights move beside its CRIU images instead of after them."""
+
+    def __init__(self, store: CapsuleStore, client: "_Client", manifest: dict, weights: list[Descriptor], progress,
+                 arrivals: pieces.Arrivals) -> None:
+        self.fetched: _Fetched | None = None
+        self.error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                own = _Client(client.ref, client.scheme == "http")  # a session is not shared between threads
+                with _blob_locks(store, [d.digest for d in weights]):
+                    self.fetched = _fetch_missing(store, own, weights, progress, _weight_pins(store, manifest),
+                                                  arrivals)
+            except BaseException as e:  # noqa: BLE001 - raised by join
+                self.error = e
+
+        self.thread = threading.Thread(target=run, name="coldsnap-weights", daemon=True)
+        self.thread.start()
+
+    def join(self, quiet: bool = False) -> _Fetched:
+        """What it fetched, once it ends; raises what failed it (quiet: what it fetched, if anything)."""
+        self.thread.join()
+        if self.error is not None and not quiet:
+            raise self.error
+        return self.fetched or _Fetched()
 
 
 def _weight_pins(store: CapsuleStore, manifest: dict) -> dict[str, WeightFile]:
@@ -877,7 +928,7 @@ def _pull_capsule(store: CapsuleStore, client: "_Client", remote: RemoteRef, raw
         payload_bytes = payload_result.bytes_transferred
         moved += payload_bytes
     else:  # the weights layers among what moved here
-        payload_bytes = sum(d.size for d in descs if d.media_type == mt.LAYER_WEIGHTS and d.digest in got.digests)
+        payload_bytes = sum(d.size for d in descs if d.media_type == mt.LAYER_WEIGHTS and d.digest in fetched)
     return PullResult(digest, payload_bytes=payload_bytes, bytes_transferred=moved, blobs_fetched=fetched,
                       blobs_present=[d.digest for d in descs if d.digest not in fetched],
                       resumed_bytes=early.resumed + got.resumed, seconds=round(time.monotonic() - t0, 3), tag=tag,
