@@ -97,9 +97,9 @@ class Arrivals:
 
     def start_fetchers(self, weights: bool = True, blobs: int = 0) -> None:
         """Start the fetching processes of a streamed pull now, ahead of their work (Fetcher): a restore's pull
-        calls this as it starts, before its manifest is in. weights: those of a spooled weights blob; blobs: that
-        many more, for the blobs someone follows (the CRIU images, one stream each: take_blob_fetcher). Only the
-        first call starts any; those no blob takes end with the pull."""
+        calls this as it starts, before its manifest is in (coldsnap.flows.fetch). weights: those of a spooled
+        weights blob; blobs: that many more, for the blobs someone follows (the CRIU images, one stream each:
+        take_blob_fetcher). Only the first call starts any; those no blob takes end with the pull."""
         with self._cond:
             if self._starting or self.ended:
                 return

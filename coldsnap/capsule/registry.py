@@ -696,10 +696,6 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
             if on_manifest is not None:
                 on_manifest(digest, manifest)
             weights_missing = payload or any(not store.has_blob(d.digest) for d in descs if d not in own)
-            if arrivals is not None:  # fetching processes: one for each image blob followed, then the weights'
-                followed = [d for d in own if arrivals.followed(d.digest) and not store.has_blob(d.digest)]
-                arrivals.start_fetchers(weights=bool(weights_missing),
-                                        blobs=min(len(followed), pieces.blob_fetcher_count()))
             with _blob_locks(store, [d.digest for d in own]):
                 if arrivals is not None and weights_missing and not payload and settings().pull_weights_ahead:
                     # the profile first (it pins the weights' pieces), then the weights move beside the images
