@@ -95,10 +95,10 @@ class Arrivals:
         with self._cond:
             self.marks.setdefault(step, round(time.monotonic() - self._t0, 4))
 
-    def start_fetchers(self, weights: bool = True, blobs: int = 0) -> None:
+    def start_fetchers(self, blobs: int = 0) -> None:
         """Start the fetching processes of a streamed pull now, ahead of their work (Fetcher): a restore's pull
-        calls this as it starts, before its manifest is in (coldsnap.flows.fetch). weights: those of a spooled
-        weights blob; blobs: that many more, for the blobs someone follows (the CRIU images, one stream each:
+        calls this as it starts, before its manifest is in (coldsnap.flows.fetch). Those of a spooled weights blob
+        (fetcher_count), and `blobs` more for the blobs someone follows (the CRIU images, one stream each:
         take_blob_fetcher). Only the first call starts any; those no blob takes end with the pull."""
         with self._cond:
             if self._starting or self.ended:
@@ -106,13 +106,13 @@ class Arrivals:
             self._starting = True
         started: list[Fetcher] = []
         try:
-            for _ in range((fetcher_count() if weights else 0) + blobs):
+            for _ in range(fetcher_count() + blobs):
                 started.append(Fetcher())
         except OSError:  # the pull starts them when it needs them, and says so if it cannot
             pass
         finally:
             with self._cond:
-                if len(started) == (fetcher_count() if weights else 0) + blobs and not self.ended:
+                if len(started) == fetcher_count() + blobs and not self.ended:
                     self._blob_fetchers, self._fetchers, started = started[:blobs], started[blobs:], []
                 self._started = True
                 self._cond.notify_all()
