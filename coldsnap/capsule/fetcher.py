@@ -137,7 +137,8 @@ def fetch_blob(job: dict, fd: int, say: Callable[[str], None]) -> None:
     size, every = int(job["blob"]), max(1, int(job.get("every") or READ))
     h, at, told = hashlib.sha256(), 0, 0
     try:
-        with PlainClient(job.get("authorization")).request("GET", job["url"], None, "", {}, True, None) as r:
+        client = PlainClient(job.get("authorization"))
+        with client.request("GET", job["url"], ok=None, what="", headers={}, stream=True, not_found=None) as r:
             if r.status_code != 200:
                 say(f"status {r.status_code}")
                 return
