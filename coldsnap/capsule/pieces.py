@@ -534,6 +534,15 @@ class Fetcher:
             self.err.close()
 
 
+def probe(client, url: str, what: str) -> tuple[bool, str | None]:
+    """Ask the registry for the blob's first byte: (whether it answers ranges, the authorization that got the
+    answer). The authorization is the first request's, before a redirect: what a fetching process sends."""
+    r = client.request("GET", url, ok=(200, 206), what=what, headers={"Range": "bytes=0-0"}, stream=True,
+                       not_found=ErrorCode.CAPSULE_NOT_FOUND)
+    with r:
+        return r.status_code == 206, (r.history[0] if r.history else r).request.headers.get("Authorization")
+
+
 def fetcher_count() -> int:
     """How many fetching processes a spooled pull runs: a connection per core up to 16 in all, four to a
     process, up to FETCHERS."""
@@ -564,13 +573,9 @@ def _fetch_in_processes(new_client: Callable[[], object], url: str, spool: Spool
     Raises NoRanges, or REGISTRY when a piece could not be fetched."""
     ready = list(ready or [])
     try:
-        client = new_client()
-        r = client.request("GET", url, ok=(200, 206), what=what, headers={"Range": "bytes=0-0"},  # type: ignore[attr-defined]
-                           stream=True, not_found=ErrorCode.CAPSULE_NOT_FOUND)
-        with r:  # the registry answers ranges, and with which authorization (the first request's, before a redirect)
-            if r.status_code != 206:
-                raise NoRanges()
-            authorization = (r.history[0] if r.history else r).request.headers.get("Authorization")
+        ranges, authorization = probe(new_client(), url, what)
+        if not ranges:
+            raise NoRanges()
     except BaseException:
         for f in ready:
             f.close()

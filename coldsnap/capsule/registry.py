@@ -530,10 +530,7 @@ def _download_by_fetcher(fetcher: pieces.Fetcher, client: _Client, desc: Descrip
         return None
     try:
         try:
-            r = client.request("GET", url, ok=(200, 206), what=f"fetching blob {desc.digest}",
-                               headers={"Range": "bytes=0-0"}, stream=True, not_found=ErrorCode.CAPSULE_NOT_FOUND)
-            with r:  # with which authorization (the first request's, before a redirect)
-                authorization = (r.history[0] if r.history else r).request.headers.get("Authorization")
+            _, authorization = pieces.probe(client, url, f"fetching blob {desc.digest}")
             fetcher.give({"url": url, "authorization": authorization, "blob": desc.size, "every": READ_CHUNK}, [fd])
         except BaseException:
             fetcher.close(at_once=True)
