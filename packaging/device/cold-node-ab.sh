@@ -1,35 +1,32 @@
 #!/usr/bin/env bash
 # #38's runs in one call on the GPU machine, in order of worth, each started only while the call has time for it:
-# the cold-node bench (cold-node.sh, LAYERS=6 N=3 NV=1) for each variant of the pull named in VARIANTS, then, with
-# CONTAINER=1, the GPU container restore with the prefetch (gpu-container.sh, CASE=cuda, the bench shape).
+# the cold-node bench (cold-node.sh, LAYERS=6 N=3 NV=1) for each variant of the pull named in STEPS, and the GPU
+# container restore with the prefetch where STEPS names `container` (gpu-container.sh, CASE=cuda, the bench shape).
 #   image-fetchers  the defaults (the images' layers by fetching processes of their own on 16 cores)
 #   weights-ahead   COLDSNAP_PULL_WEIGHTS_AHEAD=1: the weights' pieces start beside the images
 #   threads         COLDSNAP_PULL_IMAGE_FETCHERS=0: the images' layers on the restore's own threads
-# Carry [".whl", ".carry/gpu", ".carry/registry"] (and ".carry/runc" with CONTAINER=1): prepare.sh makes them.
-# Usage: [VARIANTS="image-fetchers weights-ahead threads"] [CONTAINER=1] [CALL_S=590] cold-node-ab.sh
+# Carry [".whl", ".carry/gpu", ".carry/registry"] (and ".carry/runc" for the container): prepare.sh makes them.
+# Usage: [STEPS="image-fetchers weights-ahead threads container"] [CALL_S=590] cold-node-ab.sh
 source packaging/device/env.sh > /dev/null 2>&1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 CALL_S=${CALL_S:-590}
 left() { echo $(( CALL_S - SECONDS )); }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; echo "cores: $(nproc)"
-for v in ${VARIANTS:-image-fetchers weights-ahead threads}; do
+for v in ${STEPS:-image-fetchers weights-ahead threads container}; do
   case $v in
     image-fetchers) e=();;
     weights-ahead) e=(COLDSNAP_PULL_WEIGHTS_AHEAD=1);;
     threads) e=(COLDSNAP_PULL_IMAGE_FETCHERS=0);;
-    *) echo "cold-node-ab: no variant $v"; exit 2;;
+    container)
+      [ "$(left)" -ge 100 ] || { echo "container: skipped, $(left) s left in the call"; continue; }
+      echo "== container, $(left) s left"
+      CASE=cuda COLDSNAP_TEST_CONTAINER_SHAPE=bench NO_DEVICE_ENV=1 TEST_TIMEOUT=$(( $(left) - 10 )) \
+          bash packaging/device/gpu-container.sh
+      continue;;
+    *) echo "cold-node-ab: no step $v"; exit 2;;
   esac
   [ "$(left)" -ge 120 ] || { echo "$v: skipped, $(left) s left in the call"; continue; }
   echo "== $v (${e[*]:-defaults}), $(left) s left"
   env "${e[@]}" BENCH_TIMEOUT=$(( $(left) - 10 < 200 ? $(left) - 10 : 200 )) LAYERS=6 N=3 NV=1 SUFFIX=$v \
       bash packaging/device/cold-node.sh 2>&1 | grep -vE "^(Filesystem|/dev|overlay|tmpfs|shm)" | tail -4
 done
-if [ "${CONTAINER:-0}" = 1 ]; then
-  if [ "$(left)" -ge 100 ]; then
-    echo "== container, $(left) s left"
-    CASE=cuda COLDSNAP_TEST_CONTAINER_SHAPE=bench NO_DEVICE_ENV=1 TEST_TIMEOUT=$(( $(left) - 10 )) \
-        bash packaging/device/gpu-container.sh
-  else
-    echo "container: skipped, $(left) s left in the call"
-  fi
-fi
