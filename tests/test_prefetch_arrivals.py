@@ -284,3 +284,20 @@ def test_a_fetching_process_brings_a_whole_blob_hashed_and_says_how_far_it_is(tm
 
     lines, got = fetched(RangeServer(blob, ranges=False), len(blob) - 1)
     assert lines[-1] == ["long"]  # never hashed as the blob
+
+
+@pytest.mark.parametrize("ahead, fetchers, cores, expected", [
+    ("", "", 16, True),        # auto: the images by processes on 16 cores, so the weights go beside them
+    ("", "", 2, False),        # auto: below 4 cores the images come on the restore's threads
+    ("auto", "0", 16, False),  # auto follows the images' fetchers, even where the node has the cores
+    ("0", "", 16, False),
+    ("1", "0", 2, True),
+])
+def test_the_weights_start_beside_the_images_where_the_images_come_by_processes(monkeypatch, ahead, fetchers,
+                                                                                cores, expected):
+    from coldsnap.capsule import pieces
+
+    monkeypatch.setenv("COLDSNAP_PULL_WEIGHTS_AHEAD", ahead)
+    monkeypatch.setenv("COLDSNAP_PULL_IMAGE_FETCHERS", fetchers)
+    monkeypatch.setattr(pieces.os, "cpu_count", lambda: cores)
+    assert pieces.weights_ahead() is expected

@@ -36,8 +36,9 @@ VARIABLES = (
     Variable("COLDSNAP_PULL_PIECES", "1", "0: pull each blob in one stream instead of parallel pinned pieces"),
     Variable("COLDSNAP_PULL_SPOOL", "auto", "a restore's streamed weights land in memory first (1), straight in the "
              "store's file (0), or in memory when the node has twice their size free (auto)"),
-    Variable("COLDSNAP_PULL_WEIGHTS_AHEAD", "0", "1: a restore's pull starts the weights once the profile that pins "
-             "them is in, beside the CRIU images, instead of after the capsule's own blobs"),
+    Variable("COLDSNAP_PULL_WEIGHTS_AHEAD", "auto", "1: a restore's pull starts the weights once the profile that "
+             "pins them is in, beside the CRIU images; 0: after the capsule's own blobs; auto: beside them where "
+             "the images come by fetching processes of their own (COLDSNAP_PULL_IMAGE_FETCHERS)"),
     Variable("COLDSNAP_PULL_CONNECTIONS", "", "connections a pull by pieces uses at once (1-64); default one per "
              "core, 2 to 16"),
     Variable("COLDSNAP_PULL_IMAGE_FETCHERS", "", "a streamed restore fetches this many of its CRIU images' layers "
@@ -102,7 +103,7 @@ class Settings:
     insecure_registries: frozenset[str] = frozenset()
     pull_pieces: bool = True
     pull_spool: str = "auto"
-    pull_weights_ahead: bool = False
+    pull_weights_ahead: str = "auto"
     pull_connections: str = ""
     pull_image_fetchers: str = ""
     pin_piece_mib: str = "256"
@@ -166,7 +167,7 @@ def settings() -> Settings:
                                       if h.strip()),
         pull_pieces=_flag("COLDSNAP_PULL_PIECES", True),
         pull_spool=os.environ.get("COLDSNAP_PULL_SPOOL", "auto"),
-        pull_weights_ahead=_flag("COLDSNAP_PULL_WEIGHTS_AHEAD", False),
+        pull_weights_ahead=os.environ.get("COLDSNAP_PULL_WEIGHTS_AHEAD", "auto"),
         pull_connections=os.environ.get("COLDSNAP_PULL_CONNECTIONS", ""),
         pull_image_fetchers=os.environ.get("COLDSNAP_PULL_IMAGE_FETCHERS", ""),
         pin_piece_mib=os.environ.get("COLDSNAP_PIN_PIECE_MIB", "256"),

@@ -559,6 +559,17 @@ def blob_fetcher_count() -> int:
     return min(4, (os.cpu_count() or 1) // 4)
 
 
+def weights_ahead() -> bool:
+    """Whether a restore's pull starts the weights beside its CRIU images (once the profile that pins them is in)
+    rather than after them: COLDSNAP_PULL_WEIGHTS_AHEAD (0 off, auto or unset, any other value on); auto: where the
+    images come by fetching processes of their own, which the weights' traffic then slows less than it slows the
+    restore's own threads (docs/benchmarks.md)."""
+    ahead = settings().pull_weights_ahead
+    if ahead in ("", "auto"):
+        return blob_fetcher_count() > 0
+    return ahead != "0"
+
+
 def _connections() -> int:
     return max(workers(), min(16, os.cpu_count() or 1))
 

@@ -694,7 +694,7 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
                 on_manifest(digest, manifest)
             weights_missing = payload or any(not store.has_blob(d.digest) for d in descs if d not in own)
             with _blob_locks(store, [d.digest for d in own]):
-                if arrivals is not None and weights_missing and not payload and settings().pull_weights_ahead:
+                if arrivals is not None and weights_missing and not payload and pieces.weights_ahead():
                     # the profile first (it pins the weights' pieces), then the weights move beside the images
                     config = own[:1]  # _descriptors puts the config first
                     early = _fetch_missing(store, client, config, progress, arrivals=arrivals)
