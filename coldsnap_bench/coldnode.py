@@ -144,10 +144,21 @@ def storage_write_rate(directory: Path, size: int) -> float:
     return max(timed(1), timed(pieces.workers()))
 
 
+AFTER_SAMPLES_S = 30  # what --deadline-s keeps for after the samples: the limit's measures, the JSON and chart
+
+
 def run_cold_node(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
     n = opts.samples
     if n < 1:
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, "--samples must be at least 1")
+    started = time.monotonic()
+
+    def time_for(longest: float) -> bool:
+        """Whether one more sample as long as the longest so far ends within --deadline-s, with time left for
+        the same-run limit's measures and the result."""
+        return opts.deadline_s is None or time.monotonic() - started + longest + AFTER_SAMPLES_S <= opts.deadline_s
+
+    stopped: list[str] = []  # what the deadline cut short
     req = capture_request(opts, "-cold-node")
     name = req.lifecycle.name
     launch = get_adapter(opts.engine).prepare(req)
@@ -158,8 +169,12 @@ def run_cold_node(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
     weights = [w.path for w in (cap.profile.model.weights if cap.profile.model else [])]
 
     nv = opts.vanilla_samples or n
-    vanilla = []
+    vanilla: list[float] = []
     for i in range(nv):
+        if vanilla and not time_for(max(vanilla)):
+            stopped.append(f"vanilla after {i} of {nv}")
+            progress(f"vanilla: {i} of {nv} samples, the rest would end past --deadline-s {opts.deadline_s:g}")
+            break
         vanilla.append(_vanilla_once(name, req, launch, expected))
         progress(f"vanilla {i + 1}/{nv}: first token {vanilla[-1]:.3f} s (weights from local disk)")
 
@@ -180,8 +195,15 @@ def run_cold_node(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
                      f"{rate:.2f} GB/s; the node's storage writes at {write_rate:.2f} GB/s")
             for src, dst in moved:  # the node has no weights file: the payload brings it
                 os.replace(src, dst)
-            samples, two_commands = [], []
+            samples: list[dict] = []
+            two_commands: list[dict] = []
+            rounds: list[float] = []  # seconds each node took (its two restores and their clean-up)
             for i in range(n):
+                if rounds and not time_for(max(rounds)):
+                    stopped.append(f"cold nodes after {i} of {n}")
+                    progress(f"cold nodes: {i} of {n}, the rest would end past --deadline-s {opts.deadline_s:g}")
+                    break
+                began = time.monotonic()
                 # one command, and pull-then-restore as two, in turns: first one, then the other
                 for one in (True, False) if i % 2 == 0 else (False, True):
                     for p in weights:
@@ -189,6 +211,7 @@ def run_cold_node(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
                     got = _first_restore(Path(tmp) / f"node{i}", ref, expected, one_command=one)
                     (samples if one else two_commands).append(got)
                     shutil.rmtree(Path(tmp) / f"node{i}", ignore_errors=True)  # its copy of the weights: disk room
+                rounds.append(time.monotonic() - began)
                 progress(f"cold node {i + 1}/{n}: restore of the reference → first token "
                          f"{samples[-1]['total_s']:.3f} s (pull {samples[-1]['spans']['pull']:.2f} s); pull, then "
                          f"restore: {two_commands[-1]['total_s']:.3f} s")
@@ -220,18 +243,21 @@ def run_cold_node(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
         "page_cache": "warm (the registry's storage and the vanilla weights)",
         "storage": _storage(settings().home),
         "engine": opts.engine, "device": opts.device, "weights_mode": cap.profile.weights_mode,
-        "samples": n, "vanilla_samples": nv, "cold_node": True,
+        "samples": len(samples), "vanilla_samples": len(vanilla), "cold_node": True,
+        **({"deadline_s": opts.deadline_s, "stopped_early": stopped, "asked": {"samples": n, "vanilla_samples": nv}}
+           if stopped else {}),
         "clock": "restore: issue of `coldsnap restore --capsule REF@DIGEST` on a fresh node (it pulls, unpacking "
                  "the images while the weights arrive, then restores) -> first token of its validated completion; "
                  "vanilla: issue of a cold start -> first token, weights from local disk",
         "vanilla": v, "restore": r, "ratio_median": round(v["median_s"] / r["median_s"], 2),
-        "validations": {"vanilla": f"{nv}/{nv}", "restore": f"{sum(s['validated'] for s in samples)}/{n}"},
+        "validations": {"vanilla": f"{len(vanilla)}/{len(vanilla)}",
+                        "restore": f"{sum(s['validated'] for s in samples)}/{len(samples)}"},
         "fell_back": 0, "span_medians_s": {k: round(statistics.median(s["spans"][k] for s in samples), 4)
                                            for k in SPANS},
         "runs": samples, "bandwidth": bw, "physical_limit": limit,
         # the same nodes' restores issued as `coldsnap pull` then `coldsnap restore`, in turns with the runs above
         "two_commands": {**_stats([s["total_s"] for s in two_commands]),
-                         "validated": f"{sum(s['validated'] for s in two_commands)}/{n}",
+                         "validated": f"{sum(s['validated'] for s in two_commands)}/{len(two_commands)}",
                          "span_medians_s": {k: round(statistics.median(s["spans"][k] for s in two_commands), 4)
                                             for k in SPANS},
                          "runs": two_commands},
@@ -249,7 +275,8 @@ def run_cold_node(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
     summary = (f"vanilla {v['median_s']:.3f} s vs first restore on a cold node {r['median_s']:.3f} s "
                f"(pull {data['span_medians_s']['pull']:.3f} s){lim}; {data['validations']['restore']} validated; "
                f"pull, then restore: {data['two_commands']['median_s']:.3f} s"
-               f"\nwrote {stem}.json and {stem}.png")
+               + (f" (stopped early by --deadline-s: {'; '.join(stopped)})" if stopped else "")
+               + f"\nwrote {stem}.json and {stem}.png")
     return BenchResult(data, summary)
 
 

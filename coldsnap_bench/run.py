@@ -43,6 +43,7 @@ class BenchOptions:
     drop_caches: bool = False
     via: str | None = None  # podman | docker: the reference engine in a container (bench.via)
     template: bool = False  # three ways: vanilla, the template capsule's restore, the full capsule's restore
+    deadline_s: float | None = None  # cold node: no sample that would end later than this after the start
     command: str = ""  # the command line that made the result, recorded in it
 
 

@@ -35,3 +35,25 @@ def test_cold_node_bench_pulls_onto_fresh_nodes_and_restores(tmp_path):
     inspect = coldsnap_cli(tmp_path, "inspect", data["capsule"]["digest"])
     weights = Path(json.loads(inspect.stdout)["profile"]["model"]["weights"][0]["path"])
     assert weights.is_file() and not Path(str(weights) + ".cold-node").exists()  # the capture host is as it was
+
+
+def test_a_cold_node_bench_past_its_deadline_writes_the_samples_it_took(tmp_path):
+    """--deadline-s: a run a time limit would cut off unwritten (a GPU call's) stops sampling and writes what it has;
+    one of each is always taken, so a deadline already past leaves one vanilla start and one node."""
+    needs_root_criu()
+    data = run_bench(tmp_path, "reference-cpu-cold-node", "--cold-node", "--samples", "3", "--vanilla-samples", "2",
+                     "--deadline-s", "1")
+    assert data["samples"] == 1 and data["vanilla_samples"] == 1 and data["asked"] == {"samples": 3,
+                                                                                      "vanilla_samples": 2}
+    assert data["stopped_early"] == ["vanilla after 1 of 2", "cold nodes after 1 of 3"] and data["deadline_s"] == 1
+    assert data["validations"] == {"vanilla": "1/1", "restore": "1/1"} and data["two_commands"]["validated"] == "1/1"
+    assert len(data["runs"]) == 1 and data["runs"][0]["validated"] and data["physical_limit"]["limit_s"] > 0
+
+
+@pytest.mark.parametrize("args, error", [
+    (["--deadline-s", "60"], "--deadline-s applies to --cold-node only"),
+    (["--cold-node", "--deadline-s", "0"], "--deadline-s must be a positive number of seconds"),
+])
+def test_a_deadline_the_bench_cannot_keep_is_refused_in_one_line(tmp_path, args, error):
+    r = coldsnap_cli(tmp_path, "bench", *args)
+    assert r.returncode == 2 and error in r.stderr and "Traceback" not in r.stderr

@@ -382,11 +382,15 @@ def cmd_bench(args) -> None:
         return
     from coldsnap_bench.run import BenchOptions, run_bench
 
+    if args.deadline_s is not None and not args.cold_node:
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, "--deadline-s applies to --cold-node only")
+    if args.deadline_s is not None and args.deadline_s <= 0:
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, "--deadline-s must be a positive number of seconds")
     opts = BenchOptions(
         engine=args.engine, samples=args.samples, vanilla_samples=args.vanilla_samples, device=args.device,
         weights_mode=args.weights_mode, engine_options=engine_options(args.engine_opt), out=args.out,
         name=args.name, drop_caches=args.drop_caches, via=args.via, template=args.template,
-        command="coldsnap " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
+        deadline_s=args.deadline_s, command="coldsnap " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
     if args.passthrough:
         from coldsnap_bench.passthrough import run_passthrough
 
@@ -419,6 +423,10 @@ def cmd_bench(args) -> None:
 def cmd_demo(args) -> None:
     from coldsnap_bench.run import BenchOptions, run_bench
 
+    if args.deadline_s is not None and not args.cold_node:
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, "--deadline-s applies to --cold-node only")
+    if args.deadline_s is not None and args.deadline_s <= 0:
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, "--deadline-s must be a positive number of seconds")
     opts = BenchOptions(engine="reference", device="cpu", weights_mode="auto", samples=args.samples,
                         out=args.out or str(settings().home / "demo"), command="coldsnap demo")
     progress = _progress(args)
@@ -599,6 +607,9 @@ def build_parser() -> argparse.ArgumentParser:
          "captured with the full one) and of the full capsule")
     flag(sp, "--cold-node", "the first restore on a node that never saw the capsule: pull from a local registry + "
          "restore, from issue to first token, vs vanilla (ENGINE-DEVICE-cold-node)")
+    sp.add_argument("--deadline-s", type=float, metavar="S", help="with --cold-node: take no further sample that "
+                    "would not end within S seconds of the bench's start (at least one of each is taken), and write "
+                    "the result of those taken: for a run that a time limit would otherwise cut off unwritten")
     flag(sp, "--passthrough", "what coldsnap-runtime adds to a runc call it passes through: runc vs coldsnap-runc vs "
          "the Python script, best of --samples (default 20) each")
     flag(sp, "--registry", "benchmark push/pull through a local registry instead")

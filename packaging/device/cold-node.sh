@@ -29,7 +29,9 @@ if [ "${WARMUP:-0}" = 1 ]; then
   python3 -m coldsnap.cli.main rm "$(python3 -c "import json;print(json.load(open('/tmp/warmup.json'))['result']['capsule'])")"
   exit 0
 fi
-timeout ${BENCH_TIMEOUT:-540} python3 -m coldsnap.cli.main bench --cold-node --device cuda --weights-mode recovery \
-    -n "${N:-3}" --vanilla-samples "${NV:-2}" $SIZE --out "$OUT" --name "$NAME"
+# the bench stops sampling in time to write what it has before the timeout would cut it off
+BT=${BENCH_TIMEOUT:-540}
+timeout "$BT" python3 -m coldsnap.cli.main bench --cold-node --device cuda --weights-mode recovery \
+    -n "${N:-3}" --vanilla-samples "${NV:-2}" $SIZE --out "$OUT" --name "$NAME" --deadline-s $(( BT - 10 ))
 echo "bench rc=$?"
 df -h / /dev/shm | tail -2
