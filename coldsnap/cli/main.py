@@ -423,10 +423,6 @@ def cmd_bench(args) -> None:
 def cmd_demo(args) -> None:
     from coldsnap_bench.run import BenchOptions, run_bench
 
-    if args.deadline_s is not None and not args.cold_node:
-        raise ColdSnapError(ErrorCode.INVALID_REQUEST, "--deadline-s applies to --cold-node only")
-    if args.deadline_s is not None and args.deadline_s <= 0:
-        raise ColdSnapError(ErrorCode.INVALID_REQUEST, "--deadline-s must be a positive number of seconds")
     opts = BenchOptions(engine="reference", device="cpu", weights_mode="auto", samples=args.samples,
                         out=args.out or str(settings().home / "demo"), command="coldsnap demo")
     progress = _progress(args)
