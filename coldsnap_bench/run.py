@@ -19,6 +19,7 @@ from pathlib import Path
 from coldsnap.base.paths import settings
 from coldsnap.contracts import CaptureRequest, ColdSnapError, ErrorCode, Launch, Policy, RestoreRequest
 from coldsnap.contracts.results import CaptureFacts, RestoreFacts
+from coldsnap.criu.driver import CriuDriver
 from coldsnap.engines import get_adapter
 from coldsnap.flows.capture import capture
 from coldsnap.flows.coldstart import start_cold
@@ -102,6 +103,7 @@ def run_bench(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
     name = req.lifecycle.name
     adapter = get_adapter(opts.engine)
     launch = adapter.prepare(req)
+    CriuDriver()  # no CRIU, no capture: say so now, not after the cold starts
 
     # One unmeasured cold start first: it writes the seeded weights and fills the compile cache, so every vanilla
     # sample below pays what a real server's restart pays (compile with a warm cache, warm-up), not first-ever costs.
