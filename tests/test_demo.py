@@ -2,10 +2,13 @@
 side, with its JSON and chart; and without CRIU, a one-line error before any cold start."""
 import json
 
-from conftest import coldsnap_cli
+import pytest
+from conftest import coldsnap_cli, needs_root_criu
 
 
+@pytest.mark.slow
 def test_demo_restores_validated_and_writes_its_result(tmp_path):
+    needs_root_criu()
     out = tmp_path / "out"
     r = coldsnap_cli(tmp_path, "demo", "--samples", "1", "--out", str(out), "--json")
     assert r.returncode == 0, r.stderr[-2000:]
