@@ -103,7 +103,7 @@ def run_bench(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
     name = req.lifecycle.name
     adapter = get_adapter(opts.engine)
     launch = adapter.prepare(req)
-    CriuDriver()  # no CRIU, no capture: say so now, not after the cold starts
+    CriuDriver()  # no CRIU, no capture: say so now (where it looked), not after the cold starts
 
     # One unmeasured cold start first: it writes the seeded weights and fills the compile cache, so every vanilla
     # sample below pays what a real server's restart pays (compile with a warm cache, warm-up), not first-ever costs.

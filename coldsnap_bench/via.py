@@ -34,6 +34,7 @@ from coldsnap.base.progress import Progress
 from coldsnap.contracts import ColdSnapError, ErrorCode, Validation
 from coldsnap.contracts import capsule as mt
 from coldsnap.contracts.results import CaptureFacts
+from coldsnap.criu.driver import CriuDriver
 from coldsnap.workload.probe import ProbeResult, ValidationProbe
 from coldsnap.workload.target import Target
 from coldsnap_bench.rootfs import host_usr_rootfs
@@ -79,9 +80,7 @@ def container_bench_ready(opts: BenchOptions, via: str, component: str, progress
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, "--samples must be at least 1")
     if os.geteuid() != 0:
         raise ColdSnapError(ErrorCode.ENVIRONMENT, f"--via {via} needs root ({component}, runc, CRIU)")
-    criu_prefix = str(settings().criu_prefix)
-    if not os.access(settings().criu, os.X_OK):
-        raise ColdSnapError(ErrorCode.ENVIRONMENT, f"CRIU not provisioned at {criu_prefix}: run `make setup`")
+    CriuDriver()  # raises, saying where it looked, without CRIU
     progress(f"making sure {component} is installed (packaging/containers/setup.sh install {component})")
     r = _sh([str(SETUP), "install", component])
     if r.returncode != 0:
