@@ -3,7 +3,7 @@ loopback, fetched into a memfd per 256 MiB piece by fetching processes, each pie
 variants side by side in one run: how the bytes are received (requests' chunks written with pwrite, as the pull
 does now, or received straight into the memfd's mapping), which hash checks them (sha256, blake3, none: the
 ceiling), how the connections are spread over processes, and whether the memfds' pages are made before the bytes
-arrive. Prints a JSON line per variant (GB/s) and a summary line.
+arrive (first, or beside the fetch: PREFAULT_BESIDE=1). Prints a JSON line per variant (GB/s) and a summary line.
 
     python3 packaging/device/pull-variants.py [GIB]     (docker-registry on PATH; default 8 GiB)"""
 
@@ -78,18 +78,24 @@ def worker() -> int:
     return 0
 
 
-def run(url: str, size: int, pins: dict, procs: int, threads: int, mode: str, hashname: str, prefault: bool) -> dict:
+def run(url: str, size: int, pins: dict, procs: int, threads: int, mode: str, hashname: str,
+        prefault: bool | str) -> dict:
     pieces = [(o, min(PIECE, size - o)) for o in range(0, size, PIECE)]
     fds = []
     for _, n in pieces:
         fds.append(os.memfd_create("v"))
         os.ftruncate(fds[-1], n)
     t = time.monotonic()
-    if prefault:  # the pages made first (as a pull could while it waits on the network), on a thread per core
+    if prefault is True:  # the pages made first (as a pull could while it waits on the network), a thread per core
         with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
             list(pool.map(lambda k: os.posix_fallocate(fds[k], 0, pieces[k][1]), range(len(fds))))
     t_fault = time.monotonic() - t
     t = time.monotonic()
+    beside = None
+    if prefault == "beside":  # the pages made while the pieces come, in the order they are asked for, on 2 threads
+        # (fallocate keeps a page already written: a piece that overtakes its prefault loses nothing); timed
+        beside = ThreadPoolExecutor(2)
+        beside_done = beside.map(lambda k: os.posix_fallocate(fds[k], 0, pieces[k][1]), range(len(fds)))
     ps = []
     for k in range(procs):
         mine = [[o, n, pins[hashname][i], fds[i]] for i, (o, n) in enumerate(pieces) if i % procs == k]
@@ -100,6 +106,9 @@ def run(url: str, size: int, pins: dict, procs: int, threads: int, mode: str, ha
         p.stdin.close()
         ps.append(p)
     ok = all(p.stdout.read().strip() == b"ok" for p in ps) and all(p.wait() == 0 for p in ps)
+    if beside is not None:
+        list(beside_done)
+        beside.shutdown()
     took = time.monotonic() - t
     for fd in fds:
         os.close(fd)
@@ -148,6 +157,8 @@ def main() -> None:
                     (4, 4, "pwrite", "blake3", False),
                     (4, 4, "readinto", "none", False),  # the ceiling: nothing hashed
                     (4, 4, "readinto", "sha256", False)]  # again, last: how much the machine drifted
+        if os.environ.get("PREFAULT_BESIDE"):  # the pull as it is, with and without its pages made beside it, in turns
+            variants = [(4, 4, "pwrite", "blake3", False), (4, 4, "pwrite", "blake3", "beside")] * 3
         if os.environ.get("ALL_VARIANTS"):
             variants += [(8, 2, "readinto", "sha256", False), (16, 1, "readinto", "sha256", False),
                          (8, 2, "readinto", "sha256", True), (8, 2, "readinto", "none", True)]
@@ -157,8 +168,9 @@ def main() -> None:
                 continue
             rows.append(run(url, size, pins, *v))
             print(json.dumps(rows[-1]), flush=True)
-        print(json.dumps({"summary": {f"{r['processes']}x{r['threads']} {r['receive']} {r['hash']}"
-                                      f"{' prefault' if r['prefault'] else ''}": r["gb_per_s"] for r in rows},
+        label = {False: "", True: " prefault", "beside": " prefault beside"}
+        print(json.dumps({"summary": [[f"{r['processes']}x{r['threads']} {r['receive']} {r['hash']}"
+                                       f"{label[r['prefault']]}", r["gb_per_s"]] for r in rows],
                           "bytes": size, "cpus": os.cpu_count()}))
     finally:
         reg.stop()
