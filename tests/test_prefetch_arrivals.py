@@ -287,10 +287,11 @@ def test_a_fetching_process_brings_a_whole_blob_hashed_and_says_how_far_it_is(tm
 
 
 @pytest.mark.parametrize("ahead, fetchers, cores, expected", [
-    ("", "", 16, True),        # auto: the images by processes on 16 cores, so the weights go beside them
-    ("", "", 2, False),        # auto: below 4 cores the images come on the restore's threads
-    ("auto", "0", 16, False),  # auto follows the images' fetchers, even where the node has the cores
-    ("0", "", 16, False),
+    ("", "", 16, False),       # by default the images come on the restore's threads, the weights after them
+    ("", "2", 16, True),       # auto: the images by processes, so the weights go beside them
+    ("auto", "4", 2, True),    # whatever the cores
+    ("auto", "0", 16, False),  # auto follows the images' fetchers
+    ("0", "2", 16, False),
     ("1", "0", 2, True),
 ])
 def test_the_weights_start_beside_the_images_where_the_images_come_by_processes(monkeypatch, ahead, fetchers,

@@ -42,7 +42,7 @@ VARIABLES = (
     Variable("COLDSNAP_PULL_CONNECTIONS", "", "connections a pull by pieces uses at once (1-64); default one per "
              "core, 2 to 16"),
     Variable("COLDSNAP_PULL_IMAGE_FETCHERS", "", "a streamed restore fetches this many of its CRIU images' layers "
-             "(0-4) in processes of their own; default one per 4 cores; 0: all on its own threads"),
+             "(0-4) in processes of their own; default 0: all on its own threads"),
     Variable("COLDSNAP_PIN_PIECE_MIB", "256", "the pieces (MiB, at least 1) a weights file is pinned by at capture; "
              "a file of more than one piece pulls by pieces and streams into a restore"),
     Variable("COLDSNAP_PIN_PIECE_HASH", "blake3", "the hash a capture pins those pieces by: blake3 (about 4x less "

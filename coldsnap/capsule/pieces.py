@@ -551,12 +551,11 @@ def fetcher_count() -> int:
 
 def blob_fetcher_count() -> int:
     """How many of the blobs a restore follows as they arrive (its CRIU images) its pull fetches in processes of
-    their own: COLDSNAP_PULL_IMAGE_FETCHERS (0-4), else one per four cores (none below four: on two cores the
-    extra processes slowed a CPU cold node from 1.66 to 1.94 s)."""
+    their own: COLDSNAP_PULL_IMAGE_FETCHERS (0-4), none by default: on the restore's own threads a cold node was
+    sooner both on 2 CPU cores (1.66 against 1.94 s) and on a GPU machine's 16 (2.27 against 2.40 s; the weights
+    then come after the images; docs/benchmarks.md)."""
     n = settings().pull_image_fetchers
-    if n.isdigit() and int(n) <= 4:
-        return int(n)
-    return min(4, (os.cpu_count() or 1) // 4)
+    return int(n) if n.isdigit() and int(n) <= 4 else 0
 
 
 def weights_ahead() -> bool:
