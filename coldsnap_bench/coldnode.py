@@ -359,6 +359,7 @@ def _first_restore(node: Path, ref: str, expected: str, one_command: bool = True
                 "timeline": {"origin_after_issue_s": round(receipt["origin"]["monotonic_s"] - t_issue, 4),
                              "spans": [(x["name"], round(x["start_s"], 4), round(x["duration_s"], 4))
                                        for x in receipt["spans"]],
+                             "admit_parts": result.get("admit_parts") or {},
                              "stage_parts": result.get("stage_parts") or {},
                              "weights_wait_s": (result.get("hydrate") or {}).get("weights_wait_s"),
                              # the weights' pieces: sized → last checked; and the prefetcher's own account

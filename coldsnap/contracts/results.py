@@ -99,6 +99,7 @@ class RestoreFacts(Strict):
     lazy_pages: Account | None = None
     weights_mode: str | None = None
     ranks: Ranks | None = None
+    admit_parts: dict[str, float] | None = None
     stage_parts: dict[str, float] | None = None
     instead_of: InsteadOf | None = None
     pull: Account | None = None

@@ -3,8 +3,10 @@ with this host; admit or refuse with reasons. One implementation for process and
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 
 from coldsnap.base.paths import settings
@@ -21,6 +23,9 @@ class Admission:
     differences: list[str] = field(default_factory=list)  # each one a sentence saying what differs
     warnings: list[str] = field(default_factory=list)
     untrusted: bool = False  # refused by the restore policy (who may restore it), not by the host
+    # seconds it took (the receipt's admit_parts): trust, the policy and signatures; host, this host's profile
+    # (looked up, or waited for where a pull started the look beside it)
+    parts: dict[str, float] = field(default_factory=dict)
 
     def sentence(self) -> str:
         return "; ".join(self.differences) or "compatible"
@@ -91,7 +96,8 @@ _looked: list[tuple[threading.Thread, dict]] = []  # this host's profile, being 
 
 def look_at_this_host_soon() -> None:
     """Start finding this host's profile (CRIU's version, the GPUs through NVML: ~0.1 s) on a thread of its own,
-    for a restore that waits on the network meanwhile (its pull); the next admission takes it."""
+    for a restore that waits on the network meanwhile (its pull); the next admission takes it. The trust library
+    (cryptography, for the signatures) loads beside it: imports compete for the GIL with the pull's threads."""
     box: dict = {}
 
     def look() -> None:
@@ -99,6 +105,9 @@ def look_at_this_host_soon() -> None:
             box["here"] = host_profile(CriuDriver().version())
         except Exception:  # noqa: BLE001 - admission looks again, and says what is wrong
             pass
+
+    threading.Thread(target=importlib.import_module, args=("coldsnap.capsule.trust",), name="coldsnap-trust-import",
+                     daemon=True).start()
 
     thread = threading.Thread(target=look, name="coldsnap-host-profile", daemon=True)
     thread.start()
@@ -146,12 +155,14 @@ def admit_capsule(capsule: LoadedCapsule, policy: Policy, driver: str, image_dig
         return Admission(admitted=False, differences=[
             f"capsule {capsule.digest} was captured with the {profile.snapshot_driver} driver; this restore needs "
             f"{driver}"])
+    t = time.monotonic()
     from coldsnap.capsule import trust
 
     annotations = annotations_of(spec) if spec is not None else None
     verdict = trust.check(capsule, CapsuleStore(settings().store), annotations, image_digest)
+    parts = {"trust": round(time.monotonic() - t, 4)}
     if verdict.refusal:
-        return Admission(admitted=False, differences=[verdict.refusal], untrusted=True)
+        return Admission(admitted=False, differences=[verdict.refusal], untrusted=True, parts=parts)
     if image_digest and profile.image_digest and image_digest != profile.image_digest:
         return Admission(admitted=False, differences=[
             f"container image {image_digest} differs from the captured image {profile.image_digest}"])
@@ -159,6 +170,10 @@ def admit_capsule(capsule: LoadedCapsule, policy: Policy, driver: str, image_dig
         differences = container_differences(profile.container, spec)
         if differences:
             return Admission(admitted=False, differences=differences[:1])
+    t = time.monotonic()
     here = _this_host()
-    return admit(profile.host, here, policy.compatibility, profile.distributed,
-                 device_state=profile.snapshot_driver != "criu-template")
+    parts["host"] = round(time.monotonic() - t, 4)
+    admission = admit(profile.host, here, policy.compatibility, profile.distributed,
+                      device_state=profile.snapshot_driver != "criu-template")
+    admission.parts = parts
+    return admission

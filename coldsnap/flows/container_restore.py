@@ -181,6 +181,7 @@ def restore_at_create(runc: str, parsed: RuncArgv, spec: dict) -> CreateOutcome:
     if arriving is not None:  # the pull has ended by now (the weights were waited for): as in process mode
         arriving.settle()
     restored.facts.pull = pull_facts or None  # completed by the pull's end
+    restored.facts.admit_parts = verdict.parts or None
     message = (f"{cid} restored from {capsule.digest[:19]}… and validated: first token "
                f"{restored.facts.time_to_first_token_s:.3f} s after the restore began (receipt {receipt_path(cid)})")
     # the receipt, then the record that start, the poststart hook and delete read

@@ -102,6 +102,7 @@ def restore(request: RestoreRequest, progress: Progress = quiet) -> Receipt:
                 return _fall_back(request, capsule, tl, op_id, e, progress)
         # what every receipt of this restore or prepare carries: where staging went, and a template's reason
         result.stage_parts, result.instead_of, result.pull = staged.parts, instead_of, pulled or None
+        result.admit_parts = verdict.parts or None
         return finish_receipt(request, op_id, op, tl, "succeeded", result=result)
 
 
