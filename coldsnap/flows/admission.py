@@ -3,7 +3,6 @@ with this host; admit or refuse with reasons. One implementation for process and
 
 from __future__ import annotations
 
-import importlib
 import os
 import threading
 import time
@@ -96,8 +95,7 @@ _looked: list[tuple[threading.Thread, dict]] = []  # this host's profile, being 
 
 def look_at_this_host_soon() -> None:
     """Start finding this host's profile (CRIU's version, the GPUs through NVML: ~0.1 s) on a thread of its own,
-    for a restore that waits on the network meanwhile (its pull); the next admission takes it. The trust library
-    (cryptography, for the signatures) loads beside it: imports compete for the GIL with the pull's threads."""
+    for a restore that waits on the network meanwhile (its pull); the next admission takes it."""
     box: dict = {}
 
     def look() -> None:
@@ -105,9 +103,6 @@ def look_at_this_host_soon() -> None:
             box["here"] = host_profile(CriuDriver().version())
         except Exception:  # noqa: BLE001 - admission looks again, and says what is wrong
             pass
-
-    threading.Thread(target=importlib.import_module, args=("coldsnap.capsule.trust",), name="coldsnap-trust-import",
-                     daemon=True).start()
 
     thread = threading.Thread(target=look, name="coldsnap-host-profile", daemon=True)
     thread.start()
