@@ -12,7 +12,13 @@ issuing a cold start to its first token, its weights read from local disk (page 
 The limit beside it is the bytes a first restore must move at rates measured in the same run: what it pulls at the
 slower of the registry's own rate (a blob fetched over HTTP, as one stream and as parallel pieces, timed) and the node
 storage's durable write rate (a pull keeps what it fetches; one writer and parallel ones), then the restore's limit
-(bench.bandwidth)."""
+(bench.bandwidth).
+
+Arms (`--arm NAME=[COLDSNAP_VAR=VALUE,...]`, repeated): variants of the restore's settings side by side in one run,
+one capture and one vanilla for all: each round restores a fresh node once per arm, the arms' order turning from one
+round to the next, so that neither the machine's drift nor a first sample's warm-up favours one of them (in separate
+benches the first on a fresh machine came out slowest each time). With arms the two-command baseline is not run.
+"""
 
 from __future__ import annotations
 
@@ -79,6 +85,23 @@ def _cli(env: dict, *args: str, timeout: float = 900) -> dict:
         raise ColdSnapError(ErrorCode.VALIDATION_FAILED, f"coldsnap {args[0]} on the fresh node failed "
                             f"(exit {r.returncode}): {r.stderr.strip()[-300:]}")
     return json.loads(r.stdout) if "--json" in args else {}
+
+
+def parse_arm(text: str, known: set[str]) -> tuple[str, dict[str, str]]:
+    """`NAME=` or `NAME=VAR=VALUE[,VAR=VALUE...]` as (name, settings); known: the settings' names it may set.
+    Raises INVALID_REQUEST, in one line, for anything else."""
+    name, eq, rest = text.partition("=")
+    if not eq or not name or not all(c.isalnum() or c in "-_" for c in name):
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"--arm {text!r}: want NAME=[COLDSNAP_VAR=VALUE,...] (NAME of "
+                            "letters, digits, - and _; nothing after = for the defaults)")
+    settings_: dict[str, str] = {}
+    for item in filter(None, rest.split(",")):
+        var, eq, value = item.partition("=")
+        if not eq or var not in known:
+            raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"--arm {name}: {item!r} is not VAR=VALUE with VAR one of "
+                                "ColdSnap's settings (docs/settings.md)")
+        settings_[var] = value
+    return name, settings_
 
 
 RATE_BYTES = 4 << 30  # enough of a blob to time the registry's rate; a 31 GB blob read twice would take a minute
@@ -197,6 +220,7 @@ def run_cold_node(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
                 os.replace(src, dst)
             samples: list[dict] = []
             two_commands: list[dict] = []
+            arms = opts.arms
             rounds: list[float] = []  # seconds each node took (its two restores and their clean-up)
             for i in range(n):
                 if rounds and not time_for(max(rounds)):
@@ -204,14 +228,23 @@ def run_cold_node(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
                     progress(f"cold nodes: {i} of {n}, the rest would end past --deadline-s {opts.deadline_s:g}")
                     break
                 began = time.monotonic()
-                # one command, and pull-then-restore as two, in turns: first one, then the other
-                for one in (True, False) if i % 2 == 0 else (False, True):
+                # arms: each once, the order turning by one a round; else one command, and pull-then-restore as
+                # two, in turns: first one, then the other
+                turns = [(True, *arms[(i + k) % len(arms)]) for k in range(len(arms))] if arms else \
+                    [(one, "", {}) for one in ((True, False) if i % 2 == 0 else (False, True))]
+                for one, arm, extra in turns:
                     for p in weights:
                         Path(p).unlink(missing_ok=True)  # the previous sample's put-back copy
-                    got = _first_restore(Path(tmp) / f"node{i}", ref, expected, one_command=one)
+                    got = _first_restore(Path(tmp) / f"node{i}", ref, expected, one_command=one, settings_=extra)
+                    if arms:
+                        got["arm"] = arm
                     (samples if one else two_commands).append(got)
                     shutil.rmtree(Path(tmp) / f"node{i}", ignore_errors=True)  # its copy of the weights: disk room
                 rounds.append(time.monotonic() - began)
+                if arms:
+                    progress(f"cold node {i + 1}/{n}: " + ", ".join(
+                        f"{g['arm']} {g['total_s']:.3f} s" for g in samples[-len(arms):]) + " to first token")
+                    continue
                 progress(f"cold node {i + 1}/{n}: restore of the reference → first token "
                          f"{samples[-1]['total_s']:.3f} s (pull {samples[-1]['spans']['pull']:.2f} s); pull, then "
                          f"restore: {two_commands[-1]['total_s']:.3f} s")
@@ -234,7 +267,11 @@ def run_cold_node(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
     streams = bool(cap.profile.model) and all(w.chunks for w in cap.profile.model.weights)  # pinned by pieces
     limit = cold_node_limit(bw, bandwidth.dir_bytes(staged), weights_bytes, not apart,
                             statistics.median(s["pulled_bytes"] for s in samples), rate, write_rate, streams)
-    v, r = _stats(vanilla), _stats([s["total_s"] for s in samples])
+    v = _stats(vanilla)
+    by_arm = {name: _arm_result(name, extra, [s for s in samples if s["arm"] == name], v, limit)
+              for name, extra in opts.arms}
+    first = [s for s in samples if s.get("arm", "") == (opts.arms[0][0] if opts.arms else "")]
+    r = _stats([s["total_s"] for s in first])  # with arms: the first arm's (the baseline)
     data = {
         "kind": "coldsnap.bench",
         "command": opts.command or "coldsnap " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
@@ -252,15 +289,14 @@ def run_cold_node(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
         "vanilla": v, "restore": r, "ratio_median": round(v["median_s"] / r["median_s"], 2),
         "validations": {"vanilla": f"{len(vanilla)}/{len(vanilla)}",
                         "restore": f"{sum(s['validated'] for s in samples)}/{len(samples)}"},
-        "fell_back": 0, "span_medians_s": {k: round(statistics.median(s["spans"][k] for s in samples), 4)
-                                           for k in SPANS},
+        "fell_back": 0, "span_medians_s": _span_medians(first),
+        **({"arms": by_arm} if by_arm else {}),
         "runs": samples, "bandwidth": bw, "physical_limit": limit,
         # the same nodes' restores issued as `coldsnap pull` then `coldsnap restore`, in turns with the runs above
         "two_commands": {**_stats([s["total_s"] for s in two_commands]),
                          "validated": f"{sum(s['validated'] for s in two_commands)}/{len(two_commands)}",
-                         "span_medians_s": {k: round(statistics.median(s["spans"][k] for s in two_commands), 4)
-                                            for k in SPANS},
-                         "runs": two_commands},
+                         "span_medians_s": _span_medians(two_commands),
+                         "runs": two_commands} if two_commands else None,
         "capsule": {"digest": cap.capsule, "bytes": cap.receipt.facts(CaptureFacts).capsule_bytes, "staging_s": None,
                     "weights_bytes": sum(d.size for d in weight_layers(store, store.load(cap.capsule))),
                     "pushed_bytes": pushed.get("bytes_transferred"), "capture_spans": {s.name: s.duration_s
@@ -272,12 +308,30 @@ def run_cold_node(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
     stem.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
     _chart(data, stem.with_suffix(".png"))
     lim = f"; the limit {limit['limit_s']} s ({r['median_s'] / limit['limit_s']:.2f}x)" if limit else ""
-    summary = (f"vanilla {v['median_s']:.3f} s vs first restore on a cold node {r['median_s']:.3f} s "
-               f"(pull {data['span_medians_s']['pull']:.3f} s){lim}; {data['validations']['restore']} validated; "
-               f"pull, then restore: {data['two_commands']['median_s']:.3f} s"
+    if by_arm:
+        told = "; ".join(f"{name} {a['restore']['median_s']:.3f} s ({a['validations']})" for name, a in by_arm.items())
+        told = f"first restore on a cold node, by arm: {told}; the limit {limit['limit_s'] if limit else '?'} s"
+    else:
+        told = (f"first restore on a cold node {r['median_s']:.3f} s (pull {data['span_medians_s']['pull']:.3f} s)"
+                f"{lim}; {data['validations']['restore']} validated; pull, then restore: "
+                f"{data['two_commands']['median_s']:.3f} s")
+    summary = (f"vanilla {v['median_s']:.3f} s vs {told}"
                + (f" (stopped early by --deadline-s: {'; '.join(stopped)})" if stopped else "")
                + f"\nwrote {stem}.json and {stem}.png")
     return BenchResult(data, summary)
+
+
+def _span_medians(runs: list[dict]) -> dict[str, float]:
+    return {k: round(statistics.median(s["spans"][k] for s in runs), 4) for k in SPANS} if runs else {}
+
+
+def _arm_result(name: str, extra: dict[str, str], runs: list[dict], vanilla: dict, limit: dict) -> dict:
+    """One arm's account: its settings, its restores' medians, against the run's vanilla and limit."""
+    r = _stats([s["total_s"] for s in runs])
+    return {"settings": extra, "restore": r, "validations": f"{sum(s['validated'] for s in runs)}/{len(runs)}",
+            "ratio_median": round(vanilla["median_s"] / r["median_s"], 2),
+            "vs_limit": round(r["median_s"] / limit["limit_s"], 2) if limit and limit.get("limit_s") else None,
+            "span_medians_s": _span_medians(runs)}
 
 
 def cold_node_limit(bw: dict, images_bytes: int, weights_bytes: int, weights_in_images: bool, pulled: float,
@@ -328,11 +382,13 @@ def _biggest_blob(store: CapsuleStore, digest: str) -> tuple[str, int]:
     return best.digest, best.size
 
 
-def _first_restore(node: Path, ref: str, expected: str, one_command: bool = True) -> dict:
+def _first_restore(node: Path, ref: str, expected: str, one_command: bool = True,
+                   settings_: dict[str, str] | None = None) -> dict:
     """One command, as a node issues it: `coldsnap restore --capsule REF@DIGEST` pulls (the images unpack while the
     weights arrive), admits, stages and restores. one_command False: `coldsnap pull REF@DIGEST`, then `coldsnap
-    restore --capsule DIGEST` (nothing overlaps; what the one command saves, in the same run)."""
-    env = _node_env(node)
+    restore --capsule DIGEST` (nothing overlaps; what the one command saves, in the same run). settings_: an arm's
+    settings, in the commands' environment."""
+    env = {**_node_env(node), **(settings_ or {})}
     t_issue = time.monotonic()
     pull_s = None
     if one_command:
@@ -412,11 +468,15 @@ def _chart(data: dict, path: Path) -> None:
     limit = (data.get("physical_limit") or {}).get("limit_s")
     if limit:
         ax.axhline(limit, color="#d62728", linestyle="--", linewidth=1, label=f"limit {limit} s (same run)")
-    ticks = ["vanilla", *[f"node {i}" for i in range(1, len(runs) + 1)], *(["two cmds"] if two else [])]
+    ticks = ["vanilla", *[f"{run['arm']} {i}" if "arm" in run else f"node {i}" for i, run in enumerate(runs, 1)],
+             *(["two cmds"] if two else [])]
     ax.set_xticks(range(len(ticks)), ticks, fontsize=7)
     ax.set_ylabel("seconds from issue to first token")
-    ax.set_title(f"{data['engine']} on {data['device']}: first restore on a cold node, {data['ratio_median']}x "
-                 f"sooner than vanilla", fontsize=10)
+    arms = data.get("arms")
+    how = ", ".join(f"{name} {a['ratio_median']}x" for name, a in arms.items()) if arms else \
+        f"{data['ratio_median']}x"
+    ax.set_title(f"{data['engine']} on {data['device']}: first restore on a cold node, {how} sooner than vanilla",
+                 fontsize=10)
     ax.legend(fontsize=7)
     fig.text(0.01, 0.01, data["command"], fontsize=6, color="#555555")
     fig.tight_layout(rect=(0, 0.03, 1, 1))

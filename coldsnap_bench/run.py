@@ -45,6 +45,7 @@ class BenchOptions:
     via: str | None = None  # podman | docker: the reference engine in a container (bench.via)
     template: bool = False  # three ways: vanilla, the template capsule's restore, the full capsule's restore
     deadline_s: float | None = None  # cold node: no sample that would end later than this after the start
+    arms: list[tuple[str, dict[str, str]]] = field(default_factory=list)  # cold node: (name, settings) in turns
     command: str = ""  # the command line that made the result, recorded in it
 
 

@@ -50,10 +50,36 @@ def test_a_cold_node_bench_past_its_deadline_writes_the_samples_it_took(tmp_path
     assert len(data["runs"]) == 1 and data["runs"][0]["validated"] and data["physical_limit"]["limit_s"] > 0
 
 
+def test_arms_restore_side_by_side_in_turning_order_each_with_its_settings(tmp_path, monkeypatch):
+    """--arm: one capture and one vanilla for all arms; each round restores a fresh node once per arm, the order
+    turning a round, each arm's settings in its commands' environment (here: the weights' pieces in memory first, or
+    straight to the node's disk, which each run's receipt tells; pinned by 1 MiB pieces, so that the small CPU
+    model's weights come by pieces at all)."""
+    needs_root_criu()
+    monkeypatch.setenv("COLDSNAP_PIN_PIECE_MIB", "1")
+    data = run_bench(tmp_path, "reference-cpu-cold-node", "--cold-node", "--samples", "2", "--vanilla-samples", "1",
+                     "--arm", "memory=COLDSNAP_PULL_SPOOL=1", "--arm", "disk=COLDSNAP_PULL_SPOOL=0")
+    assert [r["arm"] for r in data["runs"]] == ["memory", "disk", "disk", "memory"]
+    assert data["two_commands"] is None and data["validations"]["restore"] == "4/4"
+    arms = data["arms"]
+    assert list(arms) == ["memory", "disk"] and arms["disk"]["settings"] == {"COLDSNAP_PULL_SPOOL": "0"}
+    assert all(r["spooled"] == (r["arm"] == "memory") and r["streamed"] for r in data["runs"])
+    for name, arm in arms.items():
+        mine = sorted(r["total_s"] for r in data["runs"] if r["arm"] == name)
+        assert arm["validations"] == "2/2" and arm["restore"]["samples_s"] == [r["total_s"] for r in data["runs"]
+                                                                               if r["arm"] == name]
+        assert arm["restore"]["min_s"] == mine[0] and arm["vs_limit"] > 0
+    assert data["restore"] == arms["memory"]["restore"]  # the first arm is the run's baseline
+
+
 @pytest.mark.parametrize("args, error", [
     (["--deadline-s", "60"], "--deadline-s applies to --cold-node only"),
     (["--cold-node", "--deadline-s", "0"], "--deadline-s must be a positive number of seconds"),
+    (["--arm", "a="], "--arm applies to --cold-node only"),
+    (["--cold-node", "--arm", "a"], "want NAME=[COLDSNAP_VAR=VALUE,...]"),
+    (["--cold-node", "--arm", "a=HOME=/x"], "'HOME=/x' is not VAR=VALUE with VAR one of ColdSnap's settings"),
+    (["--cold-node", "--arm", "a=", "--arm", "a=COLDSNAP_PULL_SPOOL=0"], "--arm: two arms named 'a'"),
 ])
-def test_a_deadline_the_bench_cannot_keep_is_refused_in_one_line(tmp_path, args, error):
+def test_a_deadline_or_arm_the_bench_cannot_keep_is_refused_in_one_line(tmp_path, args, error):
     r = coldsnap_cli(tmp_path, "bench", *args)
     assert r.returncode == 2 and error in r.stderr and "Traceback" not in r.stderr

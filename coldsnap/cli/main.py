@@ -367,6 +367,24 @@ def cmd_run_args(args) -> None:
     _emit(args, {"engine": r.engine, "argv": r.argv, "command": r.line(), "notes": r.notes}, r.line())
 
 
+def _arms(args) -> list[tuple[str, dict[str, str]]]:
+    """--arm, each parsed (coldsnap_bench.coldnode.parse_arm); refused in one line unless with --cold-node, or
+    where two share a name."""
+    if not args.arm:
+        return []
+    if not args.cold_node:
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, "--arm applies to --cold-node only")
+    from coldsnap.base.paths import VARIABLES
+    from coldsnap_bench.coldnode import parse_arm
+
+    arms = [parse_arm(a, {v.name for v in VARIABLES}) for a in args.arm]
+    names = [name for name, _ in arms]
+    if len(set(names)) != len(names):
+        twice = sorted(n for n in names if names.count(n) > 1)[0]
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"--arm: two arms named {twice!r}")
+    return arms
+
+
 def cmd_bench(args) -> None:
     progress = _progress(args)
     if args.registry:
@@ -386,11 +404,12 @@ def cmd_bench(args) -> None:
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, "--deadline-s applies to --cold-node only")
     if args.deadline_s is not None and args.deadline_s <= 0:
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, "--deadline-s must be a positive number of seconds")
+    arms = _arms(args)
     opts = BenchOptions(
         engine=args.engine, samples=args.samples, vanilla_samples=args.vanilla_samples, device=args.device,
         weights_mode=args.weights_mode, engine_options=engine_options(args.engine_opt), out=args.out,
         name=args.name, drop_caches=args.drop_caches, via=args.via, template=args.template,
-        deadline_s=args.deadline_s, command="coldsnap " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
+        deadline_s=args.deadline_s, arms=arms, command="coldsnap " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
     if args.passthrough:
         from coldsnap_bench.passthrough import run_passthrough
 
@@ -606,6 +625,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--deadline-s", type=float, metavar="S", help="with --cold-node: take no further sample that "
                     "would not end within S seconds of the bench's start (at least one of each is taken), and write "
                     "the result of those taken: for a run that a time limit would otherwise cut off unwritten")
+    sp.add_argument("--arm", action="append", metavar="NAME=[COLDSNAP_VAR=VALUE,...]", help="with --cold-node, "
+                    "repeatable: variants of the restore's settings side by side in one run (one capture, one "
+                    "vanilla), each round restoring a node once per arm in turning order; NAME= alone: the defaults")
     flag(sp, "--passthrough", "what coldsnap-runtime adds to a runc call it passes through: runc vs coldsnap-runc vs "
          "the Python script, best of --samples (default 20) each")
     flag(sp, "--registry", "benchmark push/pull through a local registry instead")

@@ -10,7 +10,8 @@
 # on a fresh machine the first cold start of the 31 GB workload takes ~410 s, more than one call leaves the bench.
 # Run it as its own call, then the bench as the next call on the same (still warm) machine.
 # Usage (repo root there, .whl and .carry/gpu carried: prepare.sh):
-#   [LAYERS=6] [N=3] [SHM=1] [WARMUP=1] [SUFFIX=name] packaging/device/cold-node.sh
+#   [LAYERS=6] [N=3] [SHM=1] [WARMUP=1] [SUFFIX=name] [ARMS="NAME=[VAR=VALUE,...] ..."] packaging/device/cold-node.sh
+# ARMS: variants of the restore's settings side by side in the one bench (`coldsnap bench --cold-node --arm`).
 source packaging/device/env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 command -v docker-registry >/dev/null || { echo "cold-node: no docker-registry: carry .carry/registry"; exit 12; }
@@ -32,6 +33,7 @@ fi
 # the bench stops sampling in time to write what it has before the timeout would cut it off
 BT=${BENCH_TIMEOUT:-540}
 timeout "$BT" python3 -m coldsnap.cli.main bench --cold-node --device cuda --weights-mode recovery \
-    -n "${N:-3}" --vanilla-samples "${NV:-2}" $SIZE --out "$OUT" --name "$NAME" --deadline-s $(( BT - 10 ))
+    -n "${N:-3}" --vanilla-samples "${NV:-2}" $SIZE --out "$OUT" --name "$NAME" --deadline-s $(( BT - 10 )) \
+    $(for a in ${ARMS:-}; do echo "--arm $a"; done)
 echo "bench rc=$?"
 df -h / /dev/shm | tail -2

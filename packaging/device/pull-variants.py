@@ -1,9 +1,12 @@
 """What a streamed pull into memory could do on the machine it runs on: one weights-sized blob in a registry on
-loopback, fetched into a memfd per 256 MiB piece by fetching processes, each piece hashed as it arrives, in
-variants side by side in one run: how the bytes are received (requests' chunks written with pwrite, as the pull
-does now, or received straight into the memfd's mapping), which hash checks them (sha256, blake3, none: the
-ceiling), how the connections are spread over processes, and whether the memfds' pages are made before the bytes
-arrive (first, or beside the fetch: PREFAULT_BESIDE=1). Prints a JSON line per variant (GB/s) and a summary line.
+loopback, fetched into a memfd per 256 MiB piece by fetching processes, each piece hashed as it arrives, in variants
+side by side in one run: how the bytes are received (requests' chunks written with pwrite, as the pull does now, or
+received straight into the memfd's mapping), which hash checks them (sha256, blake3, none: the ceiling), how the
+connections are spread over processes, and whether the memfds' pages are made before the bytes arrive (first, or
+beside the fetch: PREFAULT_BESIDE=1); WHERE_TIME=1: the receive alone into one reused buffer (the ceiling of
+receiving), the pages made first, 2 MiB pages where the kernel allows them for shmem, 32 connections; IN_ONE=1: the
+receive alone with every connection in one process (its GIL), reads of 1 or 8 MiB. Prints a JSON line per variant
+(GB/s) and a summary line.
 
     python3 packaging/device/pull-variants.py [GIB]     (docker-registry on PATH; default 8 GiB)"""
 
@@ -19,6 +22,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from pathlib import Path
 
 PIECE = 256 << 20
@@ -49,7 +53,18 @@ def worker() -> int:
         r = local.s.get(job["url"], headers={"Range": f"bytes={offset}-{offset + length - 1}"}, stream=True)
         with r:
             at = 0
-            if job["mode"] == "pwrite":
+            if job["mode"].startswith("discard"):  # into one reused buffer, nothing kept: the receive's ceiling
+                size = READ * int(job["mode"].removeprefix("discard") or 1)  # discard8: 8 MiB a read
+                buf = memoryview(bytearray(size))
+                fp = r.raw._fp
+                while at < length:
+                    n = fp.readinto(buf[:min(size, length - at)])
+                    if not n:
+                        break
+                    if h:
+                        h.update(buf[:n])
+                    at += n
+            elif job["mode"] == "pwrite":
                 for chunk in r.iter_content(READ):
                     if h:
                         h.update(chunk)
@@ -57,6 +72,8 @@ def worker() -> int:
                     at += len(chunk)
             else:
                 m = mmap.mmap(fd, length)
+                if job["mode"] == "hugemap":  # the memfd's pages made 2 MiB at a time, where shmem_enabled allows
+                    m.madvise(mmap.MADV_HUGEPAGE)
                 mv = memoryview(m)
                 fp = r.raw._fp  # http.client's response: its readinto receives into the buffer itself (urllib3's
                 try:  # reads a bytes object, then copies it in)
@@ -159,6 +176,20 @@ def main() -> None:
                     (4, 4, "readinto", "sha256", False)]  # again, last: how much the machine drifted
         if os.environ.get("PREFAULT_BESIDE"):  # the pull as it is, with and without its pages made beside it, in turns
             variants = [(4, 4, "pwrite", "blake3", False), (4, 4, "pwrite", "blake3", "beside")] * 3
+        if os.environ.get("WHERE_TIME"):  # what the receive alone moves, what making the pages costs, in turns
+            variants = [(4, 4, "discard", "none", False), (4, 4, "discard", "blake3", False),
+                        (4, 4, "pwrite", "blake3", False), (4, 4, "pwrite", "blake3", "beside"),
+                        (4, 4, "readinto", "blake3", True), (4, 4, "hugemap", "blake3", False),
+                        (8, 4, "pwrite", "blake3", False), (4, 4, "pwrite", "blake3", False)]
+            for f in ("enabled", "shmem_enabled", "defrag"):
+                with suppress(OSError):
+                    print(f"transparent_hugepage/{f}:", Path(f"/sys/kernel/mm/transparent_hugepage/{f}").read_text()
+                          .strip(), flush=True)
+        if os.environ.get("IN_ONE"):  # the receive's ceiling with every connection in one process (one GIL)
+            variants = [(4, 4, "discard", "blake3", False), (1, 16, "discard", "blake3", False),
+                        (1, 16, "discard8", "blake3", False), (2, 8, "discard8", "blake3", False),
+                        (4, 4, "discard8", "blake3", False), (1, 8, "discard8", "blake3", False),
+                        (1, 16, "discard8", "none", False), (4, 4, "discard", "blake3", False)]
         if os.environ.get("ALL_VARIANTS"):
             variants += [(8, 2, "readinto", "sha256", False), (16, 1, "readinto", "sha256", False),
                          (8, 2, "readinto", "sha256", True), (8, 2, "readinto", "none", True)]
