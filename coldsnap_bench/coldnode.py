@@ -14,7 +14,7 @@ slower of the registry's own rate (a blob fetched over HTTP, as one stream and a
 storage's durable write rate (a pull keeps what it fetches; one writer and parallel ones), then the restore's limit
 (bench.bandwidth).
 
-Arms (`--arm NAME=[COLDSNAP_VAR=VALUE,...]`, repeated): variants of the restore's settings side by side in one run,
+Arms (`--arm NAME=[SETTING=VALUE,...]`, repeated): variants of the restore's settings side by side in one run,
 one capture and one vanilla for all: each round restores a fresh node once per arm, the arms' order turning from one
 round to the next, so that neither the machine's drift nor a first sample's warm-up favours one of them (in separate
 benches the first on a fresh machine came out slowest each time). With arms the two-command baseline is not run.
@@ -92,7 +92,7 @@ def parse_arm(text: str, known: set[str]) -> tuple[str, dict[str, str]]:
     Raises INVALID_REQUEST, in one line, for anything else."""
     name, eq, rest = text.partition("=")
     if not eq or not name or not all(c.isalnum() or c in "-_" for c in name):
-        raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"--arm {text!r}: want NAME=[COLDSNAP_VAR=VALUE,...] (NAME of "
+        raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"--arm {text!r}: want NAME=[SETTING=VALUE,...] (NAME of "
                             "letters, digits, - and _; nothing after = for the defaults)")
     settings_: dict[str, str] = {}
     for item in filter(None, rest.split(",")):

@@ -95,8 +95,12 @@ class RangeServer:
     def __init__(self, blob: bytes, ranges: bool = True, short: bool = False) -> None:
         import http.server
 
+        self.authorizations: list = []  # the Authorization header of each request, None where it had none
+        seen = self.authorizations
+
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                seen.append(self.headers.get("Authorization"))
                 if not ranges:  # a registry that ignores Range: the whole blob (short: its first half)
                     self.send_response(200)
                     self.send_header("Content-Length", str(len(blob)))
@@ -302,3 +306,167 @@ def test_the_weights_start_beside_the_images_where_the_images_come_by_processes(
     monkeypatch.setenv("COLDSNAP_PULL_IMAGE_FETCHERS", fetchers)
     monkeypatch.setattr(pieces.os, "cpu_count", lambda: cores)
     assert pieces.weights_ahead() is expected
+
+
+class HostSink:
+    """A stand-in for the GPU's sink (coldsnap.gpu.prefetch._GpuSink, which needs a GPU: packaging/device runs it):
+    its "device memory" is a bytearray, each buffer's bytes copied there at their offset in the file."""
+
+    def __init__(self, device: bytearray, chunk: int) -> None:
+        self.device, self.bufs, self.sent = device, [bytearray(chunk), bytearray(chunk)], 0
+
+    def buffer(self, k: int) -> memoryview:
+        return memoryview(self.bufs[k])
+
+    def send(self, k: int, n: int, offset: int) -> None:
+        self.device[offset:offset + n] = self.bufs[k][:n]
+        self.sent += 1
+
+    def finish(self) -> None:
+        pass
+
+
+def _direct_pull(tmp_path, monkeypatch, served: bytes | None = None, **server):
+    """A pull with COLDSNAP_PULL_DIRECT=1 a restore reads while it streams, on its thread: (blob, wf, server,
+    arrivals, partial, thread, its outcome). served: what the registry serves instead of the pinned blob."""
+    from coldsnap.capsule.fetcher import PlainClient
+    from coldsnap.capsule.pieces import fetch_by_pieces
+
+    monkeypatch.setenv("COLDSNAP_PULL_DIRECT", "1")
+    blob, wf = pinned_blob(tmp_path, 40_000)
+    srv, arrivals, part = RangeServer(served or blob, **server), Arrivals(), tmp_path / "blob.partial"
+    done: dict = {}
+
+    def run() -> None:
+        try:
+            done["r"] = fetch_by_pieces(PlainClient, srv.url, part, len(blob), wf, "test", arrivals=arrivals,
+                                        digest="d")
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            done["error"] = e
+        finally:
+            arrivals.end()
+
+    pull = threading.Thread(target=run)
+    pull.start()
+    return blob, wf, srv, arrivals, part, pull, done
+
+
+def test_a_direct_pull_offers_the_pieces_past_the_head_and_fetches_them_itself_only_after_the_first_token(
+        tmp_path, monkeypatch):
+    """Direct: the file's head (its first piece, and those its header reaches into) is fetched into the partial and
+    announced; the rest is offered to a prefetcher, which fetches each piece from the registry itself, hashed
+    against its pin as it arrives, into two buffers in turn (here a stand-in sink in host memory); the pull fetches
+    those pieces for the node's copy only once the restore is past its first token."""
+    from coldsnap.gpu.direct import receive_pieces
+
+    blob, wf, srv, arrivals, part, pull, done = _direct_pull(tmp_path, monkeypatch)
+    try:
+        job = arrivals.direct("d", timeout=30)
+        assert job is not None and job["url"] == srv.url and job["hash"] == wf.chunk_digest
+        cb, head = wf.chunk_bytes, 8 + int.from_bytes(blob[:8], "little")
+        first = -(-head // cb) * cb  # the head's pieces end here
+        assert [p[0] for p in job["pieces"]] == list(range(first, len(blob), cb))
+        assert [p[2] for p in job["pieces"]] == wf.chunks[first // cb:] and sum(p[1] for p in job["pieces"]) == \
+            len(blob) - first
+        on_disk = part.read_bytes()
+        assert on_disk[:first] == blob[:first] and on_disk[first:] == bytes(len(blob) - first)  # the head only
+        device, checked, sinks = bytearray(len(blob)), [], []
+
+        def sink() -> HostSink:
+            sinks.append(HostSink(device, 1000))
+            return sinks[-1]
+
+        receive_pieces(job, 3, sink, checked.append, chunk=1000)
+        assert bytes(device[first:]) == blob[first:] and sorted(map(tuple, checked)) == sorted(map(tuple,
+                                                                                                     job["pieces"]))
+        assert sum(s.sent for s in sinks) == sum(-(-p[1] // 1000) for p in job["pieces"])  # chunk by chunk
+        pull.join(0.5)
+        assert pull.is_alive() and part.read_bytes()[first:] == bytes(len(blob) - first)  # not until the token
+        arrivals.allow_sync()
+        pull.join(30)
+        assert done["r"] == (len(blob), 0) and part.read_bytes() == blob  # the node's copy, whole and checked
+    finally:
+        arrivals.allow_sync()
+        pull.join(30)
+        srv.close()
+
+
+def test_a_direct_piece_that_does_not_match_its_pin_fails_the_load_and_the_pull(tmp_path, monkeypatch):
+    """The registry serves a piece that is not the pinned one: the prefetcher's load fails on it (the engine then
+    reads its file), and the pull, asked for the files, refuses the blob (CAPSULE_CORRUPT) and keeps nothing."""
+    from coldsnap.contracts import ColdSnapError, ErrorCode
+    from coldsnap.gpu.direct import DirectError, receive_pieces
+
+    blob = safetensors_bytes(40_000)
+    bad = bytearray(blob)
+    bad[-5] ^= 0xFF  # in the last piece, past the head
+    _, _, srv, arrivals, part, pull, done = _direct_pull(tmp_path, monkeypatch, served=bytes(bad))
+    try:
+        job = arrivals.direct("d", timeout=30)
+        assert job is not None
+        device = bytearray(len(blob))
+        with pytest.raises(DirectError, match=f"the piece at byte {job['pieces'][-1][0]} does not match the pin"):
+            receive_pieces(job, 2, lambda: HostSink(device, 4096), lambda piece: None)
+        assert not arrivals.filed("d", timeout=30)  # asked for them: the pull fetches, and refuses
+        pull.join(30)
+        assert isinstance(done.get("error"), ColdSnapError) and done["error"].code == ErrorCode.CAPSULE_CORRUPT
+        assert not part.exists()
+    finally:
+        arrivals.allow_sync()
+        pull.join(30)
+        srv.close()
+
+
+def test_a_direct_pull_nobody_takes_fetches_its_pieces_at_once(tmp_path, monkeypatch):
+    """No prefetcher takes the offer (no GPU, no room, several ranks): the restore declines (file_now) and the pull
+    fetches the rest into the partial without waiting for the first token; the offer is then gone."""
+    blob, _, srv, arrivals, part, pull, done = _direct_pull(tmp_path, monkeypatch)
+    try:
+        assert arrivals.direct("d", timeout=30) is not None
+        arrivals.file_now()
+        assert arrivals.direct("d", timeout=0) is None
+        assert arrivals.filed("d", timeout=30) and part.read_bytes() == blob
+    finally:
+        arrivals.allow_sync()
+        pull.join(30)
+        srv.close()
+    assert done["r"] == (len(blob), 0)
+
+
+def test_a_direct_fetch_follows_the_registry_redirect_without_its_authorization(tmp_path):
+    """A registry that redirects its blobs to storage elsewhere: the prefetcher follows, sending the pull's
+    authorization to the registry only (a presigned URL must not carry it)."""
+    import http.server
+
+    from coldsnap.gpu.direct import receive_pieces
+
+    blob, wf = pinned_blob(tmp_path, 20_000)
+    seen: list = []
+
+    class Redirect(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            seen.append(("registry", self.headers.get("Authorization")))
+            self.send_response(307 if self.headers.get("Authorization") == "Bearer t" else 401)
+            self.send_header("Location", storage.url + "?sig=1")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    storage = RangeServer(blob)
+    registry = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
+    threading.Thread(target=registry.serve_forever, daemon=True).start()
+    try:
+        cb = wf.chunk_bytes
+        job = {"url": f"http://127.0.0.1:{registry.server_address[1]}/v2/r/blobs/x", "authorization": "Bearer t",
+               "hash": wf.chunk_digest, "pieces": [[o, min(cb, len(blob) - o), wf.chunks[o // cb]]
+                                                   for o in range(cb, len(blob), cb)]}
+        device = bytearray(len(blob))
+        receive_pieces(job, 2, lambda: HostSink(device, cb), lambda piece: None)
+        assert bytes(device[cb:]) == blob[cb:] and seen and all(a == "Bearer t" for _, a in seen)
+        assert storage.authorizations and not any(storage.authorizations)  # storage never saw it
+    finally:
+        registry.shutdown()
+        registry.server_close()
+        storage.close()

@@ -190,13 +190,14 @@ def test_a_restore_streaming_its_weights_by_pieces_restores_with_criu_while_they
         os.replace(weights.path + ".gone", weights.path)
 
 
-@pytest.mark.parametrize("pieces", [False, True], ids=["one-stream", "by-pieces"])
+@pytest.mark.parametrize("pieces", [False, True, "direct"], ids=["one-stream", "by-pieces", "by-pieces-direct"])
 def test_a_streamed_restore_whose_weights_fail_their_pin_fails_and_lists_nothing(registry, tmp_path,  # noqa: F811
                                                                                  monkeypatch, pieces):
     """A weights blob altered in the registry: the restore, already admitted and staged while the weights came,
     fails with exit 4 (no cold start: the capsule is what is wrong), leaves no workload, and the store lists
     nothing and keeps no blob. By pieces, CRIU has restored the engine meanwhile: the engine never resumes, and
-    the link at the weights' path goes with it."""
+    the link at the weights' path goes with it. Direct (COLDSNAP_PULL_DIRECT=1), no prefetcher takes the pieces on
+    CPU: the pull fetches them itself, and refuses the same."""
     from test_registry import registry_blob_file
 
     from coldsnap.contracts import ColdSnapError, ErrorCode
@@ -205,6 +206,8 @@ def test_a_streamed_restore_whose_weights_fail_their_pin_fails_and_lists_nothing
     origin_host(tmp_path, monkeypatch)
     if pieces:
         monkeypatch.setenv("COLDSNAP_PIN_PIECE_MIB", "1")
+    if pieces == "direct":
+        monkeypatch.setenv("COLDSNAP_PULL_DIRECT", "1")
     cap, weights = captured_and_pushed(registry, "pyt-reg-bad", "bad", "badweights")
     blob = registry_blob_file(registry, "sha256:" + weights.sha256)
     original = blob.read_bytes()
@@ -226,6 +229,31 @@ def test_a_streamed_restore_whose_weights_fail_their_pin_fails_and_lists_nothing
                                                             text=True).stdout
     finally:
         blob.write_bytes(original)
+        os.replace(weights.path + ".gone", weights.path)
+
+
+def test_a_direct_streamed_restore_nobody_prefetches_fetches_its_weights_itself_and_validates(
+        registry, tmp_path, monkeypatch):  # noqa: F811
+    """COLDSNAP_PULL_DIRECT=1 where no GPU prefetcher can take the pieces (a CPU engine): the restore declines the
+    pull's offer, the pull fetches the rest of the pieces straight into the partial (no spool), CRIU having
+    restored meanwhile, and the engine reads its file once every piece is there: validated, the file the store's
+    listed blob after."""
+    origin_host(tmp_path, monkeypatch)
+    monkeypatch.setenv("COLDSNAP_PIN_PIECE_MIB", "1")
+    monkeypatch.setenv("COLDSNAP_PULL_DIRECT", "1")
+    cap, weights = captured_and_pushed(registry, "pyt-reg-direct", "direct", "direct")
+    become_a_fresh_host(tmp_path, monkeypatch, weights)
+    r = restore(RestoreRequest(operation="restore", capsule=f"{registry}/coldsnap/direct@{cap.capsule}",
+                               insecure_registry=True, policy=Policy(fallback_to_cold=False)))
+    try:
+        assert r.state == "succeeded" and r.result.validated_text == cap.profile.expected_text
+        assert r.result.pull.get("streamed") and "spooled" not in r.result.pull, r.result.pull  # not in memory
+        assert "weights" not in [s.name for s in r.spans]  # CRIU did not wait for them
+        assert "no CUDA process" in (r.result.hydrate.prefetch or {}).get("skipped", ""), r.result.hydrate
+        store = CapsuleStore(settings().store)
+        assert os.path.samefile(weights.path, store.blob_path("sha256:" + weights.sha256))
+    finally:
+        stop_workload(load_state(r.result.workload))
         os.replace(weights.path + ".gone", weights.path)
 
 

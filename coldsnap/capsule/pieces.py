@@ -82,6 +82,7 @@ class Arrivals:
         self.took: dict[str, float] = {}  # blob digest → seconds from its partial's sizing to its last piece checked
         self._sized_at: dict[str, float] = {}
         self._growing: dict[str, Growing] = {}  # blobs fetched as one stream that someone follows as they land
+        self._direct: dict[str, dict | None] = {}  # blob digest → its pieces for a prefetcher to fetch (offer_direct)
         self._fetchers: list[Fetcher] = []  # fetching processes started ahead, for the first spooled blob
         self._blob_fetchers: list[Fetcher] = []  # and for the blobs followed (one each)
         self._starting = self._started = False  # start_fetchers was called; it has returned
@@ -166,9 +167,25 @@ class Arrivals:
             self._cond.notify_all()
 
     def file_now(self) -> None:
-        """A reader of the files themselves needs them: the pull files its spooled pieces without waiting for
-        the first token."""
+        """A reader of the files themselves needs them: the pull files its spooled pieces (or, direct, fetches the
+        rest of its pieces) without waiting for the first token."""
         self._file_ok.set()
+        with self._cond:
+            self._cond.notify_all()
+
+    def offer_direct(self, digest: str, job: dict | None) -> None:
+        """The blob's pieces past its head, for a prefetcher to fetch from the registry itself (coldsnap.gpu.direct's
+        job), its head in the partial already; None: the pull fetches them all (nothing left, or no ranges)."""
+        with self._cond:
+            self._direct[digest] = job
+            self._cond.notify_all()
+
+    def direct(self, digest: str, timeout: float) -> dict | None:
+        """The job the pull offers for the blob (offer_direct), waiting for it up to `timeout`; None when it offers
+        none, ends, or was asked for the files first."""
+        with self._cond:
+            self._cond.wait_for(lambda: digest in self._direct or self.ended or self._file_ok.is_set(), timeout)
+            return None if self._file_ok.is_set() else self._direct.get(digest)
 
     def wait_file_allowed(self) -> None:
         self._file_ok.wait(self.SYNC_WAIT_S)
@@ -324,6 +341,13 @@ def _raise_fd_limit(need: int) -> bool:
     return soft == resource.RLIM_INFINITY or soft >= want
 
 
+def direct_wanted() -> bool:
+    """COLDSNAP_PULL_DIRECT=1: a restore's prefetcher fetches the weights' pieces from the registry itself
+    (coldsnap.gpu.direct), and the pull fetches them for the node's store after the first token (a second transfer);
+    where no prefetcher takes them, the pull fetches them at once, to disk."""
+    return settings().pull_direct == "1"
+
+
 def spool_wanted(size: int, pieces: int) -> bool:
     """COLDSNAP_PULL_SPOOL: 1 always, 0 never, auto (default) when the node has memory for the spool and the
     partial's page cache beside it, with room to spare (MemAvailable ≥ 2 × size + 4 GiB); either way only where
@@ -355,7 +379,8 @@ def fetch_by_pieces(new_client: Callable[[], object], url: str, part: Path, size
     not match its pin: the partial is removed). arrivals: told the partial once at full size, and each piece once
     checked (those kept from an earlier partial first); the pieces land in a Spool when the node has the memory
     (spool_wanted), the file's head written through to the partial (engines read it from the file), the rest
-    filed once the arrivals allow it."""
+    filed once the arrivals allow it. Direct (direct_wanted): the file's head fetched into the partial, the rest
+    offered to a prefetcher (Arrivals.offer_direct) and fetched here only once the arrivals allow it."""
     cb = wf.chunk_bytes
     if cb is None:  # callers check covers() first
         raise ValueError(f"{what}: the weights are not pinned by pieces")
@@ -369,7 +394,8 @@ def fetch_by_pieces(new_client: Callable[[], object], url: str, part: Path, size
             ok = pool.map(lambda p: chunk_digest(fd, p[1], p[2], wf.chunk_digest) == wf.chunks[p[0]], there)
             kept = {p[0] for p, good in zip(there, ok) if good}
         os.ftruncate(fd, size)
-        if arrivals is not None and spool_wanted(size, len(pieces)):
+        direct = arrivals is not None and direct_wanted()
+        if arrivals is not None and not direct and spool_wanted(size, len(pieces)):
             spool = Spool(size, cb)
             for i, offset, length in pieces:  # what an earlier pull left: where the prefetchers read the rest
                 if i in kept:
@@ -442,6 +468,9 @@ def fetch_by_pieces(new_client: Callable[[], object], url: str, part: Path, size
                 f.close()
         results = _fetch_in_processes(new_client, url, spool, todo, wf, what, spooled, ready) \
             if spool is not None and todo else None
+        if direct:
+            assert arrivals is not None
+            results = _direct_then_here(fetch, new_client, url, fd, todo, wf, what, arrivals, digest)
         if results is None:  # on threads of this process: to disk, or where no fetching process could start
             with ThreadPoolExecutor(workers()) as pool:
                 results = list(pool.map(fetch, todo))
@@ -466,6 +495,38 @@ def fetch_by_pieces(new_client: Callable[[], object], url: str, part: Path, size
                 arrivals.unspooled(digest)
             spool.close()
         os.close(fd)
+
+
+def _direct_then_here(fetch: Callable[[tuple[int, int, int]], bool], new_client: Callable[[], object], url: str,
+                      fd: int, todo: list[tuple[int, int, int]], wf: WeightFile, what: str, arrivals: Arrivals,
+                      digest: str) -> list[bool]:
+    """fetch_by_pieces' direct way: the pieces of the file's head (its first, then those its header reaches into)
+    fetched into the partial and announced, the rest offered to a prefetcher, then fetched here once the arrivals
+    allow it (the first token, or someone needing the files). Whether each piece of todo matched its pin."""
+    good: dict[int, bool] = {}
+    offered = False
+    try:
+        first = [p for p in todo if p[1] == 0]
+        good.update((p[0], fetch(p)) for p in first)
+        if not all(good.values()):
+            return [good.get(p[0], False) for p in todo]
+        head_end = 8 + int.from_bytes(os.pread(fd, 8, 0), "little")
+        head = [p for p in todo if 0 < p[1] < head_end]
+        with ThreadPoolExecutor(workers()) as pool:
+            good.update(zip((p[0] for p in head), pool.map(fetch, head)))
+        rest = [p for p in todo if p[0] not in good]
+        if all(good.values()) and rest:
+            authorization = probe(new_client(), url, what)[1]
+            arrivals.offer_direct(digest, {"url": url, "authorization": authorization, "hash": wf.chunk_digest,
+                                           "pieces": [[o, n, wf.chunks[i]] for i, o, n in rest]})
+            offered = True
+            arrivals.wait_file_allowed()
+        with ThreadPoolExecutor(workers()) as pool:
+            good.update(zip((p[0] for p in rest), pool.map(fetch, rest)))
+        return [good.get(p[0], False) for p in todo]
+    finally:
+        if not offered:
+            arrivals.offer_direct(digest, None)
 
 
 FETCHERS = 4  # processes a spooled pull spreads its connections over (each has a GIL of its own)

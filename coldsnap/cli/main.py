@@ -625,7 +625,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--deadline-s", type=float, metavar="S", help="with --cold-node: take no further sample that "
                     "would not end within S seconds of the bench's start (at least one of each is taken), and write "
                     "the result of those taken: for a run that a time limit would otherwise cut off unwritten")
-    sp.add_argument("--arm", action="append", metavar="NAME=[COLDSNAP_VAR=VALUE,...]", help="with --cold-node, "
+    sp.add_argument("--arm", action="append", metavar="NAME=[SETTING=VALUE,...]", help="with --cold-node, "
                     "repeatable: variants of the restore's settings side by side in one run (one capture, one "
                     "vanilla), each round restoring a node once per arm in turning order; NAME= alone: the defaults")
     flag(sp, "--passthrough", "what coldsnap-runtime adds to a runc call it passes through: runc vs coldsnap-runc vs "

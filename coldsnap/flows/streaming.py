@@ -4,7 +4,8 @@ them, one owner for process and container restores alike.
   link_or_wait   each missing weight file linked at its path to its blob's partial file (journaled first), so that
                  CRIU restores the processes that map it while its pieces arrive; where a file comes as one stream,
                  the weights are waited for and put in place before CRIU instead (span "weights")
-  for_prefetch   the prefetchers take each piece as it is checked against its pin, from memory (the spool)
+  for_prefetch   the prefetchers take each piece as it is checked against its pin, from memory (the spool); or,
+                 direct (COLDSNAP_PULL_DIRECT=1), fetch the pieces from the registry themselves, checking each
   before_resume  every piece checked; the engine may resume before its files hold them only when every prefetcher
                  says it holds its weights; otherwise the files are written first
   check_taken    an engine resumed ahead of its files must have taken the prefetched copy, or it does not serve
@@ -19,11 +20,14 @@ import time
 from dataclasses import dataclass
 
 from coldsnap.base.journal import Journal, Linked
+from coldsnap.capsule.pieces import direct_wanted
 from coldsnap.contracts import ColdSnapError, ErrorCode
 from coldsnap.flows.fetch import Arriving
 from coldsnap.flows.spans import Timeline
 from coldsnap.flows.staging import StagedForRestore, link_arriving, linked_blobs, unlink_all
 from coldsnap.gpu.steps import Prefetch, Streaming
+
+DIRECT_WAIT_S = 150.0  # a direct prefetcher's whole life (its watchdog ends it 30 s past its 120 s timeout)
 
 
 @dataclass
@@ -38,9 +42,13 @@ class ArrivingWeights:
 
     def for_prefetch(self) -> dict[str, Streaming] | None:
         """The prefetchers' view of the files still arriving: the ranges checked so far, and the memory they land
-        in; None when every file was in place already."""
+        in (or, direct, the pieces the pull offers a prefetcher to fetch itself); None when every file was in place
+        already."""
         pieces = self.arriving.pieces
-        return {path: Streaming(pieces.pieces(digest, timeout=120.0), pieces.spool(digest))
+        direct = direct_wanted()
+        return {path: Streaming(pieces.pieces(digest, timeout=120.0), pieces.spool(digest),
+                                direct=(lambda d=digest: pieces.direct(d, timeout=120.0)) if direct else None,  # type: ignore[misc]
+                                decline=pieces.file_now if direct else None)
                 for path, digest in self.blobs.items()} or None
 
     def before_resume(self, prefetch: Prefetch) -> None:
@@ -50,6 +58,12 @@ class ArrivingWeights:
             return
         t = time.monotonic()
         digests = list(self.blobs.values())
+        if prefetch.direct:  # its prefetcher fetched and checked them itself; the pull fetches them after the token
+            self.ahead_of_files = prefetch.loaded(timeout=DIRECT_WAIT_S)
+            if not self.ahead_of_files:
+                self.arriving.filed(digests)  # asks the pull for them now; raises what failed it
+            self.wait_s = round(time.monotonic() - t, 4)
+            return
         self.arriving.checked(digests)
         self.ahead_of_files = prefetch.loaded(timeout=60.0)
         if not self.ahead_of_files:

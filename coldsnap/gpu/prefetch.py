@@ -471,7 +471,7 @@ MODES = ("buffered", "mapped")
 
 def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float, hold: bool = False,
           pieces: list[Piece] | None = None, mode: str = "buffered", arrivals: Iterable[str] | None = None,
-          linger: bool = False, spool: tuple[list[int], int] | None = None) -> dict:
+          linger: bool = False, spool: tuple[list[int], int] | None = None, direct: dict | None = None) -> dict:
     """Listen at sock_path, load, hand the memory to the first engine that connects; return what happened.
     pieces: load only these parts of the data section, packed (a tensor-parallel rank's shards); default all of it.
     mode: "buffered" (fill_buffered) or "mapped" (fill_mapped; fill_buffered where it can't be, the report says
@@ -486,6 +486,8 @@ def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float
     loaded as it comes, and only those: a data section not wholly named is an error (the engine reads the file).
     spool: with arrivals, (descriptors, piece size) of the memory holding the checked ranges (the pull's Spool: a
     memfd per piece), read instead of the file, whose pieces reach the disk later.
+    direct: the file's pieces past its head, fetched from the registry onto the GPU here (coldsnap.gpu.direct's
+    job); the head (header and the data in its pieces) is read from the file, where the pull put it checked.
     Once the memory is loaded (or can't be), one line says so before the engine is awaited: {"loaded": true} or
     {"loaded": false, "error": ...}; the restore lets the engine take the memory only after the first."""
     t0 = time.monotonic()
@@ -505,7 +507,10 @@ def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float
             device = driver.device_by_uuid(bytes.fromhex(gpu_uuid.removeprefix("GPU-").replace("-", "")))
             driver.use_primary_context(device)
             report["cuda_init_s"] = round(time.monotonic() - t0, 4)
-            if arrivals is not None:  # still arriving: each piece as it is checked
+            if direct is not None:  # from the registry, each piece checked against its pin here
+                report["mode"] = "direct"
+                buf, base, size, load_s = _load_direct(driver, device, path, direct, threads)
+            elif arrivals is not None:  # still arriving: each piece as it is checked
                 report["mode"] = "arriving"
                 buf, base, size, load_s = _load_arriving(driver, device, path, arrivals, threads, spool)
             else:
@@ -620,6 +625,95 @@ def _load_arriving(driver, device: int, path: str, arrivals: Iterable[str], thre
             os.close(spooled)
 
 
+def _load_direct(driver, device: int, path: str, job: dict, threads: int):
+    """serve's load of a file whose pieces past its head come from the registry (coldsnap.gpu.direct): (buffer,
+    section offset, bytes, seconds). The head's share of the data section is read from the file (checked by the
+    pull); the job's pieces must cover the rest of the file, in order."""
+    from coldsnap.gpu.direct import receive_pieces
+
+    fd = os.open(path, os.O_RDONLY)
+    buf = None
+    try:
+        t1 = time.monotonic()
+        base, length = data_section(path)
+        size = base + length
+        pieces = sorted(job["pieces"], key=lambda p: int(p[0]))
+        head_end = int(pieces[0][0]) if pieces else size
+        at = head_end
+        for offset, n, _ in pieces:
+            if int(offset) != at:
+                raise PrefetchError(f"the registry's pieces leave a gap at byte {at}")
+            at += int(n)
+        if at != size or head_end < base:
+            raise PrefetchError(f"the registry's pieces cover bytes {head_end}-{at} of a {size}-byte file past its "
+                                f"{base}-byte head")
+        buf = vmm.ExportableBuffer(driver, device, length)
+        if head_end > base:  # the data in the head's pieces
+            fill_buffered(driver, device, buf.ptr, fd, base, [(0, head_end - base, 1, head_end - base)], threads)
+        ctx = driver.use_primary_context(device)
+        receive_pieces(job, threads, lambda: _GpuSink(driver, ctx, buf.ptr - base), lambda piece: None)
+        return buf, base, length, time.monotonic() - t1
+    except BaseException:
+        if buf is not None:
+            buf.close()
+        raise
+    finally:
+        os.close(fd)
+
+
+class _GpuSink:
+    """coldsnap.gpu.direct's Sink on the GPU: two pinned buffers of direct.CHUNK, each copied on this thread's
+    stream to `to` + the bytes' offset in the file (the buffer's address less the data section's offset)."""
+
+    def __init__(self, driver, ctx, to: int) -> None:
+        from coldsnap.gpu.direct import CHUNK
+
+        self.driver, self.to = driver, to
+        driver.call("cuCtxSetCurrent", ctx)
+        self.stream = ctypes.c_void_p()
+        self.events = [ctypes.c_void_p() for _ in range(2)]
+        self.bufs: list[ctypes.c_void_p] = []
+        self.used = [False, False]
+        try:
+            driver.call("cuStreamCreate", ctypes.byref(self.stream), vmm.STREAM_NON_BLOCKING)
+            for e in self.events:
+                driver.call("cuEventCreate", ctypes.byref(e), vmm.EVENT_DISABLE_TIMING)
+            for _ in range(2):
+                p = ctypes.c_void_p()
+                driver.call("cuMemHostAlloc", ctypes.byref(p), CHUNK, 0)
+                self.bufs.append(p)
+        except BaseException:
+            self.finish()
+            raise
+        self.views = [memoryview((ctypes.c_char * CHUNK).from_address(p.value or 0)).cast("B") for p in self.bufs]
+
+    def buffer(self, k: int) -> memoryview:
+        if self.used[k]:
+            self.driver.call("cuEventSynchronize", self.events[k])  # its previous copy is done
+        return self.views[k]
+
+    def send(self, k: int, n: int, offset: int) -> None:
+        self.driver.call("cuMemcpyHtoDAsync_v2", self.to + offset, self.bufs[k].value, n, self.stream)
+        self.driver.call("cuEventRecord", self.events[k], self.stream)
+        self.used[k] = True
+
+    def finish(self) -> None:
+        lib = self.driver.lib
+        try:
+            if self.stream.value:
+                self.driver.call("cuStreamSynchronize", self.stream)
+        finally:
+            for p in self.bufs:
+                lib.cuMemFreeHost(p)
+            self.bufs = []
+            for e in self.events:
+                if e.value:
+                    lib.cuEventDestroy_v2(e)
+            if self.stream.value:
+                lib.cuStreamDestroy_v2(self.stream)
+                self.stream = ctypes.c_void_p()
+
+
 class Session:
     """Engine side of one hand-over: connect, receive the memory's fd and description, close when mapped."""
 
@@ -683,6 +777,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --arrivals: inherited descriptors, comma-separated, of the memfds the pull puts the "
                         "file's pieces in, in order (read instead of --file, whose ranges reach the disk later)")
     p.add_argument("--spool-piece-bytes", type=int, default=0, help="with --spool-fds: the pieces' size")
+    p.add_argument("--direct", action="store_true",
+                   help="the file's pieces past its head come from the registry, fetched here: stdin's first line "
+                        "is the job, JSON (coldsnap.gpu.direct); the head is read from --file")
     p.add_argument("--plan", help="JSON file: [[offset, width, rows, pitch], ...] of the data section to load, "
                                   "packed (a tensor-parallel rank's part); default the whole data section")
     a = p.parse_args(argv)
@@ -694,10 +791,15 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, TypeError) as e:
         print(json.dumps({"served": False, "error": f"--plan {a.plan}: {e}"}), flush=True)
         return 1
+    try:
+        direct = json.loads(sys.stdin.readline()) if a.direct else None
+    except ValueError as e:
+        print(json.dumps({"loaded": False, "error": f"--direct: its job is not JSON: {e}"}), flush=True)
+        return 1
     report = serve(a.file, a.gpu, a.socket, max(1, a.threads), a.timeout, a.hold, pieces, a.mode,
-                   sys.stdin if a.arrivals else None, a.linger,
+                   sys.stdin if a.arrivals and not a.direct else None, a.linger,
                    ([int(fd) for fd in a.spool_fds.split(",")], a.spool_piece_bytes)
-                   if a.arrivals and a.spool_fds and a.spool_piece_bytes > 0 else None)
+                   if a.arrivals and a.spool_fds and a.spool_piece_bytes > 0 else None, direct)
     print(json.dumps(report), flush=True)
     return 0 if report.get("served") and "error" not in report else 1
 

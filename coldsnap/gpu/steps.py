@@ -96,6 +96,7 @@ class Prefetch:
     by_file: bool = False
     feeders: list = field(default_factory=list)  # threads telling prefetchers of a file still arriving its pieces
     said: list = field(default_factory=list)  # what each prefetcher printed before its report, once read (loaded)
+    direct: bool = False  # its one prefetcher fetches the weights from the registry itself (coldsnap.gpu.direct)
 
     def loaded(self, timeout: float) -> bool:
         """Whether every prefetcher has its weights on the GPU, waiting up to `timeout` for each to say (its first
@@ -153,9 +154,13 @@ def _prefetch_refusal(profile, supported: bool, by_file: bool = False) -> str | 
 class Streaming:
     """A weights file still arriving (a streamed pull): the ranges of it checked against their pins, as they come,
     and descriptors of the memory they land in first (coldsnap.capsule.pieces.SpoolFds; None: the file itself),
-    which start_prefetch_soon closes."""
+    which start_prefetch_soon closes. direct: waits for and returns the pieces the pull offers a prefetcher to
+    fetch from the registry itself (None: it offers none); decline: tells the pull nobody will, so it fetches them.
+    """
     ranges: Iterable[tuple[int, int]]
     spool: Any = None
+    direct: Callable[[], dict | None] | None = None
+    decline: Callable[[], None] | None = None
 
 
 def start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir, by_file: bool = False,
@@ -215,17 +220,26 @@ def start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir, b
                 write_run_state(name + ".plan.json", json.dumps(pieces).encode())
                 plan = ["--plan", name + ".plan.json"]
             streaming = (arrivals or {}).get(weights.path)
+            # straight from the registry: one prefetcher, loading a whole file, the pull offering its pieces
+            direct = streaming is not None and streaming.direct is not None and len(targets) == 1 and not pieces
             spool = streaming.spool if streaming else None
             spooled = ["--spool-fds", ",".join(map(str, spool.fds)), "--spool-piece-bytes", str(spool.piece_bytes)] \
                 if spool is not None else []
             proc = subprocess.Popen(
                 [sys.executable, "-m", "coldsnap.gpu.prefetch", "--file", weights.path, "--gpu", gpu,
                  "--socket", sock, *once_served, "--threads", threads, "--mode", mode, *plan,
-                 *(["--arrivals"] if streaming else []), *spooled],
+                 *(["--direct"] if direct else ["--arrivals"] if streaming else []), *spooled],
                 env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 start_new_session=True, pass_fds=spool.fds if spool is not None else ())
             p.procs.append(proc)
-            if streaming:
+            if direct:
+                assert streaming is not None and streaming.direct is not None
+                p.direct = True
+                feeder = threading.Thread(target=_feed_direct, args=(proc, streaming.direct), daemon=True,
+                                          name="coldsnap-direct-job")
+                feeder.start()
+                p.feeders.append(feeder)
+            elif streaming:
                 feeder = threading.Thread(target=_feed, args=(proc, streaming.ranges), daemon=True,
                                           name="coldsnap-arrivals")
                 feeder.start()
@@ -247,6 +261,17 @@ def _feed(proc, ranges: Iterable[tuple[int, int]]) -> None:
         pass  # gone, or reaped already (finish_prefetch closed its stdin): nothing more to tell it
 
 
+def _feed_direct(proc, job: Callable[[], dict | None]) -> None:
+    """Give a prefetcher (--direct) the pieces the pull offers, once it does ("null": none; the prefetcher then
+    loads nothing and the engine reads its file). The stdin stays open: the prefetcher holds its copy until it
+    closes."""
+    try:
+        proc.stdin.write(json.dumps(job()).encode() + b"\n")
+        proc.stdin.flush()
+    except (OSError, ValueError):
+        pass  # gone, or reaped already
+
+
 def start_prefetch_soon(profile, supported: bool, gpu_map: dict[str, str], run_dir,
                         by_file: bool = False, arrivals: Mapping[str, Streaming] | None = None
                         ) -> Callable[[], Prefetch]:
@@ -263,6 +288,8 @@ def start_prefetch_soon(profile, supported: bool, gpu_map: dict[str, str], run_d
             for streaming in (arrivals or {}).values():
                 if streaming.spool is not None:
                     streaming.spool.close()
+                if streaming.decline is not None and not getattr(box.get("p"), "direct", False):
+                    streaming.decline()  # no prefetcher fetches them: the pull does, now
 
     thread = threading.Thread(target=start, name="coldsnap-prefetch-start", daemon=True)
     thread.start()
