@@ -433,3 +433,95 @@ def test_the_mapped_fill_copies_each_range_from_a_registered_window_and_gives_ev
         assert failing.registered == {}  # what it had registered went back
     finally:
         os.close(fd)
+
+
+# --- straight from the registry (COLDSNAP_PULL_DIRECT=1: coldsnap.gpu.direct) -----------------------------------
+def test_a_direct_offer_goes_to_one_whole_file_prefetcher_and_is_declined_otherwise(monkeypatch, tmp_path):
+    """The pull's offer (the pieces past the file's head) goes to the prefetcher on its stdin when one prefetcher
+    loads the whole file; several ranks, or no prefetch at all, decline it, so the pull fetches the pieces itself
+    at once."""
+    from types import SimpleNamespace as NS
+
+    from coldsnap.gpu.steps import Streaming, finish_prefetch, start_prefetch, start_prefetch_soon
+
+    path = str(ensure_weights(tmp_path / "w.safetensors", TINY))
+    job = {"url": "http://127.0.0.1:9/blob", "authorization": None, "hash": "sha256", "pieces": []}
+    declined: list = []
+
+    def streaming() -> dict:
+        return {path: Streaming(iter(()), direct=lambda: job, decline=lambda: declined.append(1))}
+
+    monkeypatch.setattr("coldsnap.gpu.nvml.free_bytes", lambda gpu: 64 << 30)
+    one = _profile(model=NS(weights=[NS(path=path, size=1 << 20)]))
+    p = start_prefetch_soon(one, True, {}, tmp_path, arrivals=streaming())()
+    try:
+        assert p.direct and p.skipped is None and not declined
+        args = p.procs[0].args
+        assert "--direct" in args and "--arrivals" not in args
+        for feeder in p.feeders:
+            feeder.join(10)
+    finally:
+        report = finish_prefetch(p, wait_s=2)
+    assert report.get("error"), report  # no GPU of that name: it says so, and the engine would read the file
+    ranks = _profile(model=NS(weights=[NS(path=path, size=1 << 20)]), distributed=NS(world_size=2),
+                     gpus_used=["GPU-a", "GPU-b"])
+    p = start_prefetch(ranks, True, {}, tmp_path, arrivals=streaming())
+    try:
+        assert not p.direct and all("--direct" not in proc.args for proc in p.procs)
+    finally:
+        finish_prefetch(p, wait_s=2)
+    monkeypatch.setenv("COLDSNAP_PREFETCH", "0")
+    assert start_prefetch_soon(one, True, {}, tmp_path, arrivals=streaming())().skipped == "COLDSNAP_PREFETCH=0"
+    assert declined == [1]  # the refused one declined; the ranks' caller (start_prefetch_soon) would have too
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the pieces are copied onto it")
+def test_weights_fetched_straight_from_the_registry_reach_the_engine_bit_for_bit(tmp_path):
+    """--direct: the file as the pull leaves it (its head's pieces in place, the rest zeros), the rest of its pieces
+    served by a real HTTP server answering ranges; the prefetcher fetches each, checks it against its pin, copies
+    it onto the GPU from its pinned buffers, and the engine gets the tensors it would load from the whole file. A
+    piece that does not match its pin fails the load, and the engine hears why."""
+    import hashlib
+
+    from test_prefetch_arrivals import RangeServer
+
+    cfg = ModelConfig(layers=2, hidden=512, heads=8, intermediate=1408, max_seq=64, prefill_chunk=16)
+    whole = Path(ensure_weights(tmp_path / "w.safetensors", cfg)).read_bytes()
+    piece = 1 << 20
+    head = 8 + int.from_bytes(whole[:8], "little")
+    first = -(-head // piece) * piece
+    uuid = "GPU-" + str(torch.cuda.get_device_properties(0).uuid)
+    want = load_weights(str(tmp_path / "w.safetensors"), "cuda")
+    for served, good in ((whole, True), (whole[:-3] + b"\x00\x01\x02", False)):
+        partial = tmp_path / f"partial-{good}.safetensors"
+        partial.write_bytes(whole[:first] + bytes(len(whole) - first))
+        server = RangeServer(served)
+        sock = str(tmp_path / f"d-{good}.sock")
+        proc = subprocess.Popen([sys.executable, "-m", "coldsnap.gpu.prefetch", "--file", str(partial), "--gpu", uuid,
+                                 "--socket", sock, "--timeout", "60", "--direct", "--threads", "3"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            job = {"url": server.url, "authorization": None, "hash": "sha256",
+                   "pieces": [[o, min(piece, len(whole) - o), hashlib.sha256(whole[o:o + piece]).hexdigest()]
+                              for o in range(first, len(whole), piece)]}
+            proc.stdin.write(json.dumps(job).encode() + b"\n")
+            proc.stdin.close()
+            loaded = json.loads(proc.stdout.readline())
+            assert loaded["loaded"] is good, (loaded, proc.stderr.read1(4000) if not good else "")
+            params = {n: torch.zeros_like(t) for n, t in want.items()}
+            if good:
+                stats = load_prefetched(str(partial), params, sock)
+                assert stats["prefetched"] is True
+                for n in want:
+                    assert torch.equal(params[n], want[n]), n
+            else:
+                assert f"the piece at byte {job['pieces'][-1][0]} does not match the pin" in loaded["error"]
+            report = report_of(proc) if good else None
+            if report is not None:
+                assert report["mode"] == "direct" and report["served"] is True and "error" not in report, report
+                print(json.dumps({"prefetcher": report}))
+        finally:
+            proc.kill()
+            proc.wait()
+            server.close()

@@ -7,6 +7,7 @@
 #   defaults        the images' layers on the restore's own threads, the weights' pieces after them
 #   fetchers        COLDSNAP_PULL_IMAGE_FETCHERS=4: the layers by fetching processes, the weights beside them (auto)
 #   fetchers-after  the same with COLDSNAP_PULL_WEIGHTS_AHEAD=0: the weights after the capsule's own blobs
+#   direct          COLDSNAP_PULL_DIRECT=1: the prefetcher fetches the weights' pieces from the registry itself
 # Carry [".whl", ".carry/gpu", ".carry/registry"] (and ".carry/runc" for the container): prepare.sh makes them.
 # Usage: [STEPS="defaults fetchers container"] [CALL_S=590] [N=3] [LAYERS=6] [SHM=1] cold-node-ab.sh
 source packaging/device/env.sh > /dev/null 2>&1
@@ -20,6 +21,7 @@ for v in ${STEPS:-defaults fetchers container}; do
     defaults) arms+=("defaults=");;
     fetchers) arms+=("fetchers=COLDSNAP_PULL_IMAGE_FETCHERS=4");;
     fetchers-after) arms+=("fetchers-after=COLDSNAP_PULL_IMAGE_FETCHERS=4,COLDSNAP_PULL_WEIGHTS_AHEAD=0");;
+    direct) arms+=("direct=COLDSNAP_PULL_DIRECT=1");;
     container) ;;
     *) echo "cold-node-ab: no step $v"; exit 2;;
   esac
