@@ -248,6 +248,7 @@ def test_a_direct_streamed_restore_nobody_prefetches_fetches_its_weights_itself_
     try:
         assert r.state == "succeeded" and r.result.validated_text == cap.profile.expected_text
         assert r.result.pull.get("streamed") and "spooled" not in r.result.pull, r.result.pull  # not in memory
+        assert r.result.pull.get("direct_offered") == 1, r.result.pull  # offered, and declined
         assert "weights" not in [s.name for s in r.spans]  # CRIU did not wait for them
         assert "no CUDA process" in (r.result.hydrate.prefetch or {}).get("skipped", ""), r.result.hydrate
         store = CapsuleStore(settings().store)

@@ -79,6 +79,7 @@ class Arrivals:
         self._done: set[str] = set()  # blobs fetched whole (every piece checked)
         self._filed: set[str] = set()  # blobs whose partial file holds every piece
         self.spooled: set[str] = set()  # blobs whose pieces landed in a Spool first
+        self.offered: set[str] = set()  # blobs whose pieces past the head were offered to a prefetcher (direct)
         self.took: dict[str, float] = {}  # blob digest → seconds from its partial's sizing to its last piece checked
         self._sized_at: dict[str, float] = {}
         self._growing: dict[str, Growing] = {}  # blobs fetched as one stream that someone follows as they land
@@ -178,6 +179,8 @@ class Arrivals:
         job), its head in the partial already; None: the pull fetches them all (nothing left, or no ranges)."""
         with self._cond:
             self._direct[digest] = job
+            if job is not None:
+                self.offered.add(digest)
             self._cond.notify_all()
 
     def direct(self, digest: str, timeout: float) -> dict | None:

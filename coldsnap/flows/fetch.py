@@ -68,6 +68,7 @@ class Arriving:
         result = self.outcome["result"]
         self.facts.update(bytes=result.bytes_transferred, seconds=result.seconds,
                           **({"spooled": len(self.pieces.spooled)} if self.pieces.spooled else {}),
+                          **({"direct_offered": len(self.pieces.offered)} if self.pieces.offered else {}),
                           **({"pieces_s": max(self.pieces.took.values())} if self.pieces.took else {}),
                           **({"steps_s": dict(self.pieces.marks)} if self.pieces.marks else {}))
 

@@ -471,7 +471,8 @@ MODES = ("buffered", "mapped")
 
 def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float, hold: bool = False,
           pieces: list[Piece] | None = None, mode: str = "buffered", arrivals: Iterable[str] | None = None,
-          linger: bool = False, spool: tuple[list[int], int] | None = None, direct: dict | None = None) -> dict:
+          linger: bool = False, spool: tuple[list[int], int] | None = None,
+          direct: Callable[[], object] | None = None) -> dict:
     """Listen at sock_path, load, hand the memory to the first engine that connects; return what happened.
     pieces: load only these parts of the data section, packed (a tensor-parallel rank's shards); default all of it.
     mode: "buffered" (fill_buffered) or "mapped" (fill_mapped; fill_buffered where it can't be, the report says
@@ -486,8 +487,9 @@ def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float
     loaded as it comes, and only those: a data section not wholly named is an error (the engine reads the file).
     spool: with arrivals, (descriptors, piece size) of the memory holding the checked ranges (the pull's Spool: a
     memfd per piece), read instead of the file, whose pieces reach the disk later.
-    direct: the file's pieces past its head, fetched from the registry onto the GPU here (coldsnap.gpu.direct's
-    job); the head (header and the data in its pieces) is read from the file, where the pull put it checked.
+    direct: returns the job (coldsnap.gpu.direct's), asked once the GPU is ready: the file's pieces past its head,
+    fetched from the registry onto the GPU here; the head (header and the data in its pieces) is read from the
+    file, where the pull put it checked.
     Once the memory is loaded (or can't be), one line says so before the engine is awaited: {"loaded": true} or
     {"loaded": false, "error": ...}; the restore lets the engine take the memory only after the first."""
     t0 = time.monotonic()
@@ -509,7 +511,10 @@ def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float
             report["cuda_init_s"] = round(time.monotonic() - t0, 4)
             if direct is not None:  # from the registry, each piece checked against its pin here
                 report["mode"] = "direct"
-                buf, base, size, load_s = _load_direct(driver, device, path, direct, threads)
+                job = direct()
+                if not isinstance(job, dict):
+                    raise PrefetchError("the pull offered no pieces: it fetches them itself")
+                buf, base, size, load_s = _load_direct(driver, device, path, job, threads)
             elif arrivals is not None:  # still arriving: each piece as it is checked
                 report["mode"] = "arriving"
                 buf, base, size, load_s = _load_arriving(driver, device, path, arrivals, threads, spool)
@@ -779,7 +784,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spool-piece-bytes", type=int, default=0, help="with --spool-fds: the pieces' size")
     p.add_argument("--direct", action="store_true",
                    help="the file's pieces past its head come from the registry, fetched here: stdin's first line "
-                        "is the job, JSON (coldsnap.gpu.direct); the head is read from --file")
+                        "is the job, JSON (coldsnap.gpu.direct; null: none), read once the GPU is ready; the head "
+                        "is read from --file")
     p.add_argument("--plan", help="JSON file: [[offset, width, rows, pitch], ...] of the data section to load, "
                                   "packed (a tensor-parallel rank's part); default the whole data section")
     a = p.parse_args(argv)
@@ -791,11 +797,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, TypeError) as e:
         print(json.dumps({"served": False, "error": f"--plan {a.plan}: {e}"}), flush=True)
         return 1
-    try:
-        direct = json.loads(sys.stdin.readline()) if a.direct else None
-    except ValueError as e:
-        print(json.dumps({"loaded": False, "error": f"--direct: its job is not JSON: {e}"}), flush=True)
-        return 1
+    direct = (lambda: json.loads(sys.stdin.readline())) if a.direct else None  # read once the GPU is ready
     report = serve(a.file, a.gpu, a.socket, max(1, a.threads), a.timeout, a.hold, pieces, a.mode,
                    sys.stdin if a.arrivals and not a.direct else None, a.linger,
                    ([int(fd) for fd in a.spool_fds.split(",")], a.spool_piece_bytes)
