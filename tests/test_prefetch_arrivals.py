@@ -470,3 +470,17 @@ def test_a_direct_fetch_follows_the_registry_redirect_without_its_authorization(
         registry.shutdown()
         registry.server_close()
         storage.close()
+
+
+def test_a_direct_job_must_cover_the_file_past_its_head_without_a_gap():
+    """The prefetcher loads a direct job only when its pieces run from the file's head to its end (the head's
+    pieces, in the file, hold the header and the data section's start)."""
+    from coldsnap.gpu.prefetch import PrefetchError, direct_head_end
+
+    assert direct_head_end([[200, 100, "b"], [100, 100, "a"]], 50, 300) == 100
+    assert direct_head_end([], 50, 300) == 300  # the head is the whole file
+    for pieces, why in (([[100, 50, "a"], [200, 100, "b"]], "a gap at byte 150"),
+                        ([[100, 100, "a"]], "cover bytes 100-200 of a 300-byte file"),
+                        ([[20, 280, "a"]], "whose data starts at byte 50")):
+        with pytest.raises(PrefetchError, match=why):
+            direct_head_end(pieces, 50, 300)

@@ -630,40 +630,44 @@ def _load_arriving(driver, device: int, path: str, arrivals: Iterable[str], thre
             os.close(spooled)
 
 
+def direct_head_end(pieces: list, base: int, size: int) -> int:
+    """Where the registry's pieces of a direct job start (the file's head, before, is in the file): they must run
+    on without a gap to the file's end, past the data section's start (base). PrefetchError otherwise."""
+    head_end = min((int(p[0]) for p in pieces), default=size)
+    at = head_end
+    for offset, n, _ in sorted(pieces, key=lambda p: int(p[0])):
+        if int(offset) != at:
+            raise PrefetchError(f"the registry's pieces leave a gap at byte {at}")
+        at += int(n)
+    if at != size or head_end < base:
+        raise PrefetchError(f"the registry's pieces cover bytes {head_end}-{at} of a {size}-byte file whose data "
+                            f"starts at byte {base}")
+    return head_end
+
+
 def _load_direct(driver, device: int, path: str, job: dict, threads: int):
     """serve's load of a file whose pieces past its head come from the registry (coldsnap.gpu.direct): (buffer,
     section offset, bytes, seconds). The head's share of the data section is read from the file (checked by the
-    pull); the job's pieces must cover the rest of the file, in order."""
+    pull)."""
     from coldsnap.gpu.direct import receive_pieces
 
-    fd = os.open(path, os.O_RDONLY)
-    buf = None
+    t1 = time.monotonic()
+    base, length = data_section(path)
+    head_end = direct_head_end(job["pieces"], base, base + length)
+    buf = vmm.ExportableBuffer(driver, device, length)
     try:
-        t1 = time.monotonic()
-        base, length = data_section(path)
-        size = base + length
-        pieces = sorted(job["pieces"], key=lambda p: int(p[0]))
-        head_end = int(pieces[0][0]) if pieces else size
-        at = head_end
-        for offset, n, _ in pieces:
-            if int(offset) != at:
-                raise PrefetchError(f"the registry's pieces leave a gap at byte {at}")
-            at += int(n)
-        if at != size or head_end < base:
-            raise PrefetchError(f"the registry's pieces cover bytes {head_end}-{at} of a {size}-byte file past its "
-                                f"{base}-byte head")
-        buf = vmm.ExportableBuffer(driver, device, length)
         if head_end > base:  # the data in the head's pieces
-            fill_buffered(driver, device, buf.ptr, fd, base, [(0, head_end - base, 1, head_end - base)], threads)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                fill_buffered(driver, device, buf.ptr, fd, base, [(0, head_end - base, 1, head_end - base)], threads)
+            finally:
+                os.close(fd)
         ctx = driver.use_primary_context(device)
         receive_pieces(job, threads, lambda: _GpuSink(driver, ctx, buf.ptr - base), lambda piece: None)
-        return buf, base, length, time.monotonic() - t1
     except BaseException:
-        if buf is not None:
-            buf.close()
+        buf.close()
         raise
-    finally:
-        os.close(fd)
+    return buf, base, length, time.monotonic() - t1
 
 
 class _GpuSink:
