@@ -484,3 +484,62 @@ def test_a_direct_job_must_cover_the_file_past_its_head_without_a_gap():
                         ([[20, 280, "a"]], "whose data starts at byte 50")):
         with pytest.raises(PrefetchError, match=why):
             direct_head_end(pieces, 50, 300)
+
+
+class HostDriver:
+    """A stand-in for the CUDA driver (coldsnap.gpu.vmm.Driver), for the calls the GPU sink makes: pinned memory is
+    host memory, an async copy to the device is a memmove done at once, streams and events do nothing. The real
+    driver runs the same sink on the device machine (tests/test_gpu_prefetch.py)."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, object] = {}
+        self.calls: list[str] = []
+        self.lib = self
+
+    def call(self, fn: str, *args) -> None:
+        import ctypes
+
+        self.calls.append(fn)
+        if fn == "cuMemHostAlloc":
+            mem = ctypes.create_string_buffer(args[1])
+            args[0]._obj.value = ctypes.addressof(mem)
+            self.held[ctypes.addressof(mem)] = mem
+        elif fn in ("cuStreamCreate", "cuEventCreate"):
+            args[0]._obj.value = 1
+        elif fn == "cuMemcpyHtoDAsync_v2":
+            ctypes.memmove(args[0], args[1], args[2])
+
+    def cuMemFreeHost(self, p) -> None:  # noqa: N802 - the driver's name
+        self.held.pop(p.value)
+
+    def cuEventDestroy_v2(self, e) -> None:  # noqa: N802
+        pass
+
+    def cuStreamDestroy_v2(self, s) -> None:  # noqa: N802
+        pass
+
+
+def test_the_gpu_sink_puts_each_pieces_bytes_at_its_place_in_the_data_section(tmp_path):
+    """The sink the prefetcher gives each connection (two pinned buffers, each copied to the GPU buffer at its
+    bytes' place less the data section's start), on a stand-in driver whose "device" is host memory: the data
+    section comes out whole, the buffers waited for before reuse and freed at the end."""
+    import ctypes
+
+    from coldsnap.gpu import direct
+    from coldsnap.gpu.prefetch import _GpuSink
+
+    blob, wf = pinned_blob(tmp_path, 40_000)
+    cb = wf.chunk_bytes
+    base = 8 + int.from_bytes(blob[:8], "little")
+    first = -(-base // cb) * cb
+    device = (ctypes.c_char * (len(blob) - base))()
+    driver, server = HostDriver(), RangeServer(blob)
+    try:
+        job = {"url": server.url, "authorization": None, "hash": wf.chunk_digest,
+               "pieces": [[o, min(cb, len(blob) - o), wf.chunks[o // cb]] for o in range(first, len(blob), cb)]}
+        direct.receive_pieces(job, 2, lambda: _GpuSink(driver, None, ctypes.addressof(device) - base),
+                              lambda piece: None, chunk=1000)
+    finally:
+        server.close()
+    assert bytes(device)[first - base:] == blob[first:] and not driver.held  # every buffer freed
+    assert driver.calls.count("cuEventSynchronize") > 0 and driver.calls.count("cuStreamSynchronize") == 2
