@@ -411,6 +411,7 @@ def _first_restore(node: Path, ref: str, expected: str, one_command: bool = True
                 "pulled_bytes": (facts.get("bytes") if one_command else pulled.get("bytes_transferred")) or 0,
                 "streamed": bool(facts.get("streamed")),
                 "spooled": bool(facts.get("spooled")),  # the weights' pieces in memory first, the disk after
+                "direct_offered": bool(facts.get("direct_offered")),  # offered to the prefetcher (COLDSNAP_PULL_DIRECT)
                 # where "process starts" hides: the receipt's own spans (from the command's start) and stage's parts
                 "timeline": {"origin_after_issue_s": round(receipt["origin"]["monotonic_s"] - t_issue, 4),
                              "spans": [(x["name"], round(x["start_s"], 4), round(x["duration_s"], 4))
