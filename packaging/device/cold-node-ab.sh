@@ -8,8 +8,10 @@
 #   fetchers        COLDSNAP_PULL_IMAGE_FETCHERS=4: the layers by fetching processes, the weights beside them (auto)
 #   fetchers-after  the same with COLDSNAP_PULL_WEIGHTS_AHEAD=0: the weights after the capsule's own blobs
 #   direct          COLDSNAP_PULL_DIRECT=1: the prefetcher fetches the weights' pieces from the registry itself
+#   check           first, the GPU tests of the prefetch's paths (tests/test_gpu_prefetch.py: bit for bit, the
+#                   direct way's included), so that a broken path shows before the bench spends the call
 # Carry [".whl", ".carry/gpu", ".carry/registry"] (and ".carry/runc" for the container): prepare.sh makes them.
-# Usage: [STEPS="defaults fetchers container"] [CALL_S=590] [N=3] [LAYERS=6] [SHM=1] cold-node-ab.sh
+# Usage: [STEPS="check defaults direct container"; default "defaults fetchers container"] [CALL_S=590] [N=3] [LAYERS=6] [SHM=1] cold-node-ab.sh
 source packaging/device/env.sh > /dev/null 2>&1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 CALL_S=${CALL_S:-590}
@@ -22,10 +24,15 @@ for v in ${STEPS:-defaults fetchers container}; do
     fetchers) arms+=("fetchers=COLDSNAP_PULL_IMAGE_FETCHERS=4");;
     fetchers-after) arms+=("fetchers-after=COLDSNAP_PULL_IMAGE_FETCHERS=4,COLDSNAP_PULL_WEIGHTS_AHEAD=0");;
     direct) arms+=("direct=COLDSNAP_PULL_DIRECT=1");;
-    container) ;;
+    container|check) ;;
     *) echo "cold-node-ab: no step $v"; exit 2;;
   esac
 done
+if [[ " ${STEPS:-} " == *" check "* ]]; then
+  echo "== check: the prefetch's GPU tests"
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" -rfs tests/test_gpu_prefetch.py \
+      -k "bit_for_bit or straight" 2>&1 | grep -E "passed|failed|Error|assert|SKIP" | tail -8
+fi
 if [ ${#arms[@]} -gt 0 ]; then
   with_container=0; [[ " ${STEPS:-container} " == *" container "* ]] && with_container=1
   bench_s=$(( $(left) - 10 - 140 * with_container ))  # the container's share kept for it
