@@ -83,8 +83,9 @@ def test_pull_into_an_empty_store_restores_and_shares_weights(registry, tmp_path
     assert set(staging) == {"verify", "weights", "unpack", "code"}
     assert sum(staging.values()) <= next(s.duration_s for s in r.spans if s.name == "stage")
     admission = r.result.admit_parts  # what admission took: the policy and signatures, this host's profile
-    assert set(admission) == {"trust", "host"}
-    assert sum(admission.values()) <= next(s.duration_s for s in r.spans if s.name == "admit")
+    assert set(admission) == {"trust", "host", "host_criu", "host_rest"}  # the look's steps, where it ran
+    assert admission["trust"] + admission["host"] <= next(s.duration_s for s in r.spans if s.name == "admit")
+    assert admission["host_criu"] + admission["host_rest"] <= admission["host"] + 0.01  # looked at in admission
     stop_workload(load_state(r.result.workload))
 
     got2 = pull(fresh, f"{registry}/coldsnap/ref@{second.capsule}", insecure=True)
@@ -112,7 +113,7 @@ def test_a_restore_of_a_registry_reference_admits_and_stages_while_its_weights_s
     assert any("admitting and staging it while its weights arrive" in m for m in said)
     assert [s.name for s in r.spans][2:4] == ["stage", "weights"]  # staged while they arrived, placed before CRIU
     assert {"arrive", "weights", "verify", "unpack"} <= set(r.result.stage_parts)
-    assert set(r.result.admit_parts) == {"trust", "host"}  # the host's look began beside the pull
+    assert set(r.result.admit_parts) == {"trust", "host", "host_criu", "host_rest"}  # the look began beside the pull
     assert os.path.exists(weights.path)  # the stream brought the weights, checked against their pins
     assert any(m["digest"] == cap.capsule for m in CapsuleStore(settings().store).index())  # listed once whole
     stop_workload(load_state(r.result.workload))

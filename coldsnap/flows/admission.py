@@ -23,7 +23,8 @@ class Admission:
     warnings: list[str] = field(default_factory=list)
     untrusted: bool = False  # refused by the restore policy (who may restore it), not by the host
     # seconds it took (the receipt's admit_parts): trust, the policy and signatures; host, this host's profile
-    # (looked up, or waited for where a pull started the look beside it)
+    # (looked up, or waited for where a pull started the look beside it); host_criu and host_rest, what the look's
+    # steps took where it ran (CRIU's version; the CPU and the GPUs through NVML), beside a pull or not
     parts: dict[str, float] = field(default_factory=dict)
 
     def sentence(self) -> str:
@@ -100,7 +101,7 @@ def look_at_this_host_soon() -> None:
 
     def look() -> None:
         try:
-            box["here"] = host_profile(CriuDriver().version())
+            box["here"], box["took"] = _look()
         except Exception:  # noqa: BLE001 - admission looks again, and says what is wrong
             pass
 
@@ -109,14 +110,23 @@ def look_at_this_host_soon() -> None:
     _looked.append((thread, box))
 
 
-def _this_host() -> HostProfile:
+def _look() -> tuple[HostProfile, dict[str, float]]:
+    """This host's profile, and what its steps took (host_criu, host_rest)."""
+    t = time.monotonic()
+    criu = CriuDriver().version()
+    t1 = time.monotonic()
+    here = host_profile(criu)
+    return here, {"host_criu": round(t1 - t, 4), "host_rest": round(time.monotonic() - t1, 4)}
+
+
+def _this_host() -> tuple[HostProfile, dict[str, float]]:
     while _looked:
         thread, box = _looked.pop()
         thread.join()
         if "here" in box:
             _looked.clear()
-            return box["here"]
-    return host_profile(CriuDriver().version())
+            return box["here"], box["took"]
+    return _look()
 
 
 def load_capsule(ref: str, allow_unpinned: bool) -> LoadedCapsule:
@@ -166,8 +176,9 @@ def admit_capsule(capsule: LoadedCapsule, policy: Policy, driver: str, image_dig
         if differences:
             return Admission(admitted=False, differences=differences[:1])
     t = time.monotonic()
-    here = _this_host()
+    here, took = _this_host()
     parts["host"] = round(time.monotonic() - t, 4)
+    parts.update(took)
     admission = admit(profile.host, here, policy.compatibility, profile.distributed,
                       device_state=profile.snapshot_driver != "criu-template")
     admission.parts = parts
