@@ -14,13 +14,15 @@ partial, every one after the file's head (the header the engine and the prefetch
 
 from __future__ import annotations
 
-import hashlib
+import functools
 import http.client
 import queue
 import ssl
 import threading
-from typing import Any, Callable, Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 from urllib.parse import urljoin, urlsplit
+
+from coldsnap.base.digests import piece_hasher
 
 CHUNK = 16 << 20  # bytes received into a buffer before it is hashed and copied; two buffers per connection
 REDIRECTS = 5
@@ -29,17 +31,6 @@ TIMEOUT = 300  # seconds a connection may stay silent (as the registry client's)
 
 class DirectError(RuntimeError):
     """A piece could not be fetched, or does not match its pin (the message says which and why)."""
-
-
-def hasher(algorithm: str) -> Any:
-    """A new hash object of the pins' algorithm: sha256 or blake3 (coldsnap.base.digests.PIECE_HASHES)."""
-    if algorithm == "blake3":
-        import blake3
-
-        return blake3.blake3()
-    if algorithm == "sha256":
-        return hashlib.sha256()
-    raise DirectError(f"unknown piece hash {algorithm!r}")
 
 
 class Connections:
@@ -93,6 +84,7 @@ class Connections:
             conn.close()
 
 
+@functools.cache
 def _tls() -> ssl.SSLContext:
     """The CA bundle the registry client (requests) trusts, so both see the same registries."""
     try:
@@ -117,7 +109,7 @@ def receive_piece(conns: Connections, url: str, piece: list, algorithm: str, sin
     """One piece, [offset, length, pin]: received into the sink's buffers in turn, each hashed and sent as it
     fills. Raises DirectError when the connection breaks or the bytes do not match the pin."""
     offset, length, pin = int(piece[0]), int(piece[1]), str(piece[2])
-    h = hasher(algorithm)
+    h = piece_hasher(algorithm)
     at, k = 0, 0
     try:
         with conns.get(url, offset, offset + length - 1) as r:
