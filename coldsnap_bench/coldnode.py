@@ -88,7 +88,7 @@ def _cli(env: dict, *args: str, timeout: float = 900) -> dict:
 
 
 def parse_arm(text: str, known: set[str]) -> tuple[str, dict[str, str]]:
-    """`NAME=` or `NAME=VAR=VALUE[,VAR=VALUE...]` as (name, settings); known: the settings' names it may set.
+    """`NAME=` or `NAME=SETTING=VALUE[,SETTING=VALUE...]` as (name, settings); known: the settings' names it may set.
     Raises INVALID_REQUEST, in one line, for anything else."""
     name, eq, rest = text.partition("=")
     if not eq or not name or not all(c.isalnum() or c in "-_" for c in name):
@@ -98,8 +98,8 @@ def parse_arm(text: str, known: set[str]) -> tuple[str, dict[str, str]]:
     for item in filter(None, rest.split(",")):
         var, eq, value = item.partition("=")
         if not eq or var not in known:
-            raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"--arm {name}: {item!r} is not VAR=VALUE with VAR one of "
-                                "ColdSnap's settings (docs/settings.md)")
+            raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"--arm {name}: {item!r} is not SETTING=VALUE with "
+                                "SETTING one of ColdSnap's settings (docs/settings.md)")
         settings_[var] = value
     return name, settings_
 
@@ -220,7 +220,7 @@ def run_cold_node(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
                 os.replace(src, dst)
             samples: list[dict] = []
             two_commands: list[dict] = []
-            arms = opts.arms
+            arms = opts.arms  # (name, settings), each restored once a round
             rounds: list[float] = []  # seconds each node took (its two restores and their clean-up)
             for i in range(n):
                 if rounds and not time_for(max(rounds)):
@@ -268,7 +268,7 @@ def run_cold_node(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
     limit = cold_node_limit(bw, bandwidth.dir_bytes(staged), weights_bytes, not apart,
                             statistics.median(s["pulled_bytes"] for s in samples), rate, write_rate, streams)
     v = _stats(vanilla)
-    by_arm = {name: _arm_result(name, extra, [s for s in samples if s["arm"] == name], v, limit)
+    by_arm = {name: _arm_result(extra, [s for s in samples if s["arm"] == name], v, limit)
               for name, extra in opts.arms}
     first = [s for s in samples if s.get("arm", "") == (opts.arms[0][0] if opts.arms else "")]
     r = _stats([s["total_s"] for s in first])  # with arms: the first arm's (the baseline)
@@ -325,7 +325,7 @@ def _span_medians(runs: list[dict]) -> dict[str, float]:
     return {k: round(statistics.median(s["spans"][k] for s in runs), 4) for k in SPANS} if runs else {}
 
 
-def _arm_result(name: str, extra: dict[str, str], runs: list[dict], vanilla: dict, limit: dict) -> dict:
+def _arm_result(extra: dict[str, str], runs: list[dict], vanilla: dict, limit: dict) -> dict:
     """One arm's account: its settings, its restores' medians, against the run's vanilla and limit."""
     r = _stats([s["total_s"] for s in runs])
     return {"settings": extra, "restore": r, "validations": f"{sum(s['validated'] for s in runs)}/{len(runs)}",

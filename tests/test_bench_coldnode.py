@@ -77,7 +77,7 @@ def test_arms_restore_side_by_side_in_turning_order_each_with_its_settings(tmp_p
     (["--cold-node", "--deadline-s", "0"], "--deadline-s must be a positive number of seconds"),
     (["--arm", "a="], "--arm applies to --cold-node only"),
     (["--cold-node", "--arm", "a"], "want NAME=[SETTING=VALUE,...]"),
-    (["--cold-node", "--arm", "a=HOME=/x"], "'HOME=/x' is not VAR=VALUE with VAR one of ColdSnap's settings"),
+    (["--cold-node", "--arm", "a=HOME=/x"], "'HOME=/x' is not SETTING=VALUE with SETTING one of ColdSnap's settings"),
     (["--cold-node", "--arm", "a=", "--arm", "a=COLDSNAP_PULL_SPOOL=0"], "--arm: two arms named 'a'"),
 ])
 def test_a_deadline_or_arm_the_bench_cannot_keep_is_refused_in_one_line(tmp_path, args, error):
