@@ -19,7 +19,7 @@ from coldsnap.gpu.prefetch import SectionArrivals
 
 def safetensors_bytes(data_len: int) -> bytes:
     header = json.dumps({"w": {"dtype": "U8", "shape": [data_len], "data_offsets": [0, data_len]}}).encode()
-    return struct.pack("<Q", len(header)) + header + bytes(random.Random(0).randrange(256) for _ in range(data_len))
+    return struct.pack("<Q", len(header)) + header + random.Random(0).randbytes(data_len)
 
 
 def test_pieces_before_the_head_are_held_and_the_section_is_covered_exactly_once():
@@ -487,9 +487,9 @@ def test_a_direct_job_must_cover_the_file_past_its_head_without_a_gap():
 
 
 class HostDriver:
-    """A stand-in for the CUDA driver (coldsnap.gpu.vmm.Driver), for the calls the GPU sink makes: pinned memory is
-    host memory, an async copy to the device is a memmove done at once, streams and events do nothing. The real
-    driver runs the same sink on the device machine (tests/test_gpu_prefetch.py)."""
+    """A stand-in for the CUDA driver (coldsnap.gpu.vmm.Driver), for the calls the prefetcher's copies make: pinned
+    memory is host memory, an async copy to the device is a memmove done at once, streams and events do nothing.
+    The real driver runs the same code on the device machine (tests/test_gpu_prefetch.py)."""
 
     def __init__(self) -> None:
         self.held: dict[int, object] = {}
@@ -509,8 +509,14 @@ class HostDriver:
         elif fn == "cuMemcpyHtoDAsync_v2":
             ctypes.memmove(args[0], args[1], args[2])
 
+    def use_primary_context(self, device: int) -> int:
+        return 1
+
     def cuMemFreeHost(self, p) -> None:  # noqa: N802 - the driver's name
         self.held.pop(p.value)
+
+    def cuStreamSynchronize(self, s) -> None:  # noqa: N802
+        pass
 
     def cuEventDestroy_v2(self, e) -> None:  # noqa: N802
         pass
@@ -543,3 +549,40 @@ def test_the_gpu_sink_puts_each_pieces_bytes_at_its_place_in_the_data_section(tm
         server.close()
     assert bytes(device)[first - base:] == blob[first:] and not driver.held  # every buffer freed
     assert driver.calls.count("cuEventSynchronize") > 0 and driver.calls.count("cuStreamSynchronize") == 2
+
+
+def test_the_buffered_fill_and_the_spooled_arrivals_reach_the_gpu_whole_on_a_stand_in_driver(tmp_path):
+    """The prefetcher's two other ways onto the GPU, on the stand-in driver: the file read through pinned buffers
+    (fill_buffered, two threads, several 16 MiB jobs each), and a streamed pull's pieces read from its spool (a
+    memfd a piece) as they are announced (fill_arriving): the data section comes out whole, every buffer freed."""
+    import ctypes
+    import os
+
+    from coldsnap.capsule.pieces import Spool
+    from coldsnap.gpu.prefetch import fill_arriving, fill_buffered, spool_reader, whole_section
+
+    blob = safetensors_bytes(40 << 20)
+    base = 8 + int.from_bytes(blob[:8], "little")
+    path = tmp_path / "w.safetensors"
+    path.write_bytes(blob)
+    driver = HostDriver()
+    device = (ctypes.c_char * (len(blob) - base))()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fill_buffered(driver, 0, ctypes.addressof(device), fd, base, whole_section(len(blob) - base), 2)
+    finally:
+        os.close(fd)
+    assert bytes(device) == blob[base:] and not driver.held
+    piece = 4 << 20
+    spool = Spool(len(blob), piece)
+    try:
+        for o in range(0, len(blob), piece):
+            os.pwrite(spool.fds[o // piece], blob[o:o + piece], 0)
+        section = SectionArrivals(len(blob), lambda: base - 8)
+        arrived = [p for o in reversed(range(0, len(blob), piece))  # in any order: the head's piece last
+                   for p in section.add(o, min(piece, len(blob) - o))]
+        device = (ctypes.c_char * (len(blob) - base))()
+        fill_arriving(driver, 0, ctypes.addressof(device), spool_reader(spool.fds, piece), base, iter(arrived), 2)
+    finally:
+        spool.close()
+    assert section.complete and bytes(device) == blob[base:] and not driver.held

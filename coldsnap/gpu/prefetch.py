@@ -300,36 +300,69 @@ class SectionArrivals:
         return self.base is not None and self.covered == self.size - self.base
 
 
+class _PinnedPair:
+    """Two pinned host buffers of `size` bytes for one thread's copies to the GPU on its stream, used in turn: one
+    is filled while the other's copy runs. buffer(k) waits until buffer k's last copy is done; copied(k) marks a
+    copy from it queued; close() waits for the stream and frees them."""
+
+    def __init__(self, driver, size: int, stream) -> None:
+        self.driver, self.size, self.stream = driver, size, stream
+        self.events = [ctypes.c_void_p() for _ in range(2)]
+        self.bufs: list[ctypes.c_void_p] = []
+        self.used = [False, False]
+        try:
+            for e in self.events:
+                driver.call("cuEventCreate", ctypes.byref(e), vmm.EVENT_DISABLE_TIMING)
+            for _ in range(2):
+                p = ctypes.c_void_p()
+                driver.call("cuMemHostAlloc", ctypes.byref(p), size, 0)
+                self.bufs.append(p)
+        except BaseException:
+            self.close()
+            raise
+        self.views = [memoryview((ctypes.c_char * size).from_address(p.value or 0)).cast("B") for p in self.bufs]
+
+    def buffer(self, k: int) -> memoryview:
+        if self.used[k]:
+            self.driver.call("cuEventSynchronize", self.events[k])  # its previous copy is done
+        return self.views[k]
+
+    def addr(self, k: int) -> int:
+        return self.bufs[k].value or 0
+
+    def copied(self, k: int) -> None:
+        self.driver.call("cuEventRecord", self.events[k], self.stream)
+        self.used[k] = True
+
+    def close(self) -> None:
+        lib = self.driver.lib
+        try:
+            if any(self.used):
+                lib.cuStreamSynchronize(self.stream)  # no copy may still read what is freed
+        finally:
+            for p in self.bufs:
+                lib.cuMemFreeHost(p)
+            self.bufs = []
+            for e in self.events:
+                if e.value:
+                    lib.cuEventDestroy_v2(e)
+
+
 def _pinned_copies(driver, ptr: int, read: Callable[[memoryview, int], None], base: int):
     """A thread's work for fill_buffered and fill_arriving: its jobs read into two pinned buffers in turn, each
     copied to the GPU on the thread's stream while the next is read."""
     def run(jobs, stream) -> None:
-        events, bufs, descs = [ctypes.c_void_p() for _ in range(2)], [], [vmm.CUDA_MEMCPY2D(), vmm.CUDA_MEMCPY2D()]
-        addrs: list[int] = []  # of bufs
+        descs = [vmm.CUDA_MEMCPY2D(), vmm.CUDA_MEMCPY2D()]
+        pair = _PinnedPair(driver, CHUNK, stream)
         try:
-            for e in events:
-                driver.call("cuEventCreate", ctypes.byref(e), vmm.EVENT_DISABLE_TIMING)
-            for _ in range(2):
-                p = ctypes.c_void_p()
-                driver.call("cuMemHostAlloc", ctypes.byref(p), CHUNK, 0)
-                bufs.append(p)
-                assert p.value is not None  # driver.call raised unless the allocation succeeded
-                addrs.append(p.value)
-            views = [memoryview((ctypes.c_char * CHUNK).from_address(a)).cast("B") for a in addrs]
             for i, job in enumerate(jobs):
                 k = i % 2
-                if i >= 2:
-                    driver.call("cuEventSynchronize", events[k])  # this buffer's previous copy is done
-                read(views[k][:read_bytes(job)], base + job[0])
-                _copy_async(driver, descs[k], addrs[k], job, ptr, stream)
-                driver.call("cuEventRecord", events[k], stream)
+                read(pair.buffer(k)[:read_bytes(job)], base + job[0])
+                _copy_async(driver, descs[k], pair.addr(k), job, ptr, stream)
+                pair.copied(k)
             driver.call("cuStreamSynchronize", stream)
         finally:
-            for b in bufs:
-                driver.lib.cuMemFreeHost(b)
-            for e in events:
-                if e.value:
-                    driver.lib.cuEventDestroy_v2(e)
+            pair.close()
 
     return run
 
@@ -671,8 +704,9 @@ def _load_direct(driver, device: int, path: str, job: dict, threads: int):
 
 
 class _GpuSink:
-    """coldsnap.gpu.direct's Sink on the GPU: two pinned buffers of direct.CHUNK, each copied on this thread's
-    stream to `to` + the bytes' offset in the file (the buffer's address less the data section's offset)."""
+    """coldsnap.gpu.direct's Sink on the GPU: a stream of this thread's and a _PinnedPair of direct.CHUNK, each
+    buffer copied to `to` + the bytes' offset in the file (the GPU buffer's address less the data section's
+    offset)."""
 
     def __init__(self, driver, ctx, to: int) -> None:
         from coldsnap.gpu.direct import CHUNK
@@ -680,47 +714,26 @@ class _GpuSink:
         self.driver, self.to = driver, to
         driver.call("cuCtxSetCurrent", ctx)
         self.stream = ctypes.c_void_p()
-        self.events = [ctypes.c_void_p() for _ in range(2)]
-        self.bufs: list[ctypes.c_void_p] = []
-        self.used = [False, False]
+        driver.call("cuStreamCreate", ctypes.byref(self.stream), vmm.STREAM_NON_BLOCKING)
         try:
-            driver.call("cuStreamCreate", ctypes.byref(self.stream), vmm.STREAM_NON_BLOCKING)
-            for e in self.events:
-                driver.call("cuEventCreate", ctypes.byref(e), vmm.EVENT_DISABLE_TIMING)
-            for _ in range(2):
-                p = ctypes.c_void_p()
-                driver.call("cuMemHostAlloc", ctypes.byref(p), CHUNK, 0)
-                self.bufs.append(p)
+            self.pair = _PinnedPair(driver, CHUNK, self.stream)
         except BaseException:
-            self.finish()
+            driver.lib.cuStreamDestroy_v2(self.stream)
             raise
-        self.views = [memoryview((ctypes.c_char * CHUNK).from_address(p.value or 0)).cast("B") for p in self.bufs]
 
     def buffer(self, k: int) -> memoryview:
-        if self.used[k]:
-            self.driver.call("cuEventSynchronize", self.events[k])  # its previous copy is done
-        return self.views[k]
+        return self.pair.buffer(k)
 
     def send(self, k: int, n: int, offset: int) -> None:
-        self.driver.call("cuMemcpyHtoDAsync_v2", self.to + offset, self.bufs[k].value, n, self.stream)
-        self.driver.call("cuEventRecord", self.events[k], self.stream)
-        self.used[k] = True
+        self.driver.call("cuMemcpyHtoDAsync_v2", self.to + offset, self.pair.addr(k), n, self.stream)
+        self.pair.copied(k)
 
     def finish(self) -> None:
-        lib = self.driver.lib
         try:
-            if self.stream.value:
-                self.driver.call("cuStreamSynchronize", self.stream)
+            self.driver.call("cuStreamSynchronize", self.stream)
         finally:
-            for p in self.bufs:
-                lib.cuMemFreeHost(p)
-            self.bufs = []
-            for e in self.events:
-                if e.value:
-                    lib.cuEventDestroy_v2(e)
-            if self.stream.value:
-                lib.cuStreamDestroy_v2(self.stream)
-                self.stream = ctypes.c_void_p()
+            self.pair.close()
+            self.driver.lib.cuStreamDestroy_v2(self.stream)
 
 
 class Session:
