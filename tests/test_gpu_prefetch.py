@@ -475,16 +475,45 @@ def test_a_direct_offer_goes_to_one_whole_file_prefetcher_and_is_declined_otherw
     assert declined == [1]  # the refused one declined; the ranks' caller (start_prefetch_soon) would have too
 
 
+def test_a_standby_prefetcher_runs_the_orders_it_is_given_or_exits_when_dismissed(monkeypatch, tmp_path):
+    """Started before there is anything to prefetch (a cold node's restore, while the pull waits), a standby
+    prefetcher exits 0 when dismissed; given its orders (its arguments, JSON), it runs them: here onto a GPU that
+    does not exist, so its first line says it loaded nothing, and why. With COLDSNAP_PREFETCH=0 none starts."""
+    from coldsnap.gpu.steps import Standby, stand_by
+
+    dismissed = Standby()
+    dismissed.dismiss()
+    assert dismissed.proc is None
+    path = str(ensure_weights(tmp_path / "w.safetensors", TINY))
+    sock = str(tmp_path / "s.sock")
+    proc = Standby().take(["--file", path, "--gpu", "GPU-00000000-0000-0000-0000-000000000000", "--socket", sock,
+                           "--timeout", "1"])
+    try:
+        first = json.loads(proc.stdout.readline())
+        assert first["loaded"] is False and first["error"], first
+    finally:
+        out, err = proc.communicate(timeout=30)
+    report = json.loads(out.decode().strip().splitlines()[-1])
+    assert report["served"] is False and report["gpu"].startswith("GPU-0000"), (report, err.decode()[-500:])
+    assert not os.path.exists(sock)
+    monkeypatch.setenv("COLDSNAP_PREFETCH", "0")
+    assert stand_by() is None
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the pieces are copied onto it")
 def test_weights_fetched_straight_from_the_registry_reach_the_engine_bit_for_bit(tmp_path):
     """--direct: the file as the pull leaves it (its head's pieces in place, the rest zeros), the rest of its pieces
     served by a real HTTP server answering ranges; the prefetcher fetches each, checks it against its pin, copies
     it onto the GPU from its pinned buffers, and the engine gets the tensors it would load from the whole file. A
-    piece that does not match its pin fails the load, and the engine hears why."""
+    piece that does not match its pin fails the load, and the engine hears why. The good one is a standby
+    prefetcher given its orders (as a cold node's restore does), the head read from the partial the job names, the
+    engine's file linked to it afterwards."""
     import hashlib
 
     from test_prefetch_arrivals import RangeServer
+
+    from coldsnap.gpu.steps import Standby
 
     cfg = ModelConfig(layers=2, hidden=512, heads=8, intermediate=1408, max_seq=64, prefill_chunk=16)
     whole = Path(ensure_weights(tmp_path / "w.safetensors", cfg)).read_bytes()
@@ -496,13 +525,16 @@ def test_weights_fetched_straight_from_the_registry_reach_the_engine_bit_for_bit
     for served, good in ((whole, True), (whole[:-3] + b"\x00\x01\x02", False)):
         partial = tmp_path / f"partial-{good}.safetensors"
         partial.write_bytes(whole[:first] + bytes(len(whole) - first))
+        engine_file = tmp_path / f"engine-{good}.safetensors"  # linked to the partial once the restore stages
         server = RangeServer(served)
         sock = str(tmp_path / f"d-{good}.sock")
-        proc = subprocess.Popen([sys.executable, "-m", "coldsnap.gpu.prefetch", "--file", str(partial), "--gpu", uuid,
-                                 "--socket", sock, "--timeout", "60", "--direct", "--threads", "3"],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        args = ["--file", str(engine_file), "--gpu", uuid, "--socket", sock, "--timeout", "60", "--direct",
+                "--threads", "3"]
+        proc = Standby().take(args) if good else subprocess.Popen(
+            [sys.executable, "-m", "coldsnap.gpu.prefetch", *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE)
         try:
-            job = {"url": server.url, "authorization": None, "hash": "sha256",
+            job = {"url": server.url, "authorization": None, "hash": "sha256", "partial": str(partial),
                    "pieces": [[o, min(piece, len(whole) - o), hashlib.sha256(whole[o:o + piece]).hexdigest()]
                               for o in range(first, len(whole), piece)]}
             proc.stdin.write(json.dumps(job).encode() + b"\n")
@@ -510,8 +542,9 @@ def test_weights_fetched_straight_from_the_registry_reach_the_engine_bit_for_bit
             loaded = json.loads(proc.stdout.readline())
             assert loaded["loaded"] is good, (loaded, proc.stderr.read1(4000) if not good else "")
             params = {n: torch.zeros_like(t) for n, t in want.items()}
+            os.link(partial, engine_file)
             if good:
-                stats = load_prefetched(str(partial), params, sock)
+                stats = load_prefetched(str(engine_file), params, sock)
                 assert stats["prefetched"] is True
                 for n in want:
                     assert torch.equal(params[n], want[n]), n

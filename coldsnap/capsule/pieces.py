@@ -473,7 +473,7 @@ def fetch_by_pieces(new_client: Callable[[], object], url: str, part: Path, size
             if spool is not None and todo else None
         if direct:
             assert arrivals is not None
-            results = _direct_then_here(fetch, new_client, url, fd, todo, wf, what, arrivals, digest)
+            results = _direct_then_here(fetch, new_client, url, fd, part, todo, wf, what, arrivals, digest)
         if results is None:  # on threads of this process: to disk, or where no fetching process could start
             with ThreadPoolExecutor(workers()) as pool:
                 results = list(pool.map(fetch, todo))
@@ -501,11 +501,12 @@ def fetch_by_pieces(new_client: Callable[[], object], url: str, part: Path, size
 
 
 def _direct_then_here(fetch: Callable[[tuple[int, int, int]], bool], new_client: Callable[[], object], url: str,
-                      fd: int, todo: list[tuple[int, int, int]], wf: WeightFile, what: str, arrivals: Arrivals,
-                      digest: str) -> list[bool]:
+                      fd: int, part: Path, todo: list[tuple[int, int, int]], wf: WeightFile, what: str,
+                      arrivals: Arrivals, digest: str) -> list[bool]:
     """fetch_by_pieces' direct way: the pieces of the file's head (its first, then those its header reaches into)
-    fetched into the partial and announced, the rest offered to a prefetcher, then fetched here once the arrivals
-    allow it (the first token, or someone needing the files). Whether each piece of todo matched its pin."""
+    fetched into the partial (`part`, which the job names: the prefetcher reads the head there) and announced, the
+    rest offered to a prefetcher, then fetched here once the arrivals allow it (the first token, or someone needing
+    the files). Whether each piece of todo matched its pin."""
     good: dict[int, bool] = {}
     offered = False
     try:
@@ -521,6 +522,7 @@ def _direct_then_here(fetch: Callable[[tuple[int, int, int]], bool], new_client:
         if all(good.values()) and rest:
             authorization = probe(new_client(), url, what)[1]
             arrivals.offer_direct(digest, {"url": url, "authorization": authorization, "hash": wf.chunk_digest,
+                                           "partial": str(part),
                                            "pieces": [[o, n, wf.chunks[i]] for i, o, n in rest]})
             offered = True
             arrivals.wait_file_allowed()

@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 from contextlib import ExitStack
+from typing import Callable
 
 from coldsnap import net  # its names load pyroute2 on first use
 from coldsnap.base.files import private_dir
@@ -20,6 +21,7 @@ from coldsnap.base.procfs import alive, descendants
 from coldsnap.base.progress import Progress, quiet
 from coldsnap.capsule import LoadedCapsule
 from coldsnap.capsule import staged as staged_area
+from coldsnap.capsule.pieces import direct_wanted
 from coldsnap.contracts import ColdSnapError, ErrorCode, NetworkPlan, Receipt, RestoreRequest
 from coldsnap.contracts.results import Hydrate, InsteadOf, Operation, Ranks, RestoreFacts
 from coldsnap.criu import CriuDriver, CriuOptions, criu_stats, lazy_pages_wanted
@@ -49,12 +51,17 @@ def restore(request: RestoreRequest, progress: Progress = quiet) -> Receipt:
     with receipt_on_failure(request, op_id, op, tl), ExitStack() as held:
         pulled: dict = {}
         arriving = None
+        standby: list[gpu_steps.Standby] = []
+        ahead = None  # a direct pull's prefetch, started before admission (streaming.prefetch_ahead)
         if is_registry_reference(request.capsule):
             def meanwhile() -> None:
-                """While the pull waits on the registry, off the restore's clock: the network step's library loads
-                and admission looks at this host."""
+                """While the pull waits on the registry, off the restore's clock: the network step's library loads,
+                admission looks at this host, and a direct pull's prefetcher starts CUDA."""
                 threading.Thread(target=importlib.import_module, args=("coldsnap.net.netns",), daemon=True).start()
                 look_at_this_host_soon()
+                if op == "restore" and direct_wanted() and (waiting := gpu_steps.stand_by()) is not None:
+                    standby.append(waiting)
+                    held.callback(waiting.dismiss)  # taken, or not needed: it goes
 
             with tl.span("pull"):  # until the capsule's own blobs are in: its weights follow
                 request, pulled, arriving = fetch(request, progress, meanwhile)
@@ -62,6 +69,11 @@ def restore(request: RestoreRequest, progress: Progress = quiet) -> Receipt:
                 held.callback(arriving.settle)  # the pull ends before the restore does, however it ends
         with tl.span("admit"):
             capsule = load_capsule(request.capsule, request.policy.allow_unpinned)
+            if standby:
+                ahead = streaming.prefetch_ahead(capsule, arriving, request.gpu_map, standby[0],
+                                                 get_adapter(capsule.profile.engine.name))
+            if ahead is not None:  # reaped whatever happens; the restore's own reaping comes first where it took it
+                held.callback(lambda: gpu_steps.finish_prefetch(ahead()))
             verdict = admit_capsule(capsule, request.policy, _driver_for(capsule, op))
             instead_of: InsteadOf | None = None
             if not verdict.admitted and not verdict.untrusted and arriving is not None:
@@ -94,7 +106,8 @@ def restore(request: RestoreRequest, progress: Progress = quiet) -> Receipt:
             result = RestoreFacts(capsule=capsule.digest, staged=str(staged.images.parent), admission="admitted")
         else:
             try:
-                result = _restore_staged(request, staged, tl, progress, arriving)
+                result = _restore_staged(request, staged, tl, progress, arriving,
+                                         ahead if capsule.digest == request.capsule else None)
             except ColdSnapError as e:
                 if staged.weights_later is not None:  # a cold start reads the weights: all of them, checked
                     with tl.span("weights"):
@@ -131,8 +144,9 @@ def workload_name(request: RestoreRequest, profile) -> str:
             or profile.network.netns.removeprefix("coldsnap-"))
 
 
-def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timeline,
-                    progress: Progress, arriving: Arriving | None = None) -> RestoreFacts:
+def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timeline, progress: Progress,
+                    arriving: Arriving | None = None,
+                    ahead: Callable[[], gpu_steps.Prefetch] | None = None) -> RestoreFacts:
     profile = staged.capsule.profile
     name = workload_name(request, profile)
     gpu_steps.refuse_without_room(profile, request.gpu_map)
@@ -150,8 +164,8 @@ def _restore_staged(request: RestoreRequest, staged: StagedForRestore, tl: Timel
         raise
     t0 = time.monotonic()  # the restore clock: staging is excluded, as for a vanilla start
     # The weights go onto the GPU meanwhile, when they can (a process of its own; the engine takes them at resume),
-    # weights still streaming in piece by piece as each is checked against its pin.
-    prefetch_started = gpu_steps.start_prefetch_soon(
+    # weights still streaming in piece by piece as each is checked against its pin; or already on their way (ahead).
+    prefetch_started = ahead or gpu_steps.start_prefetch_soon(
         profile, adapter.supports_prefetch and reloads_weights(staged.capsule), request.gpu_map,
         private_dir(settings().run / "prefetch"), by_file=adapter.prefetch_by_file,
         arrivals=weights.for_prefetch() if weights else None)

@@ -6,6 +6,9 @@ them, one owner for process and container restores alike.
                  the weights are waited for and put in place before CRIU instead (span "weights")
   for_prefetch   the prefetchers take each piece as it is checked against its pin, from memory (the spool); or,
                  direct (COLDSNAP_PULL_DIRECT=1), fetch the pieces from the registry themselves, checking each
+  prefetch_ahead direct, one file onto one GPU: its prefetcher (started on standby while the pull waited) is given
+                 its orders as soon as the capsule is known, so the weights stream onto the GPU while the restore
+                 admits and stages; admission still decides, and nothing reaches an engine before it has
   before_resume  every piece checked; the engine may resume before its files hold them only when every prefetcher
                  says it holds its weights; otherwise the files are written first
   check_taken    an engine resumed ahead of its files must have taken the prefetched copy, or it does not serve
@@ -16,16 +19,21 @@ Nothing unverified reaches a serving engine: the links' pieces are read only onc
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
+from typing import Callable
 
+from coldsnap.base.files import private_dir
 from coldsnap.base.journal import Journal, Linked
-from coldsnap.capsule.pieces import direct_wanted
+from coldsnap.base.paths import settings
+from coldsnap.capsule import LoadedCapsule
+from coldsnap.capsule.pieces import Arrivals, direct_wanted
 from coldsnap.contracts import ColdSnapError, ErrorCode
 from coldsnap.flows.fetch import Arriving
 from coldsnap.flows.spans import Timeline
-from coldsnap.flows.staging import StagedForRestore, link_arriving, linked_blobs, unlink_all
-from coldsnap.gpu.steps import Prefetch, Streaming
+from coldsnap.flows.staging import StagedForRestore, link_arriving, linked_blobs, reloads_weights, unlink_all
+from coldsnap.gpu.steps import Prefetch, Standby, Streaming, start_prefetch_soon
 
 DIRECT_WAIT_S = 150.0  # a direct prefetcher's whole life (its watchdog ends it 30 s past its 120 s timeout)
 
@@ -44,12 +52,7 @@ class ArrivingWeights:
         """The prefetchers' view of the files still arriving: the ranges checked so far, and the memory they land
         in (or, direct, the pieces the pull offers a prefetcher to fetch itself); None when every file was in place
         already."""
-        pieces = self.arriving.pieces
-        direct = direct_wanted()
-        return {path: Streaming(pieces.pieces(digest, timeout=120.0), pieces.spool(digest),
-                                direct=(lambda d=digest: pieces.direct(d, timeout=120.0)) if direct else None,  # type: ignore[misc]
-                                decline=pieces.file_now if direct else None)
-                for path, digest in self.blobs.items()} or None
+        return _streams(self.arriving.pieces, self.blobs, direct_wanted()) or None
 
     def before_resume(self, prefetch: Prefetch) -> None:
         """Until the engine may take its weights: every piece checked, and on its GPUs (every prefetcher loaded)
@@ -90,6 +93,34 @@ class ArrivingWeights:
         if self.linked in self.journal.things:
             unlink_all(self.linked.paths)
             self.journal.drop(self.linked)
+
+
+def _streams(pieces: Arrivals, blobs: dict[str, str], direct: bool) -> dict[str, Streaming]:
+    """{path: Streaming} of the files arriving as the blobs of `blobs` ({path: digest})."""
+    return {path: Streaming(pieces.pieces(digest, timeout=120.0), None if direct else pieces.spool(digest),
+                            direct=(lambda d=digest: pieces.direct(d, timeout=120.0)) if direct else None,  # type: ignore[misc]
+                            decline=pieces.file_now if direct else None)
+            for path, digest in blobs.items()}
+
+
+def prefetch_ahead(capsule: LoadedCapsule, arriving: Arriving | None, gpu_map: dict[str, str],
+                   standby: Standby | None, adapter) -> Callable[[], Prefetch] | None:
+    """A direct pull of one weights file for one GPU: the prefetch started now, the standby prefetcher taking the
+    weights' pieces from the registry as soon as the pull offers them, while the restore admits, stages and
+    restores (the restore takes it instead of starting its own). None where that does not apply (the standby is
+    dismissed; the restore's prefetch starts as usual)."""
+    profile = capsule.profile
+    weights = profile.model.weights if profile.model else []
+    coming = [w for w in weights if w.chunks and not (os.path.exists(w.path) and os.path.getsize(w.path) > 0)]
+    if (standby is None or arriving is None or not direct_wanted() or len(weights) != 1 or len(coming) != 1
+            or len(profile.gpus_used) != 1 or profile.prefetch_plans or profile.snapshot_driver != "criu-process"
+            or not (adapter.supports_prefetch and reloads_weights(capsule))):
+        if standby is not None:
+            standby.dismiss()
+        return None
+    streams = _streams(arriving.pieces, {coming[0].path: "sha256:" + coming[0].sha256}, direct=True)
+    return start_prefetch_soon(profile, True, gpu_map, private_dir(settings().run / "prefetch"),
+                               by_file=adapter.prefetch_by_file, arrivals=streams, standby=standby)
 
 
 def link_or_wait(staged: StagedForRestore, arriving: Arriving | None, journal: Journal,

@@ -9,8 +9,9 @@ Why: landing 31 GB in fresh host memory first (the pull's spool) costs a third o
 reused buffers the same connections moved 8 GB/s in one process (docs/benchmarks.md).
 
 The job, from the pull (coldsnap.capsule.pieces.Arrivals.offer_direct): {"url", "authorization" (a header value or
-null), "hash" (the pins' algorithm), "pieces": [[offset, length, pin], ...]}: the pieces of the file not yet in its
-partial, every one after the file's head (the header the engine and the prefetcher read from the file)."""
+null), "hash" (the pins' algorithm), "partial" (the blob's partial file, holding the file's head checked), "pieces":
+[[offset, length, pin], ...]}: the pieces of the file not yet in its partial, every one after the file's head (the
+header the engine and the prefetcher read from the file)."""
 
 from __future__ import annotations
 

@@ -9,6 +9,11 @@ parameters out device to device; anything wrong is an error on the socket, and t
 Run as `python -m coldsnap.gpu.prefetch --file F --gpu GPU-UUID --socket PATH`: it listens at once, serves one
 engine, prints one JSON line (what it moved, how fast) and exits; a watchdog ends it 30 s after --timeout at the
 latest, whatever it is doing (it must never sit on GPU memory).
+
+Run as `python -m coldsnap.gpu.prefetch --standby`, it is started before the restore knows what to prefetch: it
+initialises CUDA (and the primary context of a lone GPU) at once, then reads its orders, stdin's first line: JSON,
+the arguments above as a list (or null, or the end of stdin: dismissed, it exits). A direct pull (a cold node) thus
+streams its weights onto the GPU from the moment the capsule is known, not after the prefetcher's ~0.3 s start.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from coldsnap.base.files import pread_full
 from coldsnap.gpu import vmm
 
 CHUNK = 16 << 20  # bytes per read and per copy; two per thread
+STANDBY_S = 600.0  # a standby prefetcher never given its orders exits after this long
 
 
 class PrefetchError(RuntimeError):
@@ -505,7 +511,7 @@ MODES = ("buffered", "mapped")
 def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float, hold: bool = False,
           pieces: list[Piece] | None = None, mode: str = "buffered", arrivals: Iterable[str] | None = None,
           linger: bool = False, spool: tuple[list[int], int] | None = None,
-          direct: Callable[[], object] | None = None) -> dict:
+          direct: Callable[[], object] | None = None, driver: vmm.Driver | None = None) -> dict:
     """Listen at sock_path, load, hand the memory to the first engine that connects; return what happened.
     pieces: load only these parts of the data section, packed (a tensor-parallel rank's shards); default all of it.
     mode: "buffered" (fill_buffered) or "mapped" (fill_mapped; fill_buffered where it can't be, the report says
@@ -522,7 +528,9 @@ def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float
     memfd per piece), read instead of the file, whose pieces reach the disk later.
     direct: returns the job (coldsnap.gpu.direct's), asked once the GPU is ready: the file's pieces past its head,
     fetched from the registry onto the GPU here; the head (header and the data in its pieces) is read from the
-    file, where the pull put it checked.
+    file where the pull put it checked: the job's "partial" (the blob's partial file, which the restore links at
+    `path` later), else `path`.
+    driver: CUDA, initialised already (a standby prefetcher's: main's --standby).
     Once the memory is loaded (or can't be), one line says so before the engine is awaited: {"loaded": true} or
     {"loaded": false, "error": ...}; the restore lets the engine take the memory only after the first."""
     t0 = time.monotonic()
@@ -536,9 +544,10 @@ def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float
     release = None  # of the mapped fill's registrations, once its copies are done
     message: dict
     fds: list[int] = []
+    source = path  # the file whose identity the engine checks: where the bytes came from
     try:
         try:
-            driver = vmm.Driver()
+            driver = driver or vmm.Driver()
             device = driver.device_by_uuid(bytes.fromhex(gpu_uuid.removeprefix("GPU-").replace("-", "")))
             driver.use_primary_context(device)
             report["cuda_init_s"] = round(time.monotonic() - t0, 4)
@@ -547,7 +556,8 @@ def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float
                 job = direct()
                 if not isinstance(job, dict):
                     raise PrefetchError("the pull offered no pieces: it fetches them itself")
-                buf, base, size, load_s = _load_direct(driver, device, path, job, threads)
+                source = str(job.get("partial") or path)  # the same inode as `path`, once linked there
+                buf, base, size, load_s = _load_direct(driver, device, source, job, threads)
             elif arrivals is not None:  # still arriving: each piece as it is checked
                 report["mode"] = "arriving"
                 buf, base, size, load_s = _load_arriving(driver, device, path, arrivals, threads, spool)
@@ -573,7 +583,7 @@ def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float
                 finally:
                     os.close(fd)
             fds = [buf.export_fd()]
-            message = {"bytes": size, "alloc_bytes": buf.size, "offset": base, "identity": file_identity(path),
+            message = {"bytes": size, "alloc_bytes": buf.size, "offset": base, "identity": file_identity(source),
                        **({"plan": plan_digest(pieces)} if pieces is not None else {})}
             report.update(bytes=size, load_s=round(load_s, 4), gb_per_s=round(size / load_s / 1e9, 2),
                           threads=threads, ready_s=round(time.monotonic() - t0, 4),
@@ -778,8 +788,42 @@ class Session:
             self.sock.close()
 
 
+def stand_by() -> tuple[vmm.Driver | None, list[str] | None]:
+    """--standby: CUDA initialised, and a lone GPU's primary context made, before there are orders; then the orders
+    (stdin's first line). (driver or None where CUDA failed: serve tries again and says why; the arguments, or None:
+    dismissed)."""
+    watchdog = threading.Timer(STANDBY_S, os._exit, args=(3,))
+    watchdog.daemon = True
+    watchdog.start()
+    driver = None
+    with suppress(vmm.CudaError):
+        driver = vmm.Driver()
+        count, device = ctypes.c_int(), ctypes.c_int()
+        driver.call("cuDeviceGetCount", ctypes.byref(count))
+        if count.value == 1:  # the GPU it will be ordered onto: its context costs as much as CUDA's start
+            driver.call("cuDeviceGet", ctypes.byref(device), 0)
+            driver.use_primary_context(device.value)
+    line = sys.stdin.readline()
+    watchdog.cancel()
+    try:
+        orders = json.loads(line) if line.strip() else None
+    except ValueError:
+        orders = None
+    ok = isinstance(orders, list) and all(isinstance(x, str) for x in orders)
+    return driver, orders if ok else None
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m coldsnap.gpu.prefetch", description=__doc__.split("\n\n")[0])
+    argv = sys.argv[1:] if argv is None else argv
+    driver = None
+    if argv == ["--standby"]:
+        driver, orders = stand_by()
+        if orders is None:
+            return 0
+        argv = orders
+    p = argparse.ArgumentParser(prog="python -m coldsnap.gpu.prefetch", description=__doc__.split("\n\n")[0],
+                                epilog="--standby alone: start CUDA now, read these arguments (a JSON list) from "
+                                       "stdin's first line")
     p.add_argument("--file", required=True, help="the safetensors file whose data section to load")
     p.add_argument("--gpu", required=True, help="the GPU's UUID (GPU-…), as NVML names it")
     p.add_argument("--socket", required=True, help="UNIX socket path to serve the memory at (created, 0600)")
@@ -818,7 +862,7 @@ def main(argv: list[str] | None = None) -> int:
     report = serve(a.file, a.gpu, a.socket, max(1, a.threads), a.timeout, a.hold, pieces, a.mode,
                    sys.stdin if a.arrivals and not a.direct else None, a.linger,
                    ([int(fd) for fd in a.spool_fds.split(",")], a.spool_piece_bytes)
-                   if a.arrivals and a.spool_fds and a.spool_piece_bytes > 0 else None, direct)
+                   if a.arrivals and a.spool_fds and a.spool_piece_bytes > 0 else None, direct, driver)
     print(json.dumps(report), flush=True)
     return 0 if report.get("served") and "error" not in report else 1
 

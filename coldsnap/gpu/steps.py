@@ -97,6 +97,7 @@ class Prefetch:
     feeders: list = field(default_factory=list)  # threads telling prefetchers of a file still arriving its pieces
     said: list = field(default_factory=list)  # what each prefetcher printed before its report, once read (loaded)
     direct: bool = False  # its one prefetcher fetches the weights from the registry itself (coldsnap.gpu.direct)
+    report: dict | None = None  # what finish_prefetch found, once it has reaped them
 
     def loaded(self, timeout: float) -> bool:
         """Whether every prefetcher has its weights on the GPU, waiting up to `timeout` for each to say (its first
@@ -163,15 +164,66 @@ class Streaming:
     decline: Callable[[], None] | None = None
 
 
+class Standby:
+    """A prefetcher started before the restore knows what it prefetches (python -m coldsnap.gpu.prefetch --standby):
+    its interpreter, imports and CUDA's start (~0.3 s) paid while the pull waits on the registry. start_prefetch
+    gives it its arguments (take), or it is dismissed; either way once."""
+
+    def __init__(self) -> None:
+        env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}  # GPUs are named by UUID
+        self.proc: subprocess.Popen | None = subprocess.Popen(
+            [sys.executable, "-m", "coldsnap.gpu.prefetch", "--standby"], env=env, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+
+    def take(self, args: list[str]) -> subprocess.Popen:
+        """The prefetcher, now running with `args` (its own arguments, as start_prefetch would start it with)."""
+        proc, self.proc = self.proc, None
+        assert proc is not None and proc.stdin is not None, "a standby prefetcher is taken once"
+        proc.stdin.write(json.dumps(args).encode() + b"\n")
+        proc.stdin.flush()
+        return proc
+
+    def dismiss(self) -> None:
+        """Not needed (or not any more): it exits on its stdin's end."""
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            with suppress(subprocess.TimeoutExpired):
+                proc.communicate(timeout=5)
+            if proc.returncode is None:
+                proc.kill()
+                proc.communicate()
+
+
+def stand_by() -> Standby | None:
+    """A standby prefetcher, where one can be of use: COLDSNAP_PREFETCH is not 0 and this host has an NVIDIA driver.
+    None otherwise, or where it cannot start (no prefetch is only slower)."""
+    if not settings().prefetch or not os.path.exists("/dev/nvidiactl"):
+        return None
+    try:
+        return Standby()
+    except OSError:
+        return None
+
+
 def start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir, by_file: bool = False,
-                   arrivals: Mapping[str, Streaming] | None = None) -> Prefetch:
+                   arrivals: Mapping[str, Streaming] | None = None, standby: Standby | None = None) -> Prefetch:
     """Start a prefetcher on each GPU of the workload when the restore will reload weights from one file, each GPU
     has room for a second copy of what it loads for a moment, and COLDSNAP_PREFETCH is not 0. A tensor-parallel
     capsule's plan (profile.prefetch_plans) has each GPU load only its rank's part. by_file (an engine that takes
     its weights file by file, on one GPU): a prefetcher for each weights file, the readers shared among them.
     arrivals: weights files still arriving (a streamed pull), each with the ranges of it checked against their pins
     as they come: their prefetchers load those, as they come, and nothing else, from the spool where there is one.
-    Never raises: no prefetch is only slower."""
+    standby: started ahead (stand_by): the one prefetcher of a direct pull is that one (any other is started here);
+    dismissed when there is none. Never raises: no prefetch is only slower."""
+    try:
+        return _start_prefetch(profile, supported, gpu_map, run_dir, by_file, arrivals, standby)
+    finally:
+        if standby is not None:
+            standby.dismiss()  # taken, or not needed
+
+
+def _start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir, by_file: bool,
+                    arrivals: Mapping[str, Streaming] | None, standby: Standby | None) -> Prefetch:
     from coldsnap.base.files import write_run_state
     from coldsnap.gpu.nvml import free_bytes
     from coldsnap.gpu.prefetch import MODES, gpu_key, packed_layout
@@ -225,12 +277,16 @@ def start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir, b
             spool = streaming.spool if streaming else None
             spooled = ["--spool-fds", ",".join(map(str, spool.fds)), "--spool-piece-bytes", str(spool.piece_bytes)] \
                 if spool is not None else []
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "coldsnap.gpu.prefetch", "--file", weights.path, "--gpu", gpu,
-                 "--socket", sock, *once_served, "--threads", threads, "--mode", mode, *plan,
-                 *(["--direct"] if direct else ["--arrivals"] if streaming else []), *spooled],
-                env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                start_new_session=True, pass_fds=spool.fds if spool is not None else ())
+            args = ["--file", weights.path, "--gpu", gpu, "--socket", sock, *once_served, "--threads", threads,
+                    "--mode", mode, *plan, *(["--direct"] if direct else ["--arrivals"] if streaming else []),
+                    *spooled]
+            if direct and standby is not None and standby.proc is not None:
+                proc = standby.take(args)
+            else:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "coldsnap.gpu.prefetch", *args], env=env, stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                    pass_fds=spool.fds if spool is not None else ())
             p.procs.append(proc)
             if direct:
                 assert streaming is not None and streaming.direct is not None
@@ -273,15 +329,15 @@ def _feed_direct(proc, job: Callable[[], dict | None]) -> None:
 
 
 def start_prefetch_soon(profile, supported: bool, gpu_map: dict[str, str], run_dir,
-                        by_file: bool = False, arrivals: Mapping[str, Streaming] | None = None
-                        ) -> Callable[[], Prefetch]:
+                        by_file: bool = False, arrivals: Mapping[str, Streaming] | None = None,
+                        standby: Standby | None = None) -> Callable[[], Prefetch]:
     """start_prefetch on a thread of its own, so the restore does not wait for its NVML queries and process starts
     (~10 ms); the answer, called, waits for it and returns the Prefetch."""
     box: dict[str, Prefetch] = {}
 
     def start() -> None:
         try:
-            box["p"] = start_prefetch(profile, supported, gpu_map, run_dir, by_file, arrivals)
+            box["p"] = start_prefetch(profile, supported, gpu_map, run_dir, by_file, arrivals, standby)
         except Exception as e:  # noqa: BLE001 - no prefetch is only slower; say why in the receipt
             box["p"] = Prefetch(skipped=f"starting the prefetchers failed: {e}")
         finally:  # the prefetchers have their own descriptors of the spools by now
@@ -320,7 +376,13 @@ def _remove_files(sock: str) -> None:
 def finish_prefetch(p: Prefetch, wait_s: float = 10.0) -> dict:
     """Reap the prefetchers: what they reported (one GPU: its report; several: by GPU UUID). One that served an
     engine has removed its socket and frees its copy once its stdin closes, here; one whose socket is still there
-    would wait for an engine that is not coming, and is killed."""
+    would wait for an engine that is not coming, and is killed. Once reaped, the same report again."""
+    if p.report is None:
+        p.report = _reap(p, wait_s)
+    return p.report
+
+
+def _reap(p: Prefetch, wait_s: float) -> dict:
     if not p.procs:
         return {"skipped": p.skipped}
     reports = {}
