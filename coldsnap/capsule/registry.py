@@ -1,6 +1,6 @@
 """Capsules as OCI artifacts in real registries: push and pull through the OCI distribution API.
 
-Authentication goes through oras-py's Registry (token flow; credentials from ~/.docker/config.json or
+Authentication goes through oras-py's token auth (bearer tokens; credentials from ~/.docker/config.json or
 COLDSNAP_REGISTRY_USER / COLDSNAP_REGISTRY_PASSWORD, sent as Basic where the registry challenges so). Blob bodies
 never pass whole through memory. push uploads missing blobs in chunks, then the stored manifest bytes unchanged,
 so the registry's manifest digest is the local one. pull verifies the manifest (pinned by digest unless
@@ -25,8 +25,8 @@ from http.cookiejar import DefaultCookiePolicy
 from pathlib import Path
 from typing import Callable
 
+import oras.auth
 import oras.container
-import oras.provider
 import requests
 
 from coldsnap.base.digests import (
@@ -59,8 +59,6 @@ DOWNLOAD_ATTEMPTS = 3  # connection drops inside one pull are resumed this many 
 
 _REPO_RE = re.compile(r"^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*$")
 _TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
-# oras' do_request without its retry decorator (5 attempts, sleeps up to 83 s on "connection refused").
-_do_request = oras.provider.Registry.do_request.__wrapped__
 _LOGIN = "log in (~/.docker/config.json) or set COLDSNAP_REGISTRY_USER and COLDSNAP_REGISTRY_PASSWORD"
 _ACCEPT = {"Accept": f"{mt.MANIFEST_MEDIA_TYPE}, {mt.INDEX_MEDIA_TYPE}"}
 
@@ -117,27 +115,28 @@ class _Session(requests.Session):
 
 
 class _Client:
-    """One repository on one registry, spoken to through oras' Registry (auth) with our own error handling."""
+    """One repository on one registry, spoken to with oras' token auth (credentials, bearer tokens) and our own
+    requests and error handling (oras' Registry would retry "connection refused" for 83 s, and loads a JSON schema
+    validator a restore's start waits for)."""
 
     def __init__(self, ref: RemoteRef, insecure: bool):
         self.ref = ref
         self.scheme = "http" if insecure else "https"
-        self.reg = oras.provider.Registry(hostname=ref.host, insecure=insecure)
-        session = _Session()
-        session.cookies.set_policy(DefaultCookiePolicy(allowed_domains=[]))
-        self.reg.session = self.reg.auth.session = session
+        self.session = _Session()
+        self.session.cookies.set_policy(DefaultCookiePolicy(allowed_domains=[]))  # some registries set CSRF ones
+        self.auth = oras.auth.get_auth_backend("token", self.session, insecure)
         self.static: dict[str, str] = {}
         user, password = settings().registry_user, settings().registry_password
         if user and password:
-            self.reg.auth.set_basic_auth(user, password)
+            self.auth.set_basic_auth(user, password)
         else:  # ~/.docker/config.json (auths, credsStore, credHelpers); unreadable means "no credentials"
             with contextlib.suppress(Exception):
-                self.reg.auth.load_configs(oras.container.Container(f"{ref.name}:x", registry=ref.host))
+                self.auth.load_configs(oras.container.Container(f"{ref.name}:x", registry=ref.host))
         self.base = f"{self.scheme}://{ref.host}/v2/{ref.repository}"
         self._ping()
 
     def _creds(self) -> str | None:
-        return getattr(self.reg.auth, "_basic_auth", None) or None
+        return getattr(self.auth, "_basic_auth", None) or None
 
     def _ping(self) -> None:
         url = f"{self.scheme}://{self.ref.host}/v2/"
@@ -166,14 +165,13 @@ class _Client:
         h = {**self.static, **(headers or {})}
         try:
             if not auth:
-                return self.reg.session.request(method, url, headers=h, data=data, stream=stream,
-                                                verify=self.reg._tls_verify)
-            r = _do_request(self.reg, url, method, data=data, headers=h, stream=stream)
-            if r.status_code == 401 and getattr(self.reg.auth, "token", None):
-                # oras reuses a token whose scope may be too narrow (pull → push): drop it and answer the new
-                # challenge once
-                self.reg.auth.token = None
-                r = _do_request(self.reg, url, method, data=data, headers=h, stream=stream)
+                return self.session.request(method, url, headers=h, data=data, stream=stream)
+            r = self._answering_challenges(method, url, h, data, stream)
+            if r.status_code == 401 and getattr(self.auth, "token", None):
+                # a token kept from an earlier request may be scoped too narrowly (pull → push): drop it and
+                # answer the new challenge once
+                self.auth.token = None
+                r = self._answering_challenges(method, url, h, data, stream)
             return r
         except requests.exceptions.SSLError as e:
             raise _registry_error(f"TLS with registry {self.ref.host} failed ({_short(e)}); for a plain-HTTP local "
@@ -188,6 +186,23 @@ class _Client:
                 raise _registry_error(f"registry {self.ref.host} asked for authentication that could not be "
                                       f"answered: {_LOGIN}") from None
             raise
+
+    def _answering_challenges(self, method: str, url: str, headers: dict, data, stream: bool) -> requests.Response:
+        """The request with the token kept from the last challenge, if any; a 401 or 403 is answered (Basic
+        credentials, or a bearer token for the scope asked) and the request sent again; a 403 after that once
+        more with a fresh token. ValueError where a challenge cannot be answered."""
+        if isinstance(self.auth, oras.auth.TokenAuth) and self.auth.token is not None:
+            headers = {**headers, **self.auth.get_auth_header()}
+        r = self.session.request(method, url, headers=headers, data=data, stream=stream)
+        for refresh, answered in ((False, (401, 403)), (True, (403,))):
+            if r.status_code not in answered:
+                break
+            headers, changed = self.auth.authenticate_request(r, headers, refresh=refresh)
+            if not changed:
+                raise ValueError("Cannot respond to request for authentication.")
+            r.close()
+            r = self.session.request(method, url, headers=headers, data=data, stream=stream)
+        return r
 
     def request(self, method: str, url: str, *, ok: tuple[int, ...], what: str, headers: dict | None = None,
                 data=None, stream: bool = False, not_found: ErrorCode | None = None) -> requests.Response:
