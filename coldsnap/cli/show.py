@@ -8,34 +8,41 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from typing import IO
+from typing import IO, TYPE_CHECKING, cast
 
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    ProgressColumn,
-    SpinnerColumn,
-    Task,
-    TaskID,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
-from rich.text import Text
+if TYPE_CHECKING:  # rich loads only where there is a terminal to draw on (~50 ms a command's start spares)
+    from rich.console import Console
+    from rich.progress import Progress, TaskID
 
 
-class _Transfer(ProgressColumn):
-    """Bytes, rate and time left for a blob's bar; nothing for a step (it has no total)."""
+def _new_bars(console: Console) -> Progress:
+    """The bars: the step's spinner and elapsed time; for a blob, its bar, bytes, rate and time left."""
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        ProgressColumn,
+        SpinnerColumn,
+        Task,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+    from rich.text import Text
 
-    parts = (DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
+    class Transfer(ProgressColumn):
+        """Bytes, rate and time left for a blob's bar; nothing for a step (it has no total)."""
 
-    def render(self, task: Task) -> Text:
-        if task.total is None:
-            return Text("")
-        return Text(" ").join(Text(str(p.render(task))) for p in self.parts)
+        parts = (DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
+
+        def render(self, task: Task) -> Text:
+            if task.total is None:
+                return Text("")
+            return Text(" ").join(Text(str(p.render(task))) for p in self.parts)
+
+    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), Transfer(), TimeElapsedColumn(),
+                    console=console, transient=True)
 
 
 class Shown:
@@ -46,7 +53,11 @@ class Shown:
         self.stream = stream or sys.stderr
         self.quiet = quiet
         live = (self.stream.isatty() if terminal is None else terminal) and not quiet
-        self.console = Console(file=self.stream, force_terminal=live or None, highlight=False) if live else None
+        self.console: Console | None = None
+        if live:
+            from rich.console import Console
+
+            self.console = Console(file=self.stream, force_terminal=True, highlight=False)
         self.bars: Progress | None = None
         self.step: TaskID | None = None
         self.blobs: dict[str, tuple[TaskID, float]] = {}  # moving: its bar and when it started
@@ -75,7 +86,7 @@ class Shown:
         if self.quiet or blob in self.finished:  # a repeated final report adds no line
             return
         if blob not in self.blobs:
-            task = self._bars().add_task(f"{blob[:19]}…", total=total) if self.console else TaskID(0)
+            task = self._bars().add_task(f"{blob[:19]}…", total=total) if self.console else cast("TaskID", 0)
             self.blobs[blob] = (task, time.monotonic())
         task, started = self.blobs[blob]
         if self.bars is not None:
@@ -102,7 +113,6 @@ class Shown:
     def _bars(self) -> Progress:
         if self.bars is None:
             assert self.console is not None
-            self.bars = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), _Transfer(),
-                                 TimeElapsedColumn(), console=self.console, transient=True)
+            self.bars = _new_bars(self.console)
             self.bars.start()
         return self.bars
