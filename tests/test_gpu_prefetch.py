@@ -538,7 +538,7 @@ def test_weights_fetched_straight_from_the_registry_reach_the_engine_bit_for_bit
                    "pieces": [[o, min(piece, len(whole) - o), hashlib.sha256(whole[o:o + piece]).hexdigest()]
                               for o in range(first, len(whole), piece)]}
             proc.stdin.write(json.dumps(job).encode() + b"\n")
-            proc.stdin.close()
+            proc.stdin.flush()  # communicate (report_of) closes it
             loaded = json.loads(proc.stdout.readline())
             assert loaded["loaded"] is good, (loaded, proc.stderr.read1(4000) if not good else "")
             params = {n: torch.zeros_like(t) for n, t in want.items()}
