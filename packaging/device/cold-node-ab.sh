@@ -8,6 +8,8 @@
 #   fetchers        COLDSNAP_PULL_IMAGE_FETCHERS=4: the layers by fetching processes, the weights beside them (auto)
 #   fetchers-after  the same with COLDSNAP_PULL_WEIGHTS_AHEAD=0: the weights after the capsule's own blobs
 #   direct          COLDSNAP_PULL_DIRECT=1: the prefetcher fetches the weights' pieces from the registry itself
+#   direct-ahead    the same with COLDSNAP_PULL_WEIGHTS_AHEAD=1: the weights' head beside the images, offered sooner
+#   direct-fetchers the same with COLDSNAP_PULL_IMAGE_FETCHERS=4: the images' layers by fetching processes
 #   check           first, the GPU tests of the prefetch's paths (tests/test_gpu_prefetch.py: bit for bit, the
 #                   direct way's included), so that a broken path shows before the bench spends the call
 # Carry [".whl", ".carry/gpu", ".carry/registry"] (and ".carry/runc" for the container): prepare.sh makes them.
@@ -24,6 +26,8 @@ for v in ${STEPS:-defaults fetchers container}; do
     fetchers) arms+=("fetchers=COLDSNAP_PULL_IMAGE_FETCHERS=4");;
     fetchers-after) arms+=("fetchers-after=COLDSNAP_PULL_IMAGE_FETCHERS=4,COLDSNAP_PULL_WEIGHTS_AHEAD=0");;
     direct) arms+=("direct=COLDSNAP_PULL_DIRECT=1");;
+    direct-ahead) arms+=("direct-ahead=COLDSNAP_PULL_DIRECT=1,COLDSNAP_PULL_WEIGHTS_AHEAD=1");;
+    direct-fetchers) arms+=("direct-fetchers=COLDSNAP_PULL_DIRECT=1,COLDSNAP_PULL_IMAGE_FETCHERS=4");;
     container|check) ;;
     *) echo "cold-node-ab: no step $v"; exit 2;;
   esac
