@@ -697,6 +697,7 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
     early = _Fetched()
     ahead: _WeightsAhead | None = None  # the weights, moving while the images do
     signatures: int | None = None  # pulled with the capsule's own blobs, when someone admits it early
+    provenance: _Beside | None = None
     descs = _descriptors(manifest, digest)
     own = [d for d in descs if d.media_type != mt.LAYER_WEIGHTS]
     try:
@@ -707,6 +708,9 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
                 arrivals.mark("manifest")
             if on_manifest is not None:
                 on_manifest(digest, manifest)
+            # where the capsule came from and who signed it, asked beside its blobs (admission waits for both)
+            provenance = _Beside(lambda: _provenance(_Client(client.ref, client.scheme == "http"), store, remote,
+                                                     digest)) if on_blobs is not None else None
             weights_missing = payload or any(not store.has_blob(d.digest) for d in descs if d not in own)
             with _blob_locks(store, [d.digest for d in own]):
                 if arrivals is not None and weights_missing and not payload and pieces.weights_ahead():
@@ -726,7 +730,8 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
                 if not store.has_blob(digest):
                     store.put_bytes(raw, manifest.get("mediaType", mt.MANIFEST_MEDIA_TYPE))
                     early.digests.append(digest)
-                signatures = _provenance(client, store, remote, digest)
+                assert provenance is not None
+                signatures = provenance.result()
                 if arrivals is not None:
                     arrivals.mark("provenance")
                 on_blobs(digest, manifest)
@@ -746,6 +751,9 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
         result = _pull_capsule(store, client, remote, raw, digest, manifest, artifact_type, progress,
                                pulled[0] if payload else None, t0, early, pins, signatures, arrivals)
     except BaseException as e:
+        if provenance is not None:  # nothing of this pull goes on behind its failure
+            with contextlib.suppress(BaseException):
+                provenance.result()
         if ahead is not None:  # failed while the weights moved: they end first (nothing will read them)
             if arrivals is not None:
                 arrivals.allow_sync()
@@ -902,6 +910,27 @@ def _fetch_missing(store: CapsuleStore, client: "_Client", descs: list[Descripto
 
 
 _clients_lock = threading.Lock()
+
+
+class _Beside:
+    """A call on a thread of its own, started now; result() waits for it, and raises what it raised."""
+
+    def __init__(self, call: Callable[[], int]) -> None:
+        self._box: dict = {}
+        self._thread = threading.Thread(target=self._run, args=(call,), name="pull-beside", daemon=True)
+        self._thread.start()
+
+    def _run(self, call: Callable[[], int]) -> None:
+        try:
+            self._box["value"] = call()
+        except BaseException as e:  # noqa: BLE001 - raised again where the result is asked for
+            self._box["error"] = e
+
+    def result(self) -> int:
+        self._thread.join()
+        if "error" in self._box:
+            raise self._box["error"]
+        return self._box["value"]
 
 
 def _provenance(client: "_Client", store: CapsuleStore, remote: RemoteRef, digest: str) -> int:
