@@ -483,7 +483,7 @@ def test_a_standby_prefetcher_runs_the_orders_it_is_given_or_exits_when_dismisse
 
     dismissed = Standby()
     dismissed.dismiss()
-    assert dismissed.proc is None
+    assert dismissed.proc is None and dismissed.reap() == 0
     path = str(ensure_weights(tmp_path / "w.safetensors", TINY))
     sock = str(tmp_path / "s.sock")
     proc = Standby().take(["--file", path, "--gpu", "GPU-00000000-0000-0000-0000-000000000000", "--socket", sock,

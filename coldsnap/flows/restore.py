@@ -61,7 +61,7 @@ def restore(request: RestoreRequest, progress: Progress = quiet) -> Receipt:
                 look_at_this_host_soon()
                 if op == "restore" and direct_wanted() and (waiting := gpu_steps.stand_by()) is not None:
                     standby.append(waiting)
-                    held.callback(waiting.dismiss)  # taken, or not needed: it goes
+                    held.callback(waiting.reap)  # taken, or not needed: it goes
 
             with tl.span("pull"):  # until the capsule's own blobs are in: its weights follow
                 request, pulled, arriving = fetch(request, progress, meanwhile)

@@ -167,13 +167,14 @@ class Streaming:
 class Standby:
     """A prefetcher started before the restore knows what it prefetches (python -m coldsnap.gpu.prefetch --standby):
     its interpreter, imports and CUDA's start (~0.3 s) paid while the pull waits on the registry. start_prefetch
-    gives it its arguments (take), or it is dismissed; either way once."""
+    gives it its arguments (take), or it is dismissed; either way once. Whoever started it reaps it at the end."""
 
     def __init__(self) -> None:
         env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}  # GPUs are named by UUID
         self.proc: subprocess.Popen | None = subprocess.Popen(
             [sys.executable, "-m", "coldsnap.gpu.prefetch", "--standby"], env=env, stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        self.dismissed: subprocess.Popen | None = None
 
     def take(self, args: list[str]) -> subprocess.Popen:
         """The prefetcher, now running with `args` (its own arguments, as start_prefetch would start it with)."""
@@ -184,14 +185,28 @@ class Standby:
         return proc
 
     def dismiss(self) -> None:
-        """Not needed (or not any more): it exits on its stdin's end."""
+        """Not needed (or not any more): its stdin ends, and it exits once CUDA has started. Waits for nothing."""
         proc, self.proc = self.proc, None
-        if proc is not None:
-            with suppress(subprocess.TimeoutExpired):
-                proc.communicate(timeout=5)
-            if proc.returncode is None:
-                proc.kill()
-                proc.communicate()
+        if proc is not None and proc.stdin is not None:
+            with suppress(OSError):
+                proc.stdin.close()
+            self.dismissed = proc
+
+    def reap(self, wait_s: float = 5.0) -> int | None:
+        """Dismissed (if it was not taken) and gone: its exit status (None: taken, the prefetch reaps it)."""
+        self.dismiss()
+        proc, self.dismissed = self.dismissed, None
+        if proc is None:
+            return None
+        try:  # dismissed, it writes nothing (a pipe it could fill would need communicate)
+            proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+        return proc.returncode
 
 
 def stand_by() -> Standby | None:
