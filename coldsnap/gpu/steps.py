@@ -164,16 +164,21 @@ class Streaming:
     decline: Callable[[], None] | None = None
 
 
+def _prefetcher(args: list[str], **popen) -> subprocess.Popen:
+    """A prefetcher process (coldsnap.gpu.prefetch) with these arguments, its stdio piped, in a session of its own;
+    the GPUs named by UUID, whatever CUDA_VISIBLE_DEVICES says here."""
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    return subprocess.Popen([sys.executable, "-m", "coldsnap.gpu.prefetch", *args], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, **popen)
+
+
 class Standby:
     """A prefetcher started before the restore knows what it prefetches (python -m coldsnap.gpu.prefetch --standby):
     its interpreter, imports and CUDA's start (~0.3 s) paid while the pull waits on the registry. start_prefetch
     gives it its arguments (take), or it is dismissed; either way once. Whoever started it reaps it at the end."""
 
     def __init__(self) -> None:
-        env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}  # GPUs are named by UUID
-        self.proc: subprocess.Popen | None = subprocess.Popen(
-            [sys.executable, "-m", "coldsnap.gpu.prefetch", "--standby"], env=env, stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        self.proc: subprocess.Popen | None = _prefetcher(["--standby"])
         self.dismissed: subprocess.Popen | None = None
 
     def take(self, args: list[str]) -> subprocess.Popen:
@@ -261,7 +266,6 @@ def _start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir, 
         free = free_bytes(gpu)
         if free is None or free < 2 * size + (8 << 30):
             return Prefetch(skipped=f"not enough free memory on {gpu} for a second copy of the weights")
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}  # GPUs are named by UUID
     threads = settings().prefetch_threads  # readers per prefetcher (they compete with CRIU)
     if not threads.isdigit() or int(threads) < 1:
         return Prefetch(skipped=f"COLDSNAP_PREFETCH_THREADS={threads!r} is not a positive number")
@@ -298,10 +302,7 @@ def _start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir, 
             if direct and standby is not None and standby.proc is not None:
                 proc = standby.take(args)
             else:
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "coldsnap.gpu.prefetch", *args], env=env, stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                    pass_fds=spool.fds if spool is not None else ())
+                proc = _prefetcher(args, pass_fds=spool.fds if spool is not None else ())
             p.procs.append(proc)
             if direct:
                 assert streaming is not None and streaming.direct is not None
