@@ -290,20 +290,22 @@ def test_a_fetching_process_brings_a_whole_blob_hashed_and_says_how_far_it_is(tm
     assert lines[-1] == ["long"]  # never hashed as the blob
 
 
-@pytest.mark.parametrize("ahead, fetchers, cores, expected", [
-    ("", "", 16, False),       # by default the images come on the restore's threads, the weights after them
-    ("", "2", 16, True),       # auto: the images by processes, so the weights go beside them
-    ("auto", "4", 2, True),    # whatever the cores
-    ("auto", "0", 16, False),  # auto follows the images' fetchers
-    ("0", "2", 16, False),
-    ("1", "0", 2, True),
+@pytest.mark.parametrize("ahead, fetchers, direct, cores, expected", [
+    ("", "", "", 16, False),       # by default the images come on the restore's threads, the weights after them
+    ("", "2", "", 16, True),       # auto: the images by processes, so the weights go beside them
+    ("auto", "4", "0", 2, True),   # whatever the cores
+    ("auto", "0", "0", 16, False),  # auto follows the images' fetchers
+    ("auto", "0", "1", 16, True),  # and the direct way (its head beside the images, its orders at the profile)
+    ("0", "2", "1", 16, False),
+    ("1", "0", "", 2, True),
 ])
 def test_the_weights_start_beside_the_images_where_the_images_come_by_processes(monkeypatch, ahead, fetchers,
-                                                                                cores, expected):
+                                                                                direct, cores, expected):
     from coldsnap.capsule import pieces
 
     monkeypatch.setenv("COLDSNAP_PULL_WEIGHTS_AHEAD", ahead)
     monkeypatch.setenv("COLDSNAP_PULL_IMAGE_FETCHERS", fetchers)
+    monkeypatch.setenv("COLDSNAP_PULL_DIRECT", direct)
     monkeypatch.setattr(pieces.os, "cpu_count", lambda: cores)
     assert pieces.weights_ahead() is expected
 
@@ -586,3 +588,54 @@ def test_the_buffered_fill_and_the_spooled_arrivals_reach_the_gpu_whole_on_a_sta
     finally:
         spool.close()
     assert section.complete and bytes(device) == blob[base:] and not driver.held
+
+
+def test_a_direct_prefetch_is_ordered_by_whichever_of_its_standby_and_the_profile_comes_second(monkeypatch):
+    """streaming.PrefetchAhead: the standby prefetcher (the restore's thread) and the capsule's profile (the pull's)
+    come in either order; the second gives the orders, once; at admission the restore takes that prefetch, orders
+    it then if the profile came no sooner, or dismisses the standby where there is nothing to order."""
+    from types import SimpleNamespace
+
+    from coldsnap.flows import streaming
+
+    ordered: list = []
+    monkeypatch.setattr(streaming, "get_adapter", lambda name: None)
+
+    def prefetch_ahead(capsule, arrivals, gpu_map, standby, adapter):
+        ordered.append((capsule.digest, arrivals, standby))
+        return lambda: f"prefetch of {capsule.digest}"
+
+    monkeypatch.setattr(streaming, "prefetch_ahead", prefetch_ahead)
+
+    class Standby:  # stand-in: a real one (tests/test_gpu_prefetch.py) runs its orders only on a GPU machine
+        dismissed = False
+
+        def dismiss(self):
+            self.dismissed = True
+
+    def capsule(digest):
+        return SimpleNamespace(digest=digest, profile=SimpleNamespace(engine=SimpleNamespace(name="reference")))
+
+    a = capsule("sha256:a")
+    for profile_first in (True, False):
+        ordered.clear()
+        ahead, standby = streaming.PrefetchAhead({}), Standby()
+        if profile_first:
+            ahead.profile_in(a, "arrivals")
+            assert ordered == []  # no prefetcher to order yet
+            ahead.stand_by(standby)
+        else:
+            ahead.stand_by(standby)
+            assert ordered == []
+            ahead.profile_in(a, "arrivals")
+        assert ordered == [("sha256:a", "arrivals", standby)]
+        assert ahead.taken(a, SimpleNamespace(pieces="later"))() == "prefetch of sha256:a"
+        assert len(ordered) == 1 and not standby.dismissed
+    ordered.clear()
+    late, standby = streaming.PrefetchAhead({}), Standby()  # the profile came with the images: ordered at admission
+    late.stand_by(standby)
+    assert late.taken(a, SimpleNamespace(pieces="later"))() == "prefetch of sha256:a"
+    assert ordered == [("sha256:a", "later", standby)]
+    local, standby = streaming.PrefetchAhead({}), Standby()  # nothing pulled: nothing to order
+    local.stand_by(standby)
+    assert local.taken(a, None) is None and standby.dismissed

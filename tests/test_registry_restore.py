@@ -244,10 +244,19 @@ def test_a_direct_streamed_restore_nobody_prefetches_fetches_its_weights_itself_
     monkeypatch.setenv("COLDSNAP_PULL_DIRECT", "1")
     cap, weights = captured_and_pushed(registry, "pyt-reg-direct", "direct", "direct")
     become_a_fresh_host(tmp_path, monkeypatch, weights)
+    from coldsnap.flows import streaming
+
+    known: list = []  # (capsule, the pull's steps so far) when the prefetch's orders could go
+    real = streaming.PrefetchAhead.profile_in
+    monkeypatch.setattr(streaming.PrefetchAhead, "profile_in", lambda self, capsule, arrivals: known.append(
+        (capsule.digest, dict(arrivals.marks))) or real(self, capsule, arrivals))
     r = restore(RestoreRequest(operation="restore", capsule=f"{registry}/coldsnap/direct@{cap.capsule}",
                                insecure_registry=True, policy=Policy(fallback_to_cold=False)))
     try:
         assert r.state == "succeeded" and r.result.validated_text == cap.profile.expected_text
+        # its profile known before its images were in: the direct way's weights move beside them (auto)
+        assert [d for d, _ in known] == [cap.capsule], known
+        assert "manifest" in known[0][1] and "own_blobs" not in known[0][1], known
         assert r.result.pull.get("streamed") and "spooled" not in r.result.pull, r.result.pull  # not in memory
         assert r.result.pull.get("direct_offered") == 1, r.result.pull  # offered, and declined
         assert "weights" not in [s.name for s in r.spans]  # CRIU did not wait for them

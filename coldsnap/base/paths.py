@@ -38,7 +38,8 @@ VARIABLES = (
              "store's file (0), or in memory when the node has twice their size free (auto)"),
     Variable("COLDSNAP_PULL_WEIGHTS_AHEAD", "auto", "1: a restore's pull starts the weights once the profile that "
              "pins them is in, beside the CRIU images; 0: after the capsule's own blobs; auto: beside them where "
-             "the images come by fetching processes of their own (COLDSNAP_PULL_IMAGE_FETCHERS)"),
+             "the images come by fetching processes of their own (COLDSNAP_PULL_IMAGE_FETCHERS) or the weights go "
+             "direct (COLDSNAP_PULL_DIRECT)"),
     Variable("COLDSNAP_PULL_DIRECT", "0", "1: a restore's GPU prefetcher fetches the streamed weights' pieces from "
              "the registry itself, each checked against its pin, and the pull fetches them for the node's store "
              "after the first token (a second transfer)"),

@@ -628,10 +628,11 @@ def weights_ahead() -> bool:
     """Whether a restore's pull starts the weights beside its CRIU images (once the profile that pins them is in)
     rather than after them: COLDSNAP_PULL_WEIGHTS_AHEAD (0 off, auto or unset, any other value on); auto: where the
     images come by fetching processes of their own, which the weights' traffic then slows less than it slows the
-    restore's own threads (docs/benchmarks.md)."""
+    restore's own threads (docs/benchmarks.md), and where the weights go direct (only their head moves beside the
+    images, and the prefetcher takes its orders once the profile is in)."""
     ahead = settings().pull_weights_ahead
     if ahead in ("", "auto"):
-        return blob_fetcher_count() > 0
+        return blob_fetcher_count() > 0 or direct_wanted()
     return ahead != "0"
 
 

@@ -637,8 +637,8 @@ def _the_capsule_listed(client: "_Client", listed: list) -> str | None:
 def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: bool = False,
          progress: TransferProgress | None = None, artifact_type: str = mt.ARTIFACT_TYPE,
          on_blobs: Callable[[str, dict], None] | None = None, pins: dict[str, WeightFile] | None = None,
-         arrivals: pieces.Arrivals | None = None, on_manifest: Callable[[str, dict], None] | None = None
-         ) -> PullResult:
+         arrivals: pieces.Arrivals | None = None, on_manifest: Callable[[str, dict], None] | None = None,
+         on_profile: Callable[[str, dict], None] | None = None) -> PullResult:
     """Fetch the capsule `ref` into `store`; returns its manifest digest (a PullResult: .bytes_transferred …).
     For a capsule whose weights travel apart, on_blobs(digest, manifest) is called once the capsule's own blobs, its
     manifest, provenance and signatures are in the store (verified): it loads and admits from then on, before the
@@ -647,7 +647,9 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
     and checked by pieces; `arrivals` hears of each piece checked (a restore that streams them onward), and of
     how far each blob it follows is written (Arrivals.follow: a restore unpacking the images as they arrive);
     on_manifest(digest, manifest) is called before the capsule's own blobs move (the manifest checked, not yet
-    trusted: for a head start on work that is published only once they are verified)."""
+    trusted: for a head start on work that is published only once they are verified); on_profile(digest, manifest)
+    once its profile is in the store too (verified, not yet trusted), where the weights move beside the images
+    (pieces.weights_ahead): a restore's direct prefetch takes its orders then."""
     t0 = time.monotonic()
     remote = parse_remote(ref)
     if not remote.digest and not allow_unpinned:
@@ -676,7 +678,7 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
         if capsule is None:
             raise _corrupt(f"{remote} is a ColdSnap index that lists no capsule")
         return pull(store, f"{remote.tagged}@{capsule}", insecure, True, progress, artifact_type, on_blobs, pins,
-                    arrivals, on_manifest)
+                    arrivals, on_manifest, on_profile)
     if manifest.get("mediaType") == mt.INDEX_MEDIA_TYPE or "manifests" in manifest:
         listed = [m.get("digest") for m in manifest.get("manifests") or [] if isinstance(m, dict)]
         # A copy tool that rewrites the index (skopeo copy --all) drops its artifactType markers, keeping the
@@ -684,7 +686,7 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
         capsule = _the_capsule_listed(client, listed) if artifact_type == mt.ARTIFACT_TYPE else None
         if capsule is not None:
             return pull(store, f"{remote.tagged}@{capsule}", insecure, True, progress, artifact_type, on_blobs, pins,
-                        arrivals, on_manifest)
+                        arrivals, on_manifest, on_profile)
         raise _corrupt(f"{remote} names an OCI image index of {len(listed)} manifest(s) "
                        f"({', '.join(str(d) for d in listed[:3])}{'…' if len(listed) > 3 else ''}), not a capsule: "
                        "pull a capsule by its own digest")
@@ -717,6 +719,8 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
                     # the profile first (it pins the weights' pieces), then the weights move beside the images
                     config = own[:1]  # _descriptors puts the config first
                     early = _fetch_missing(store, client, config, progress, arrivals=arrivals)
+                    if on_profile is not None:
+                        on_profile(digest, manifest)
                     ahead = _WeightsAhead(store, client, manifest, [d for d in descs if d not in own], progress,
                                           arrivals)
                     early.add(_fetch_missing(store, client, own[1:], progress, arrivals=arrivals))

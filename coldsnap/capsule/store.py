@@ -295,7 +295,11 @@ class CapsuleStore:
         actual = "sha256:" + hashlib.sha256(raw).hexdigest()
         if actual != digest:
             raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"manifest {digest} fails verification (hashes to {actual})")
-        manifest = strict_json(raw, f"manifest {digest}", code=ErrorCode.CAPSULE_CORRUPT)
+        return self.loaded(digest, strict_json(raw, f"manifest {digest}", code=ErrorCode.CAPSULE_CORRUPT))
+
+    def loaded(self, digest: str, manifest) -> LoadedCapsule:
+        """The capsule of a manifest already verified against `digest` (store.load's, or a pull's before the store
+        lists it): its profile read from the store, verified against the manifest's config descriptor."""
         if not isinstance(manifest, dict) or manifest.get("artifactType") != mt.ARTIFACT_TYPE:
             kind = manifest.get("artifactType") if isinstance(manifest, dict) else type(manifest).__name__
             raise ColdSnapError(ErrorCode.CAPSULE_CORRUPT, f"{digest} is not a ColdSnap capsule manifest "

@@ -13,7 +13,7 @@ from typing import Callable
 
 from coldsnap.base.paths import settings
 from coldsnap.base.progress import Progress
-from coldsnap.capsule import CapsuleStore
+from coldsnap.capsule import CapsuleStore, LoadedCapsule
 from coldsnap.capsule.pieces import Arrivals, blob_fetcher_count
 from coldsnap.contracts import RestoreRequest
 from coldsnap.flows.staging import UnpackingEarly
@@ -102,13 +102,16 @@ class Arriving:
             self.early.discard()
 
 
-def fetch(request: RestoreRequest, progress: Progress, meanwhile: Callable[[], None] | None = None
+def fetch(request: RestoreRequest, progress: Progress, meanwhile: Callable[[], None] | None = None,
+          on_profile: Callable[[LoadedCapsule, Arrivals], None] | None = None
           ) -> tuple[RestoreRequest, dict, Arriving | None]:
     """The request with its capsule named by digest in the local store, pulled when it is not there; what the pull
     did (the receipt's `pull`); and the weights still arriving, if they are: fetch returns as soon as the capsule's
     own blobs, manifest and signatures are in, so that it admits and its images stage while its weights stream in.
     Whoever needs the weights waits for them (Arriving.wait). meanwhile: called once the pull is on its way (its
-    library loaded first, on a GIL nobody else wants yet), for work done while the pull waits on the registry."""
+    library loaded first, on a GIL nobody else wants yet), for work done while the pull waits on the registry.
+    on_profile: called on the pull's thread with the capsule once its profile is in (verified, not yet trusted),
+    where the weights move beside the images (registry.pull's on_profile); it must not raise."""
     arrivals = Arrivals()  # its clock starts here: the receipt's pull.steps_s
     from coldsnap.capsule.registry import pull
 
@@ -121,6 +124,10 @@ def fetch(request: RestoreRequest, progress: Progress, meanwhile: Callable[[], N
 
     def on_manifest(digest: str, manifest: dict) -> None:  # the images unpack while they arrive
         outcome["early"] = UnpackingEarly.start(digest, manifest, arrivals)
+
+    def profile_in(digest: str, manifest: dict) -> None:
+        assert on_profile is not None
+        on_profile(store.loaded(digest, manifest), arrivals)
 
     def on_blobs(digest: str, manifest: dict) -> None:
         outcome["digest"] = digest
@@ -140,7 +147,7 @@ def fetch(request: RestoreRequest, progress: Progress, meanwhile: Callable[[], N
         try:
             outcome["result"] = pull(store, ref, insecure=insecure, allow_unpinned=request.policy.allow_unpinned,
                                      progress=transfer, on_blobs=on_blobs, arrivals=arrivals,
-                                     on_manifest=on_manifest)
+                                     on_manifest=on_manifest, on_profile=profile_in if on_profile else None)
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits for it
             outcome["error"] = e
         finally:

@@ -51,27 +51,28 @@ def restore(request: RestoreRequest, progress: Progress = quiet) -> Receipt:
     with receipt_on_failure(request, op_id, op, tl), ExitStack() as held:
         pulled: dict = {}
         arriving = None
-        standby: list[gpu_steps.Standby] = []
-        ahead = None  # a direct pull's prefetch, started before admission (streaming.prefetch_ahead)
+        # a direct pull's prefetch, ordered before admission (streaming.PrefetchAhead)
+        orders = streaming.PrefetchAhead(request.gpu_map) if op == "restore" and direct_wanted() else None
+        ahead = None
         if is_registry_reference(request.capsule):
             def meanwhile() -> None:
                 """While the pull waits on the registry, off the restore's clock: the network step's library loads,
                 admission looks at this host, and a direct pull's prefetcher starts CUDA."""
                 threading.Thread(target=importlib.import_module, args=("coldsnap.net.netns",), daemon=True).start()
                 look_at_this_host_soon()
-                if op == "restore" and direct_wanted() and (waiting := gpu_steps.stand_by()) is not None:
-                    standby.append(waiting)
+                if orders is not None and (waiting := gpu_steps.stand_by()) is not None:
                     held.callback(waiting.reap)  # taken, or not needed: it goes
+                    orders.stand_by(waiting)
 
             with tl.span("pull"):  # until the capsule's own blobs are in: its weights follow
-                request, pulled, arriving = fetch(request, progress, meanwhile)
+                request, pulled, arriving = fetch(request, progress, meanwhile,
+                                                  orders.profile_in if orders is not None else None)
             if arriving is not None:
                 held.callback(arriving.settle)  # the pull ends before the restore does, however it ends
         with tl.span("admit"):
             capsule = load_capsule(request.capsule, request.policy.allow_unpinned)
-            if standby:
-                ahead = streaming.prefetch_ahead(capsule, arriving, request.gpu_map, standby[0],
-                                                 get_adapter(capsule.profile.engine.name))
+            if orders is not None:
+                ahead = orders.taken(capsule, arriving)
             if ahead is not None:  # reaped whatever happens; the restore's own reaping comes first where it took it
                 held.callback(lambda: gpu_steps.finish_prefetch(ahead()))
             verdict = admit_capsule(capsule, request.policy, _driver_for(capsule, op))

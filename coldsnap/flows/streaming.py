@@ -6,9 +6,10 @@ them, one owner for process and container restores alike.
                  the weights are waited for and put in place before CRIU instead (span "weights")
   for_prefetch   the prefetchers take each piece as it is checked against its pin, from memory (the spool); or,
                  direct (COLDSNAP_PULL_DIRECT=1), fetch the pieces from the registry themselves, checking each
-  prefetch_ahead direct, one file onto one GPU: its prefetcher (started on standby while the pull waited) is given
-                 its orders as soon as the capsule is known, so the weights stream onto the GPU while the restore
-                 admits and stages; admission still decides, and nothing reaches an engine before it has
+  PrefetchAhead  direct, one file onto one GPU: its prefetcher (started on standby while the pull waits) is given
+                 its orders as soon as the capsule's profile is in, so the weights stream onto the GPU while the
+                 images arrive and the restore admits and stages; admission still decides, and nothing reaches an
+                 engine before it has
   before_resume  every piece checked; the engine may resume before its files hold them only when every prefetcher
                  says it holds its weights; otherwise the files are written first
   check_taken    an engine resumed ahead of its files must have taken the prefetched copy, or it does not serve
@@ -20,6 +21,7 @@ Nothing unverified reaches a serving engine: the links' pieces are read only onc
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -30,6 +32,7 @@ from coldsnap.base.paths import settings
 from coldsnap.capsule import LoadedCapsule
 from coldsnap.capsule.pieces import Arrivals, direct_wanted
 from coldsnap.contracts import ColdSnapError, ErrorCode
+from coldsnap.engines import get_adapter
 from coldsnap.flows.fetch import Arriving
 from coldsnap.flows.spans import Timeline
 from coldsnap.flows.staging import StagedForRestore, link_arriving, linked_blobs, reloads_weights, unlink_all
@@ -103,22 +106,70 @@ def _streams(pieces: Arrivals, blobs: dict[str, str], direct: bool) -> dict[str,
             for path, digest in blobs.items()}
 
 
-def prefetch_ahead(capsule: LoadedCapsule, arriving: Arriving | None, gpu_map: dict[str, str],
-                   standby: Standby | None, adapter) -> Callable[[], Prefetch] | None:
+class PrefetchAhead:
+    """A direct pull's prefetch, ordered as early as it can be: its standby prefetcher (started while the pull waits
+    on the registry) takes its orders once the capsule's profile is in (the pull's on_profile, the weights' head
+    moving beside the images), or at the latest once its own blobs are (taken, at admission). Whichever of the
+    standby and the profile comes second gives them; the restore takes the prefetch instead of starting its own."""
+
+    def __init__(self, gpu_map: dict[str, str]) -> None:
+        self._gpu_map = gpu_map
+        self._lock = threading.Lock()
+        self._standby: Standby | None = None
+        self._known: tuple[LoadedCapsule, Arrivals] | None = None
+        self._started: Callable[[], Prefetch] | None = None
+        self._ordered = False  # once: orders given, or the standby dismissed
+
+    def stand_by(self, standby: Standby) -> None:
+        """The standby prefetcher, started (the restore's thread, while the pull waits)."""
+        with self._lock:
+            self._standby = standby
+            self._order()
+
+    def profile_in(self, capsule: LoadedCapsule, arrivals: Arrivals) -> None:
+        """The capsule's profile is in the store, verified, not yet trusted (the pull's thread)."""
+        with self._lock:
+            self._known = (capsule, arrivals)
+            self._order()
+
+    def taken(self, capsule: LoadedCapsule, arriving: Arriving | None) -> Callable[[], Prefetch] | None:
+        """At admission: the prefetch started for the pulled capsule (now, if its profile came no sooner); None,
+        the standby dismissed, where none applies. Whoever takes it reaps it."""
+        with self._lock:
+            if self._known is None and arriving is not None:
+                self._known = (capsule, arriving.pieces)
+            self._order()
+            if not self._ordered and self._standby is not None:
+                self._standby.dismiss()
+            self._ordered = True
+            return self._started
+
+    def _order(self) -> None:
+        if self._ordered or self._standby is None or self._known is None:
+            return
+        self._ordered = True
+        capsule, arrivals = self._known
+        try:
+            self._started = prefetch_ahead(capsule, arrivals, self._gpu_map, self._standby,
+                                           get_adapter(capsule.profile.engine.name))
+        except ColdSnapError:  # an engine this host does not know: admission says so; no prefetch is only slower
+            self._standby.dismiss()
+
+
+def prefetch_ahead(capsule: LoadedCapsule, arrivals: Arrivals, gpu_map: dict[str, str], standby: Standby,
+                   adapter) -> Callable[[], Prefetch] | None:
     """A direct pull of one weights file for one GPU: the prefetch started now, the standby prefetcher taking the
-    weights' pieces from the registry as soon as the pull offers them, while the restore admits, stages and
-    restores (the restore takes it instead of starting its own). None where that does not apply (the standby is
-    dismissed; the restore's prefetch starts as usual)."""
+    weights' pieces from the registry as soon as the pull offers them. None where that does not apply (the standby
+    is dismissed; the restore's prefetch starts as usual)."""
     profile = capsule.profile
     weights = profile.model.weights if profile.model else []
     coming = [w for w in weights if w.chunks and not (os.path.exists(w.path) and os.path.getsize(w.path) > 0)]
-    if (standby is None or arriving is None or not direct_wanted() or len(weights) != 1 or len(coming) != 1
+    if (not direct_wanted() or len(weights) != 1 or len(coming) != 1
             or len(profile.gpus_used) != 1 or profile.prefetch_plans or profile.snapshot_driver != "criu-process"
             or not (adapter.supports_prefetch and reloads_weights(capsule))):
-        if standby is not None:
-            standby.dismiss()
+        standby.dismiss()
         return None
-    streams = _streams(arriving.pieces, {coming[0].path: "sha256:" + coming[0].sha256}, direct=True)
+    streams = _streams(arrivals, {coming[0].path: "sha256:" + coming[0].sha256}, direct=True)
     return start_prefetch_soon(profile, True, gpu_map, private_dir(settings().run / "prefetch"),
                                by_file=adapter.prefetch_by_file, arrivals=streams, standby=standby)
 
