@@ -503,12 +503,13 @@ def test_a_standby_prefetcher_runs_the_orders_it_is_given_or_exits_when_dismisse
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the pieces are copied onto it")
 def test_weights_fetched_straight_from_the_registry_reach_the_engine_bit_for_bit(tmp_path):
-    """--direct: the file as the pull leaves it (its head's pieces in place, the rest zeros), the rest of its pieces
-    served by a real HTTP server answering ranges; the prefetcher fetches each, checks it against its pin, copies
-    it onto the GPU from its pinned buffers, and the engine gets the tensors it would load from the whole file. A
-    piece that does not match its pin fails the load, and the engine hears why. The good one is a standby
-    prefetcher given its orders (as a cold node's restore does), the head read from the partial the job names, the
-    engine's file linked to it afterwards."""
+    """--direct: every piece of the file served by a real HTTP server answering ranges, the job giving where the
+    data section starts (as the pull read it from the registry); the prefetcher fetches each piece, checks it
+    against its pin, copies its data onto the GPU from its pinned buffers (the header skipped), and the engine gets
+    the tensors it would load from the whole file. A piece that does not match its pin fails the load, and so does
+    a data section's start that the pinned first piece does not confirm; the engine hears why. The good one is a
+    standby prefetcher given its orders (as a cold node's restore does), its file the partial the job names (the
+    pull fills its head meanwhile), the engine's file linked to it afterwards."""
     import hashlib
 
     from test_prefetch_arrivals import RangeServer
@@ -522,12 +523,15 @@ def test_weights_fetched_straight_from_the_registry_reach_the_engine_bit_for_bit
     first = -(-head // piece) * piece
     uuid = "GPU-" + str(torch.cuda.get_device_properties(0).uuid)
     want = load_weights(str(tmp_path / "w.safetensors"), "cuda")
-    for served, good in ((whole, True), (whole[:-3] + b"\x00\x01\x02", False)):
-        partial = tmp_path / f"partial-{good}.safetensors"
+    cases = ((whole, head, None), (whole[:-3] + b"\x00\x01\x02", head, "does not match the pin"),
+             (whole, head + 8, "the file's header says its data starts elsewhere"))
+    for i, (served, data_offset, failure) in enumerate(cases):
+        good = failure is None
+        partial = tmp_path / f"partial-{i}.safetensors"
         partial.write_bytes(whole[:first] + bytes(len(whole) - first))
-        engine_file = tmp_path / f"engine-{good}.safetensors"  # linked to the partial once the restore stages
+        engine_file = tmp_path / f"engine-{i}.safetensors"  # linked to the partial once the restore stages
         server = RangeServer(served)
-        sock = str(tmp_path / f"d-{good}.sock")
+        sock = str(tmp_path / f"d-{i}.sock")
         args = ["--file", str(engine_file), "--gpu", uuid, "--socket", sock, "--timeout", "60", "--direct",
                 "--threads", "3"]
         proc = Standby().take(args) if good else subprocess.Popen(
@@ -535,8 +539,9 @@ def test_weights_fetched_straight_from_the_registry_reach_the_engine_bit_for_bit
             stderr=subprocess.PIPE)
         try:
             job = {"url": server.url, "authorization": None, "hash": "sha256", "partial": str(partial),
+                   "data_offset": data_offset,
                    "pieces": [[o, min(piece, len(whole) - o), hashlib.sha256(whole[o:o + piece]).hexdigest()]
-                              for o in range(first, len(whole), piece)]}
+                              for o in range(0, len(whole), piece)]}
             proc.stdin.write(json.dumps(job).encode() + b"\n")
             proc.stdin.flush()  # communicate (report_of) closes it
             loaded = json.loads(proc.stdout.readline())
@@ -549,7 +554,7 @@ def test_weights_fetched_straight_from_the_registry_reach_the_engine_bit_for_bit
                 for n in want:
                     assert torch.equal(params[n], want[n]), n
             else:
-                assert f"the piece at byte {job['pieces'][-1][0]} does not match the pin" in loaded["error"]
+                assert failure in loaded["error"], loaded
             report = report_of(proc) if good else None
             if report is not None:
                 assert report["mode"] == "direct" and report["served"] is True and "error" not in report, report

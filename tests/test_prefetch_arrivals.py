@@ -353,12 +353,13 @@ def _direct_pull(tmp_path, monkeypatch, served: bytes | None = None, **server):
     return blob, wf, srv, arrivals, part, pull, done
 
 
-def test_a_direct_pull_offers_the_pieces_past_the_head_and_fetches_them_itself_only_after_the_first_token(
+def test_a_direct_pull_offers_every_piece_at_once_and_fetches_them_itself_only_after_the_first_token(
         tmp_path, monkeypatch):
-    """Direct: the file's head (its first piece, and those its header reaches into) is fetched into the partial and
-    announced; the rest is offered to a prefetcher, which fetches each piece from the registry itself, hashed
-    against its pin as it arrives, into two buffers in turn (here a stand-in sink in host memory); the pull fetches
-    those pieces for the node's copy only once the restore is past its first token."""
+    """Direct: the pull offers every piece of the file to a prefetcher before any is here, with where the data
+    section starts (the registry's first 8 bytes); the prefetcher fetches each piece from the registry itself,
+    hashed against its pin as it arrives, into two buffers in turn (here a stand-in sink in host memory); the pull
+    fetches the file's head into the partial meanwhile (the engine reads its header from the file), and the other
+    pieces for the node's copy only once the restore is past its first token."""
     from coldsnap.gpu.direct import receive_pieces
 
     blob, wf, srv, arrivals, part, pull, done = _direct_pull(tmp_path, monkeypatch)
@@ -366,12 +367,9 @@ def test_a_direct_pull_offers_the_pieces_past_the_head_and_fetches_them_itself_o
         job = arrivals.direct("d", timeout=30)
         assert job is not None and job["url"] == srv.url and job["hash"] == wf.chunk_digest
         cb, head = wf.chunk_bytes, 8 + int.from_bytes(blob[:8], "little")
-        first = -(-head // cb) * cb  # the head's pieces end here
-        assert [p[0] for p in job["pieces"]] == list(range(first, len(blob), cb))
-        assert [p[2] for p in job["pieces"]] == wf.chunks[first // cb:] and sum(p[1] for p in job["pieces"]) == \
-            len(blob) - first
-        on_disk = part.read_bytes()
-        assert on_disk[:first] == blob[:first] and on_disk[first:] == bytes(len(blob) - first)  # the head only
+        assert job["data_offset"] == head and job["partial"] == str(part)
+        assert [p[0] for p in job["pieces"]] == list(range(0, len(blob), cb))
+        assert [p[2] for p in job["pieces"]] == wf.chunks and sum(p[1] for p in job["pieces"]) == len(blob)
         device, checked, sinks = bytearray(len(blob)), [], []
 
         def sink() -> HostSink:
@@ -379,11 +377,14 @@ def test_a_direct_pull_offers_the_pieces_past_the_head_and_fetches_them_itself_o
             return sinks[-1]
 
         receive_pieces(job, 3, sink, checked.append, chunk=1000)
-        assert bytes(device[first:]) == blob[first:] and sorted(map(tuple, checked)) == sorted(map(tuple,
-                                                                                                     job["pieces"]))
+        assert bytes(device) == blob and sorted(map(tuple, checked)) == sorted(map(tuple, job["pieces"]))
         assert sum(s.sent for s in sinks) == sum(-(-p[1] // 1000) for p in job["pieces"])  # chunk by chunk
+        first = -(-head // cb) * cb  # the head's pieces end here
+        assert arrivals.head_in("d", timeout=30)
         pull.join(0.5)
-        assert pull.is_alive() and part.read_bytes()[first:] == bytes(len(blob) - first)  # not until the token
+        on_disk = part.read_bytes()
+        assert pull.is_alive() and on_disk[:first] == blob[:first]  # the head, for the engine
+        assert on_disk[first:] == bytes(len(blob) - first)  # the rest not until the token
         arrivals.allow_sync()
         pull.join(30)
         assert done["r"] == (len(blob), 0) and part.read_bytes() == blob  # the node's copy, whole and checked
@@ -474,18 +475,15 @@ def test_a_direct_fetch_follows_the_registry_redirect_without_its_authorization(
         storage.close()
 
 
-def test_a_direct_job_must_cover_the_file_past_its_head_without_a_gap():
-    """The prefetcher loads a direct job only when its pieces run from the file's head to its end (the head's
-    pieces, in the file, hold the header and the data section's start)."""
-    from coldsnap.gpu.prefetch import PrefetchError, direct_head_end
+def test_a_direct_job_must_cover_the_file_without_a_gap():
+    """The prefetcher loads a direct job only when its pieces run from the file's first byte to its last."""
+    from coldsnap.gpu.prefetch import PrefetchError, direct_extent
 
-    assert direct_head_end([[200, 100, "b"], [100, 100, "a"]], 50, 300) == 100
-    assert direct_head_end([], 50, 300) == 300  # the head is the whole file
-    for pieces, why in (([[100, 50, "a"], [200, 100, "b"]], "a gap at byte 150"),
-                        ([[100, 100, "a"]], "cover bytes 100-200 of a 300-byte file"),
-                        ([[20, 280, "a"]], "whose data starts at byte 50")):
+    assert direct_extent([[100, 200, "b"], [0, 100, "a"]]) == 300
+    for pieces, why in (([[0, 100, "a"], [150, 100, "b"]], "a gap at byte 100"),
+                        ([[20, 280, "a"]], "a gap at byte 0")):
         with pytest.raises(PrefetchError, match=why):
-            direct_head_end(pieces, 50, 300)
+            direct_extent(pieces)
 
 
 class HostDriver:
@@ -529,8 +527,9 @@ class HostDriver:
 
 def test_the_gpu_sink_puts_each_pieces_bytes_at_its_place_in_the_data_section(tmp_path):
     """The sink the prefetcher gives each connection (two pinned buffers, each copied to the GPU buffer at its
-    bytes' place less the data section's start), on a stand-in driver whose "device" is host memory: the data
-    section comes out whole, the buffers waited for before reuse and freed at the end."""
+    bytes' place in the data section, the header's bytes skipped), on a stand-in driver whose "device" is host
+    memory: the data section comes out whole, the file's first 8 bytes are kept for the header's check, the buffers
+    waited for before reuse and freed at the end."""
     import ctypes
 
     from coldsnap.gpu import direct
@@ -539,17 +538,17 @@ def test_the_gpu_sink_puts_each_pieces_bytes_at_its_place_in_the_data_section(tm
     blob, wf = pinned_blob(tmp_path, 40_000)
     cb = wf.chunk_bytes
     base = 8 + int.from_bytes(blob[:8], "little")
-    first = -(-base // cb) * cb
+    assert 64 < base < 96  # with 32-byte buffers: two of header, one across the data section's start
     device = (ctypes.c_char * (len(blob) - base))()
-    driver, server = HostDriver(), RangeServer(blob)
+    driver, server, head = HostDriver(), RangeServer(blob), {}
     try:
         job = {"url": server.url, "authorization": None, "hash": wf.chunk_digest,
-               "pieces": [[o, min(cb, len(blob) - o), wf.chunks[o // cb]] for o in range(first, len(blob), cb)]}
-        direct.receive_pieces(job, 2, lambda: _GpuSink(driver, None, ctypes.addressof(device) - base),
-                              lambda piece: None, chunk=1000)
+               "pieces": [[o, min(cb, len(blob) - o), wf.chunks[o // cb]] for o in range(0, len(blob), cb)]}
+        direct.receive_pieces(job, 2, lambda: _GpuSink(driver, None, ctypes.addressof(device), base, head),
+                              lambda piece: None, chunk=32)
     finally:
         server.close()
-    assert bytes(device)[first - base:] == blob[first:] and not driver.held  # every buffer freed
+    assert bytes(device) == blob[base:] and head["first"] == blob[:8] and not driver.held  # every buffer freed
     assert driver.calls.count("cuEventSynchronize") > 0 and driver.calls.count("cuStreamSynchronize") == 2
 
 
@@ -593,15 +592,17 @@ def test_the_buffered_fill_and_the_spooled_arrivals_reach_the_gpu_whole_on_a_sta
 def test_a_direct_prefetch_is_ordered_by_whichever_of_its_standby_and_the_profile_comes_second(monkeypatch):
     """streaming.PrefetchAhead: the standby prefetcher (the restore's thread) and the capsule's profile (the pull's)
     come in either order; the second gives the orders, once; at admission the restore takes that prefetch, orders
-    it then if the profile came no sooner, or dismisses the standby where there is nothing to order."""
+    it then if the profile came no sooner, or dismisses the standby where there is nothing to order. A capsule no
+    single prefetcher can take declines the direct way as its profile comes, before its weights move."""
     from types import SimpleNamespace
 
     from coldsnap.flows import streaming
 
     ordered: list = []
-    monkeypatch.setattr(streaming, "get_adapter", lambda name: None)
+    fits = {"sha256:a": True, "sha256:tp": False}
+    monkeypatch.setattr(streaming, "direct_fits", lambda capsule: fits[capsule.digest])
 
-    def prefetch_ahead(capsule, arrivals, gpu_map, standby, adapter):
+    def prefetch_ahead(capsule, arrivals, gpu_map, standby):
         ordered.append((capsule.digest, arrivals, standby))
         return lambda: f"prefetch of {capsule.digest}"
 
@@ -613,29 +614,51 @@ def test_a_direct_prefetch_is_ordered_by_whichever_of_its_standby_and_the_profil
         def dismiss(self):
             self.dismissed = True
 
-    def capsule(digest):
-        return SimpleNamespace(digest=digest, profile=SimpleNamespace(engine=SimpleNamespace(name="reference")))
-
-    a = capsule("sha256:a")
+    a = SimpleNamespace(digest="sha256:a")
     for profile_first in (True, False):
         ordered.clear()
-        ahead, standby = streaming.PrefetchAhead({}), Standby()
+        ahead, standby, pulling = streaming.PrefetchAhead({}), Standby(), Arrivals()
         if profile_first:
-            ahead.profile_in(a, "arrivals")
+            ahead.profile_in(a, pulling)
             assert ordered == []  # no prefetcher to order yet
             ahead.stand_by(standby)
         else:
             ahead.stand_by(standby)
             assert ordered == []
-            ahead.profile_in(a, "arrivals")
-        assert ordered == [("sha256:a", "arrivals", standby)]
-        assert ahead.taken(a, SimpleNamespace(pieces="later"))() == "prefetch of sha256:a"
+            ahead.profile_in(a, pulling)
+        assert ordered == [("sha256:a", pulling, standby)] and not pulling.direct_declined
+        assert ahead.taken(a, SimpleNamespace(pieces=Arrivals()))() == "prefetch of sha256:a"
         assert len(ordered) == 1 and not standby.dismissed
     ordered.clear()
-    late, standby = streaming.PrefetchAhead({}), Standby()  # the profile came with the images: ordered at admission
+    late, standby, later = streaming.PrefetchAhead({}), Standby(), Arrivals()  # its profile came with the images
     late.stand_by(standby)
-    assert late.taken(a, SimpleNamespace(pieces="later"))() == "prefetch of sha256:a"
-    assert ordered == [("sha256:a", "later", standby)]
+    assert late.taken(a, SimpleNamespace(pieces=later))() == "prefetch of sha256:a"
+    assert ordered == [("sha256:a", later, standby)]
     local, standby = streaming.PrefetchAhead({}), Standby()  # nothing pulled: nothing to order
     local.stand_by(standby)
     assert local.taken(a, None) is None and standby.dismissed
+    tp, pulling = streaming.PrefetchAhead({}), Arrivals()  # weights for two GPUs: spooled, not direct
+    tp.profile_in(SimpleNamespace(digest="sha256:tp"), pulling)
+    assert pulling.direct_declined
+
+
+@pytest.mark.parametrize("mode, driver, prefetch, expected", [
+    ("", True, "", True),        # auto, by default: a node with an NVIDIA driver
+    ("auto", False, "", False),  # none: no prefetcher could take the pieces
+    ("auto", True, "0", False),  # the prefetch turned off
+    ("1", False, "", True),
+    ("0", True, "", False),
+])
+def test_the_direct_way_is_taken_where_a_gpu_prefetcher_can_take_the_pieces(monkeypatch, mode, driver, prefetch,
+                                                                           expected):
+    from coldsnap.capsule import pieces
+
+    monkeypatch.setenv("COLDSNAP_PULL_DIRECT", mode)
+    monkeypatch.setenv("COLDSNAP_PREFETCH", prefetch)
+    real = pieces.os.path.exists
+    monkeypatch.setattr(pieces.os.path, "exists", lambda p: driver if p == "/dev/nvidiactl" else real(p))
+    assert pieces.direct_wanted() is expected
+    pulling = Arrivals()
+    assert pulling.goes_direct() is expected
+    pulling.decline_direct()  # a capsule no single prefetcher takes
+    assert pulling.goes_direct() is False

@@ -233,20 +233,25 @@ def test_a_streamed_restore_whose_weights_fail_their_pin_fails_and_lists_nothing
         os.replace(weights.path + ".gone", weights.path)
 
 
+@pytest.mark.parametrize("ahead", ["auto", "0"], ids=["declined-at-its-profile", "offer-declined"])
 def test_a_direct_streamed_restore_nobody_prefetches_fetches_its_weights_itself_and_validates(
-        registry, tmp_path, monkeypatch):  # noqa: F811
-    """COLDSNAP_PULL_DIRECT=1 where no GPU prefetcher can take the pieces (a CPU engine): the restore declines the
-    pull's offer, the pull fetches the rest of the pieces straight into the partial (no spool), CRIU having
-    restored meanwhile, and the engine reads its file once every piece is there: validated, the file the store's
-    listed blob after."""
+        registry, tmp_path, monkeypatch, ahead):  # noqa: F811
+    """COLDSNAP_PULL_DIRECT=1 where no GPU prefetcher can take the pieces (a CPU engine: no GPU to load onto). Its
+    profile first (the weights beside the images, by default with the direct way): the restore declines the direct
+    way before the weights move, and they are spooled as without it. With the weights after the images
+    (COLDSNAP_PULL_WEIGHTS_AHEAD=0) the pull offers them, the restore declines the offer, and the pull fetches the
+    rest straight into the partial (no spool). Either way CRIU restores meanwhile, the engine reads its file once
+    every piece is there: validated, the file the store's listed blob after."""
     origin_host(tmp_path, monkeypatch)
     monkeypatch.setenv("COLDSNAP_PIN_PIECE_MIB", "1")
     monkeypatch.setenv("COLDSNAP_PULL_DIRECT", "1")
+    monkeypatch.setenv("COLDSNAP_PULL_SPOOL", "1")
+    monkeypatch.setenv("COLDSNAP_PULL_WEIGHTS_AHEAD", ahead)
     cap, weights = captured_and_pushed(registry, "pyt-reg-direct", "direct", "direct")
     become_a_fresh_host(tmp_path, monkeypatch, weights)
     from coldsnap.flows import streaming
 
-    known: list = []  # (capsule, the pull's steps so far) when the prefetch's orders could go
+    known: list = []  # (capsule, the pull's steps so far) when the restore heard of its profile
     real = streaming.PrefetchAhead.profile_in
     monkeypatch.setattr(streaming.PrefetchAhead, "profile_in", lambda self, capsule, arrivals: known.append(
         (capsule.digest, dict(arrivals.marks))) or real(self, capsule, arrivals))
@@ -254,11 +259,15 @@ def test_a_direct_streamed_restore_nobody_prefetches_fetches_its_weights_itself_
                                insecure_registry=True, policy=Policy(fallback_to_cold=False)))
     try:
         assert r.state == "succeeded" and r.result.validated_text == cap.profile.expected_text
-        # its profile known before its images were in: the direct way's weights move beside them (auto)
-        assert [d for d, _ in known] == [cap.capsule], known
-        assert "manifest" in known[0][1] and "own_blobs" not in known[0][1], known
-        assert r.result.pull.get("streamed") and "spooled" not in r.result.pull, r.result.pull  # not in memory
-        assert r.result.pull.get("direct_offered") == 1, r.result.pull  # offered, and declined
+        assert r.result.pull.get("streamed"), r.result.pull
+        if ahead == "auto":  # its profile known before its images were in, and the direct way declined then
+            assert [d for d, _ in known] == [cap.capsule], known
+            assert "manifest" in known[0][1] and "own_blobs" not in known[0][1], known
+            assert r.result.pull.get("spooled") == 1 and "direct_offered" not in r.result.pull, r.result.pull
+        else:
+            assert known == []
+            assert "spooled" not in r.result.pull, r.result.pull  # not in memory
+            assert r.result.pull.get("direct_offered") == 1, r.result.pull  # offered, and declined
         assert "weights" not in [s.name for s in r.spans]  # CRIU did not wait for them
         assert "no CUDA process" in (r.result.hydrate.prefetch or {}).get("skipped", ""), r.result.hydrate
         store = CapsuleStore(settings().store)

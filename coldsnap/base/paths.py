@@ -40,9 +40,10 @@ VARIABLES = (
              "pins them is in, beside the CRIU images; 0: after the capsule's own blobs; auto: beside them where "
              "the images come by fetching processes of their own (COLDSNAP_PULL_IMAGE_FETCHERS) or the weights go "
              "direct (COLDSNAP_PULL_DIRECT)"),
-    Variable("COLDSNAP_PULL_DIRECT", "0", "1: a restore's GPU prefetcher fetches the streamed weights' pieces from "
-             "the registry itself, each checked against its pin, and the pull fetches them for the node's store "
-             "after the first token (a second transfer)"),
+    Variable("COLDSNAP_PULL_DIRECT", "auto", "1: a restore's GPU prefetcher fetches the streamed weights' pieces "
+             "from the registry itself, each checked against its pin, and the pull fetches them for the node's store "
+             "after the first token (a second transfer); 0: the pull fetches them, the prefetcher takes them from it; "
+             "auto: 1 where the node has an NVIDIA driver and the weights are one file for one GPU"),
     Variable("COLDSNAP_PULL_CONNECTIONS", "", "connections a pull by pieces uses at once (1-64); default one per "
              "core, 2 to 16"),
     Variable("COLDSNAP_PULL_IMAGE_FETCHERS", "", "a streamed restore fetches this many of its CRIU images' layers "
@@ -110,7 +111,7 @@ class Settings:
     pull_weights_ahead: str = "auto"
     pull_connections: str = ""
     pull_image_fetchers: str = ""
-    pull_direct: str = "0"
+    pull_direct: str = "auto"
     pin_piece_mib: str = "256"
     pin_piece_hash: str = "blake3"
     images_layer_mib: str = "64"
@@ -175,7 +176,7 @@ def settings() -> Settings:
         pull_weights_ahead=os.environ.get("COLDSNAP_PULL_WEIGHTS_AHEAD", "auto"),
         pull_connections=os.environ.get("COLDSNAP_PULL_CONNECTIONS", ""),
         pull_image_fetchers=os.environ.get("COLDSNAP_PULL_IMAGE_FETCHERS", ""),
-        pull_direct=os.environ.get("COLDSNAP_PULL_DIRECT", "0"),
+        pull_direct=os.environ.get("COLDSNAP_PULL_DIRECT", "auto"),
         pin_piece_mib=os.environ.get("COLDSNAP_PIN_PIECE_MIB", "256"),
         pin_piece_hash=os.environ.get("COLDSNAP_PIN_PIECE_HASH", "blake3"),
         images_layer_mib=os.environ.get("COLDSNAP_IMAGES_LAYER_MIB", "64"),

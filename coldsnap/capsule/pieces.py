@@ -83,6 +83,8 @@ class Arrivals:
         self.took: dict[str, float] = {}  # blob digest → seconds from its partial's sizing to its last piece checked
         self._sized_at: dict[str, float] = {}
         self._growing: dict[str, Growing] = {}  # blobs fetched as one stream that someone follows as they land
+        self.direct_declined = False  # decline_direct
+        self._heads: set[str] = set()  # blobs whose head is in their partial file (head_filed)
         self._direct: dict[str, dict | None] = {}  # blob digest → its pieces for a prefetcher to fetch (offer_direct)
         self._fetchers: list[Fetcher] = []  # fetching processes started ahead, for the first spooled blob
         self._blob_fetchers: list[Fetcher] = []  # and for the blobs followed (one each)
@@ -182,6 +184,29 @@ class Arrivals:
             if job is not None:
                 self.offered.add(digest)
             self._cond.notify_all()
+
+    def decline_direct(self) -> None:
+        """This restore has no prefetcher to fetch the weights from the registry (the capsule's weights are not one
+        file for one GPU): the pull spools them as it would without COLDSNAP_PULL_DIRECT. Said before they move."""
+        self.direct_declined = True
+
+    def goes_direct(self) -> bool:
+        """Whether the weights go to a prefetcher straight from the registry (direct_wanted, not declined)."""
+        return direct_wanted() and not self.direct_declined
+
+    def head_filed(self, digest: str) -> None:
+        """The blob's head (the pieces its header is in) is in its partial file, checked: an engine may read its
+        header there."""
+        with self._cond:
+            self._heads.add(digest)
+            self._cond.notify_all()
+
+    def head_in(self, digest: str, timeout: float) -> bool:
+        """Whether the blob's head is in its partial file (head_filed, or every piece filed), waiting up to
+        `timeout` for it or the pull's end."""
+        with self._cond:
+            self._cond.wait_for(lambda: digest in self._heads or digest in self._filed or self.ended, timeout)
+            return digest in self._heads or digest in self._filed
 
     def direct(self, digest: str, timeout: float) -> dict | None:
         """The job the pull offers for the blob (offer_direct), waiting for it up to `timeout`; None when it offers
@@ -345,10 +370,15 @@ def _raise_fd_limit(need: int) -> bool:
 
 
 def direct_wanted() -> bool:
-    """COLDSNAP_PULL_DIRECT=1: a restore's prefetcher fetches the weights' pieces from the registry itself
-    (coldsnap.gpu.direct), and the pull fetches them for the node's store after the first token (a second transfer);
-    where no prefetcher takes them, the pull fetches them at once, to disk."""
-    return settings().pull_direct == "1"
+    """Whether a restore's prefetcher fetches the weights' pieces from the registry itself (coldsnap.gpu.direct), the
+    pull fetching them for the node's store after the first token (a second transfer): COLDSNAP_PULL_DIRECT 1 or 0;
+    auto (default): where this node has an NVIDIA driver and the prefetch is on (COLDSNAP_PREFETCH). A restore
+    whose capsule no single prefetcher can take declines it (Arrivals.decline_direct); where none takes the offer,
+    the pull fetches the pieces at once, to disk."""
+    mode = settings().pull_direct
+    if mode in ("", "auto"):
+        return settings().prefetch and os.path.exists("/dev/nvidiactl")
+    return mode == "1"
 
 
 def spool_wanted(size: int, pieces: int) -> bool:
@@ -397,7 +427,7 @@ def fetch_by_pieces(new_client: Callable[[], object], url: str, part: Path, size
             ok = pool.map(lambda p: chunk_digest(fd, p[1], p[2], wf.chunk_digest) == wf.chunks[p[0]], there)
             kept = {p[0] for p, good in zip(there, ok) if good}
         os.ftruncate(fd, size)
-        direct = arrivals is not None and direct_wanted()
+        direct = arrivals is not None and arrivals.goes_direct()
         if arrivals is not None and not direct and spool_wanted(size, len(pieces)):
             spool = Spool(size, cb)
             for i, offset, length in pieces:  # what an earlier pull left: where the prefetchers read the rest
@@ -473,7 +503,7 @@ def fetch_by_pieces(new_client: Callable[[], object], url: str, part: Path, size
             if spool is not None and todo else None
         if direct:
             assert arrivals is not None
-            results = _direct_then_here(fetch, new_client, url, fd, part, todo, wf, what, arrivals, digest)
+            results = _direct_then_here(fetch, new_client, url, fd, part, todo, pieces, wf, what, arrivals, digest)
         if results is None:  # on threads of this process: to disk, or where no fetching process could start
             with ThreadPoolExecutor(workers()) as pool:
                 results = list(pool.map(fetch, todo))
@@ -501,15 +531,23 @@ def fetch_by_pieces(new_client: Callable[[], object], url: str, part: Path, size
 
 
 def _direct_then_here(fetch: Callable[[tuple[int, int, int]], bool], new_client: Callable[[], object], url: str,
-                      fd: int, part: Path, todo: list[tuple[int, int, int]], wf: WeightFile, what: str,
-                      arrivals: Arrivals, digest: str) -> list[bool]:
-    """fetch_by_pieces' direct way: the pieces of the file's head (its first, then those its header reaches into)
-    fetched into the partial (`part`, which the job names: the prefetcher reads the head there) and announced, the
-    rest offered to a prefetcher, then fetched here once the arrivals allow it (the first token, or someone needing
-    the files). Whether each piece of todo matched its pin."""
+                      fd: int, part: Path, todo: list[tuple[int, int, int]], every: list[tuple[int, int, int]],
+                      wf: WeightFile, what: str, arrivals: Arrivals, digest: str) -> list[bool]:
+    """fetch_by_pieces' direct way: every piece of the file offered to a prefetcher at once (its data section's
+    start read from the registry, to be checked by the prefetcher against the first piece's pinned bytes); the
+    pieces of the file's head (its first, then those its header reaches into) fetched into the partial meanwhile,
+    for the engine, which reads its header from the file; the rest fetched here once the arrivals allow it (the
+    first token, or someone needing the files). Whether each piece of todo matched its pin."""
     good: dict[int, bool] = {}
     offered = False
     try:
+        layout = _data_offset(new_client(), url, what, every[-1][1] + every[-1][2])
+        if layout is not None:
+            authorization, data_offset = layout
+            arrivals.offer_direct(digest, {"url": url, "authorization": authorization, "hash": wf.chunk_digest,
+                                           "partial": str(part), "data_offset": data_offset,
+                                           "pieces": [[o, n, wf.chunks[i]] for i, o, n in every]})
+            offered = True
         first = [p for p in todo if p[1] == 0]
         good.update((p[0], fetch(p)) for p in first)
         if not all(good.values()):
@@ -518,13 +556,10 @@ def _direct_then_here(fetch: Callable[[tuple[int, int, int]], bool], new_client:
         head = [p for p in todo if 0 < p[1] < head_end]
         with ThreadPoolExecutor(workers()) as pool:
             good.update(zip((p[0] for p in head), pool.map(fetch, head)))
+        if all(good.values()):
+            arrivals.head_filed(digest)
         rest = [p for p in todo if p[0] not in good]
-        if all(good.values()) and rest:
-            authorization = probe(new_client(), url, what)[1]
-            arrivals.offer_direct(digest, {"url": url, "authorization": authorization, "hash": wf.chunk_digest,
-                                           "partial": str(part),
-                                           "pieces": [[o, n, wf.chunks[i]] for i, o, n in rest]})
-            offered = True
+        if offered and all(good.values()) and rest:
             arrivals.wait_file_allowed()
         with ThreadPoolExecutor(workers()) as pool:
             good.update(zip((p[0] for p in rest), pool.map(fetch, rest)))
@@ -532,6 +567,21 @@ def _direct_then_here(fetch: Callable[[tuple[int, int, int]], bool], new_client:
     finally:
         if not offered:
             arrivals.offer_direct(digest, None)
+
+
+def _data_offset(client, url: str, what: str, size: int) -> tuple[str | None, int] | None:
+    """(the authorization that got the answer, where the file's data section starts: 8 + its header's length, as
+    its first 8 bytes say) from the registry, before any piece is here; None where it answers no range or a length
+    past the file. Unchecked here: the prefetcher checks it against the first piece once that matched its pin."""
+    r = client.request("GET", url, ok=(200, 206), what=what, headers={"Range": "bytes=0-7"}, stream=True,
+                       not_found=ErrorCode.CAPSULE_NOT_FOUND)
+    with r:
+        authorization = (r.history[0] if r.history else r).request.headers.get("Authorization")
+        if r.status_code != 206:
+            return None
+        head = r.raw.read(8)
+    offset = 8 + int.from_bytes(head, "little") if len(head) == 8 else size + 1
+    return (authorization, offset) if offset <= min(size, HEAD_MAX) else None
 
 
 FETCHERS = 4  # processes a spooled pull spreads its connections over (each has a GIL of its own)

@@ -30,7 +30,7 @@ from coldsnap.base.files import private_dir
 from coldsnap.base.journal import Journal, Linked
 from coldsnap.base.paths import settings
 from coldsnap.capsule import LoadedCapsule
-from coldsnap.capsule.pieces import Arrivals, direct_wanted
+from coldsnap.capsule.pieces import Arrivals
 from coldsnap.contracts import ColdSnapError, ErrorCode
 from coldsnap.engines import get_adapter
 from coldsnap.flows.fetch import Arriving
@@ -55,7 +55,7 @@ class ArrivingWeights:
         """The prefetchers' view of the files still arriving: the ranges checked so far, and the memory they land
         in (or, direct, the pieces the pull offers a prefetcher to fetch itself); None when every file was in place
         already."""
-        return _streams(self.arriving.pieces, self.blobs, direct_wanted()) or None
+        return _streams(self.arriving.pieces, self.blobs, self.arriving.pieces.goes_direct()) or None
 
     def before_resume(self, prefetch: Prefetch) -> None:
         """Until the engine may take its weights: every piece checked, and on its GPUs (every prefetcher loaded)
@@ -65,7 +65,9 @@ class ArrivingWeights:
         t = time.monotonic()
         digests = list(self.blobs.values())
         if prefetch.direct:  # its prefetcher fetched and checked them itself; the pull fetches them after the token
-            self.ahead_of_files = prefetch.loaded(timeout=DIRECT_WAIT_S)
+            # and the files' heads, which the engine reads its headers from (the pull fetched them meanwhile)
+            self.ahead_of_files = prefetch.loaded(timeout=DIRECT_WAIT_S) and all(
+                self.arriving.pieces.head_in(d, timeout=DIRECT_WAIT_S) for d in digests)
             if not self.ahead_of_files:
                 self.arriving.filed(digests)  # asks the pull for them now; raises what failed it
             self.wait_s = round(time.monotonic() - t, 4)
@@ -127,7 +129,10 @@ class PrefetchAhead:
             self._order()
 
     def profile_in(self, capsule: LoadedCapsule, arrivals: Arrivals) -> None:
-        """The capsule's profile is in the store, verified, not yet trusted (the pull's thread)."""
+        """The capsule's profile is in the store, verified, not yet trusted (the pull's thread, before the weights
+        move): a capsule no single prefetcher can take declines the direct way, its weights spooled instead."""
+        if not direct_fits(capsule):
+            arrivals.decline_direct()
         with self._lock:
             self._known = (capsule, arrivals)
             self._order()
@@ -149,29 +154,40 @@ class PrefetchAhead:
             return
         self._ordered = True
         capsule, arrivals = self._known
-        try:
-            self._started = prefetch_ahead(capsule, arrivals, self._gpu_map, self._standby,
-                                           get_adapter(capsule.profile.engine.name))
-        except ColdSnapError:  # an engine this host does not know: admission says so; no prefetch is only slower
-            self._standby.dismiss()
+        self._started = prefetch_ahead(capsule, arrivals, self._gpu_map, self._standby)
 
 
-def prefetch_ahead(capsule: LoadedCapsule, arrivals: Arrivals, gpu_map: dict[str, str], standby: Standby,
-                   adapter) -> Callable[[], Prefetch] | None:
+def direct_fits(capsule: LoadedCapsule) -> bool:
+    """Whether one prefetcher can take the capsule's weights from the registry: one file, pinned by pieces, not on
+    this node yet, for a process restore onto one GPU of an engine that reloads its weights and takes them
+    prefetched."""
+    profile = capsule.profile
+    weights = profile.model.weights if profile.model else []
+    if (len(weights) != 1 or not weights[0].chunks or len(profile.gpus_used) != 1 or profile.prefetch_plans
+            or profile.snapshot_driver != "criu-process" or not reloads_weights(capsule)):
+        return False
+    if os.path.exists(weights[0].path) and os.path.getsize(weights[0].path) > 0:
+        return False
+    try:
+        return get_adapter(profile.engine.name).supports_prefetch
+    except ColdSnapError:  # an engine this host does not know: admission says so
+        return False
+
+
+def prefetch_ahead(capsule: LoadedCapsule, arrivals: Arrivals, gpu_map: dict[str, str],
+                   standby: Standby) -> Callable[[], Prefetch] | None:
     """A direct pull of one weights file for one GPU: the prefetch started now, the standby prefetcher taking the
     weights' pieces from the registry as soon as the pull offers them. None where that does not apply (the standby
     is dismissed; the restore's prefetch starts as usual)."""
-    profile = capsule.profile
-    weights = profile.model.weights if profile.model else []
-    coming = [w for w in weights if w.chunks and not (os.path.exists(w.path) and os.path.getsize(w.path) > 0)]
-    if (not direct_wanted() or len(weights) != 1 or len(coming) != 1
-            or len(profile.gpus_used) != 1 or profile.prefetch_plans or profile.snapshot_driver != "criu-process"
-            or not (adapter.supports_prefetch and reloads_weights(capsule))):
+    if not (arrivals.goes_direct() and direct_fits(capsule)):
         standby.dismiss()
         return None
-    streams = _streams(arrivals, {coming[0].path: "sha256:" + coming[0].sha256}, direct=True)
+    profile = capsule.profile
+    weights = profile.model.weights  # type: ignore[union-attr]  # direct_fits: one file
+    streams = _streams(arrivals, {weights[0].path: "sha256:" + weights[0].sha256}, direct=True)
     return start_prefetch_soon(profile, True, gpu_map, private_dir(settings().run / "prefetch"),
-                               by_file=adapter.prefetch_by_file, arrivals=streams, standby=standby)
+                               by_file=get_adapter(profile.engine.name).prefetch_by_file, arrivals=streams,
+                               standby=standby)
 
 
 def link_or_wait(staged: StagedForRestore, arriving: Arriving | None, journal: Journal,

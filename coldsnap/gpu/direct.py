@@ -8,10 +8,11 @@ first token.
 Why: landing 31 GB in fresh host memory first (the pull's spool) costs a third of the rate; received into small
 reused buffers the same connections moved 8 GB/s in one process (docs/benchmarks.md).
 
-The job, from the pull (coldsnap.capsule.pieces.Arrivals.offer_direct): {"url", "authorization" (a header value or
-null), "hash" (the pins' algorithm), "partial" (the blob's partial file, holding the file's head checked), "pieces":
-[[offset, length, pin], ...]}: the pieces of the file not yet in its partial, every one after the file's head (the
-header the engine and the prefetcher read from the file)."""
+The job, from the pull (coldsnap.capsule.pieces.Arrivals.offer_direct), offered before any piece is in: {"url",
+"authorization" (a header value or null), "hash" (the pins' algorithm), "partial" (the blob's partial file: the file
+the engine will read its header from, the pull fetching the head's pieces into it meanwhile), "data_offset" (where
+the data section starts, as the registry's first 8 bytes say: checked by the prefetcher against the first piece's
+pinned bytes), "pieces": [[offset, length, pin], ...]: every piece of the file}."""
 
 from __future__ import annotations
 

@@ -526,10 +526,10 @@ def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float
     loaded as it comes, and only those: a data section not wholly named is an error (the engine reads the file).
     spool: with arrivals, (descriptors, piece size) of the memory holding the checked ranges (the pull's Spool: a
     memfd per piece), read instead of the file, whose pieces reach the disk later.
-    direct: returns the job (coldsnap.gpu.direct's), asked once the GPU is ready: the file's pieces past its head,
-    fetched from the registry onto the GPU here; the head (header and the data in its pieces) is read from the
-    file where the pull put it checked: the job's "partial" (the blob's partial file, which the restore links at
-    `path` later), else `path`.
+    direct: returns the job (coldsnap.gpu.direct's), asked once the GPU is ready: every piece of the file, fetched
+    from the registry onto the GPU here, the data section's start checked against the first piece's pinned bytes;
+    the engine's file (which it checks is the one loaded) is the job's "partial" (the blob's partial file, which
+    the restore links at `path` later), else `path`.
     driver: CUDA, initialised already (a standby prefetcher's: main's --standby).
     Once the memory is loaded (or can't be), one line says so before the engine is awaited: {"loaded": true} or
     {"loaded": false, "error": ...}; the restore lets the engine take the memory only after the first."""
@@ -557,7 +557,7 @@ def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float
                 if not isinstance(job, dict):
                     raise PrefetchError("the pull offered no pieces: it fetches them itself")
                 source = str(job.get("partial") or path)  # the same inode as `path`, once linked there
-                buf, base, size, load_s = _load_direct(driver, device, source, job, threads)
+                buf, base, size, load_s = _load_direct(driver, device, job, threads)
             elif arrivals is not None:  # still arriving: each piece as it is checked
                 report["mode"] = "arriving"
                 buf, base, size, load_s = _load_arriving(driver, device, path, arrivals, threads, spool)
@@ -673,55 +673,52 @@ def _load_arriving(driver, device: int, path: str, arrivals: Iterable[str], thre
             os.close(spooled)
 
 
-def direct_head_end(pieces: list, base: int, size: int) -> int:
-    """Where the registry's pieces of a direct job start (the file's head, before, is in the file): they must run
-    on without a gap to the file's end, past the data section's start (base). PrefetchError otherwise."""
-    head_end = min((int(p[0]) for p in pieces), default=size)
-    at = head_end
+def direct_extent(pieces: list) -> int:
+    """The size of the file a direct job's pieces make up: they must run from its first byte to its last without a
+    gap. PrefetchError otherwise."""
+    at = 0
     for offset, n, _ in sorted(pieces, key=lambda p: int(p[0])):
         if int(offset) != at:
             raise PrefetchError(f"the registry's pieces leave a gap at byte {at}")
         at += int(n)
-    if at != size or head_end < base:
-        raise PrefetchError(f"the registry's pieces cover bytes {head_end}-{at} of a {size}-byte file whose data "
-                            f"starts at byte {base}")
-    return head_end
+    return at
 
 
-def _load_direct(driver, device: int, path: str, job: dict, threads: int):
-    """serve's load of a file whose pieces past its head come from the registry (coldsnap.gpu.direct): (buffer,
-    section offset, bytes, seconds). The head's share of the data section is read from the file (checked by the
-    pull)."""
+def _load_direct(driver, device: int, job: dict, threads: int):
+    """serve's load of a file whose pieces come from the registry (coldsnap.gpu.direct): (buffer, section offset,
+    bytes, seconds). The data section starts at the job's data_offset (the registry's word, before any piece was
+    checked): the pieces' bytes from there on go onto the GPU, and the first piece, once it matched its pin, must
+    say the same (its first 8 bytes: the header's length)."""
     from coldsnap.gpu.direct import receive_pieces
 
     t1 = time.monotonic()
-    base, length = data_section(path)
-    head_end = direct_head_end(job["pieces"], base, base + length)
-    buf = vmm.ExportableBuffer(driver, device, length)
+    size = direct_extent(job["pieces"])
+    base = int(job["data_offset"])
+    if not 8 <= base <= size:
+        raise PrefetchError(f"the data section would start at byte {base} of a {size}-byte file")
+    head: dict[str, bytes] = {}  # the file's first 8 bytes, as the first piece brought them
+    buf = vmm.ExportableBuffer(driver, device, size - base)
     try:
-        if head_end > base:  # the data in the head's pieces
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                fill_buffered(driver, device, buf.ptr, fd, base, [(0, head_end - base, 1, head_end - base)], threads)
-            finally:
-                os.close(fd)
         ctx = driver.use_primary_context(device)
-        receive_pieces(job, threads, lambda: _GpuSink(driver, ctx, buf.ptr - base), lambda piece: None)
+        receive_pieces(job, threads, lambda: _GpuSink(driver, ctx, buf.ptr, base, head), lambda piece: None)
+        if 8 + int.from_bytes(head.get("first", b""), "little") != base:  # every piece matched its pin by now
+            raise PrefetchError(f"the file's header says its data starts elsewhere than at byte {base}, where the "
+                                "registry's answer put it")
     except BaseException:
         buf.close()
         raise
-    return buf, base, length, time.monotonic() - t1
+    return buf, base, size - base, time.monotonic() - t1
 
 
 class _GpuSink:
     """coldsnap.gpu.direct's Sink on the GPU: a stream of this thread's and a _PinnedPair of direct.CHUNK, each
-    buffer copied to `to` + the bytes' offset in the file (the GPU buffer's address less the data section's
-    offset)."""
+    buffer's bytes of the file's data section (from byte `base` on) copied to the GPU buffer at `to` + their place
+    in it, the header's bytes skipped; `head` gets the file's first 8 bytes as they pass ("first")."""
 
-    def __init__(self, driver, ctx, to: int) -> None:
+    def __init__(self, driver, ctx, to: int, base: int, head: dict[str, bytes]) -> None:
         from coldsnap.gpu.direct import CHUNK
 
-        self.driver, self.to = driver, to
+        self.driver, self.to, self.base, self.head = driver, to, base, head
         driver.call("cuCtxSetCurrent", ctx)
         self.stream = ctypes.c_void_p()
         driver.call("cuStreamCreate", ctypes.byref(self.stream), vmm.STREAM_NON_BLOCKING)
@@ -735,7 +732,12 @@ class _GpuSink:
         return self.pair.buffer(k)
 
     def send(self, k: int, n: int, offset: int) -> None:
-        self.driver.call("cuMemcpyHtoDAsync_v2", self.to + offset, self.pair.addr(k), n, self.stream)
+        if offset == 0:
+            self.head["first"] = bytes(self.pair.views[k][:min(8, n)])
+        skip = min(n, max(0, self.base - offset))  # the header's bytes in this buffer
+        if skip < n:
+            self.driver.call("cuMemcpyHtoDAsync_v2", self.to + offset + skip - self.base, self.pair.addr(k) + skip,
+                             n - skip, self.stream)
         self.pair.copied(k)
 
     def finish(self) -> None:

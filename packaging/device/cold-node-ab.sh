@@ -4,29 +4,32 @@
 # fresh node once per arm in turning order, so that no arm gets the fresh machine's slow first sample), then the
 # GPU container restore with the prefetch where STEPS names `container` (gpu-container.sh, CASE=cuda, the bench
 # shape), started only while the call has time for it.
-#   defaults        the images' layers on the restore's own threads, the weights' pieces after them
-#   fetchers        COLDSNAP_PULL_IMAGE_FETCHERS=4: the layers by fetching processes, the weights beside them (auto)
+#   defaults        as a user gets it: on a GPU machine the direct way (COLDSNAP_PULL_DIRECT auto)
+#   spool           COLDSNAP_PULL_DIRECT=0: the pull fetches the weights into memory (the spool), the images' layers
+#                   on the restore's own threads, the weights' pieces after them; the prefetcher reads the spool
+#   fetchers        spool with COLDSNAP_PULL_IMAGE_FETCHERS=4: the layers by fetching processes, the weights beside
+#                   them (auto)
 #   fetchers-after  the same with COLDSNAP_PULL_WEIGHTS_AHEAD=0: the weights after the capsule's own blobs
-#   direct          COLDSNAP_PULL_DIRECT=1: the prefetcher fetches the weights' pieces from the registry itself
-#   direct-ahead    the same with COLDSNAP_PULL_WEIGHTS_AHEAD=1: the weights' head beside the images, offered sooner
+#   direct          COLDSNAP_PULL_DIRECT=1: the prefetcher fetches the weights' pieces from the registry itself,
+#                   ordered once the profile is in (the weights beside the images)
 #   direct-fetchers the same with COLDSNAP_PULL_IMAGE_FETCHERS=4: the images' layers by fetching processes
 #   check           first, the GPU tests of the prefetch's paths (tests/test_gpu_prefetch.py: bit for bit, the
 #                   direct way's included), so that a broken path shows before the bench spends the call
 # Carry [".whl", ".carry/gpu", ".carry/registry"] (and ".carry/runc" for the container): prepare.sh makes them.
-# Usage: [STEPS="check defaults direct container"; default "defaults fetchers container"] [CALL_S=590] [N=3] [LAYERS=6] [SHM=1] cold-node-ab.sh
+# Usage: [STEPS="check spool defaults container"; default "spool defaults container"] [CALL_S=590] [N=3] [LAYERS=6] [SHM=1] cold-node-ab.sh
 source packaging/device/env.sh > /dev/null 2>&1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 CALL_S=${CALL_S:-590}
 left() { echo $(( CALL_S - SECONDS )); }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; echo "cores: $(nproc)"
 arms=()
-for v in ${STEPS:-defaults fetchers container}; do
+for v in ${STEPS:-spool defaults container}; do
   case $v in
     defaults) arms+=("defaults=");;
-    fetchers) arms+=("fetchers=COLDSNAP_PULL_IMAGE_FETCHERS=4");;
-    fetchers-after) arms+=("fetchers-after=COLDSNAP_PULL_IMAGE_FETCHERS=4,COLDSNAP_PULL_WEIGHTS_AHEAD=0");;
+    spool) arms+=("spool=COLDSNAP_PULL_DIRECT=0");;
+    fetchers) arms+=("fetchers=COLDSNAP_PULL_DIRECT=0,COLDSNAP_PULL_IMAGE_FETCHERS=4");;
+    fetchers-after) arms+=("fetchers-after=COLDSNAP_PULL_DIRECT=0,COLDSNAP_PULL_IMAGE_FETCHERS=4,COLDSNAP_PULL_WEIGHTS_AHEAD=0");;
     direct) arms+=("direct=COLDSNAP_PULL_DIRECT=1");;
-    direct-ahead) arms+=("direct-ahead=COLDSNAP_PULL_DIRECT=1,COLDSNAP_PULL_WEIGHTS_AHEAD=1");;
     direct-fetchers) arms+=("direct-fetchers=COLDSNAP_PULL_DIRECT=1,COLDSNAP_PULL_IMAGE_FETCHERS=4");;
     container|check) ;;
     *) echo "cold-node-ab: no step $v"; exit 2;;
