@@ -90,3 +90,20 @@ def test_zero_pages_are_dropped_and_restore_the_same_bytes(tmp_path, monkeypatch
 def test_a_dump_with_a_parent_is_left_alone(tmp_path):
     (tmp_path / "parent").symlink_to(tmp_path)
     assert drop_zero_pages(tmp_path).as_dict()["processes"] == 0
+
+
+def test_criu_says_its_version_on_the_command_line_as_its_rpc_does(monkeypatch, tmp_path):
+    """Admission asks CRIU's version with `criu --version` (~10 ms, no pycriu): the same as the RPC's answer;
+    a binary that prints no version is asked by RPC instead."""
+    needs_root_criu()
+    monkeypatch.setenv("COLDSNAP_CRIU_PREFIX", CRIU_PREFIX)
+    from coldsnap.criu.driver import criu_version
+
+    driver = CriuDriver()
+    said = criu_version(driver.binary)
+    assert said is not None and said == driver._rpc_version() == driver.version()
+    mute = tmp_path / "criu"
+    mute.write_text(f"#!/bin/sh\n[ \"$1\" = --version ] && {{ echo 'criu, some build'; exit 0; }}\n"
+                    f"exec {driver.binary} \"$@\"\n")
+    mute.chmod(0o755)
+    assert criu_version(str(mute)) is None and CriuDriver(str(mute)).version() == said

@@ -145,13 +145,29 @@ def first_error_line(log: Path) -> str:
 DUMP_LOCK = "/run/coldsnap-criu-dump.lock"
 
 
+def criu_version(binary: str) -> str | None:
+    """X.Y[.Z] as `binary --version` prints it ("Version: 4.2.1"); None where it says nothing of the kind."""
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    m = re.search(r"^Version:\s*(\d+)\.(\d+)(?:\.(\d+))?\s*$", out, re.MULTILINE)
+    if m is None:
+        return None
+    return ".".join(str(int(g)) for g in m.groups() if g is not None)
+
+
 class CriuDriver:
     def __init__(self, binary: str | None = None):
         self.binary = binary or settings().criu
         if not os.access(self.binary, os.X_OK):
             raise ColdSnapError(ErrorCode.ENVIRONMENT,
                                 f"CRIU not found at {self.binary}; run `make setup` or set COLDSNAP_CRIU")
-        self.pycriu = _pycriu()
+
+    @property
+    def pycriu(self):
+        """pycriu, imported at its first use (~0.15 s: protobuf): asking CRIU's version needs none of it."""
+        return _pycriu()
 
     def _client(self):
         client = self.pycriu.criu()
@@ -159,6 +175,10 @@ class CriuDriver:
         return client
 
     def version(self) -> str:
+        """CRIU's version, X.Y[.Z]: `criu --version` (~10 ms), else its RPC (a swrk process of its own)."""
+        return criu_version(self.binary) or self._rpc_version()
+
+    def _rpc_version(self) -> str:
         req = self.pycriu.rpc.criu_req()
         req.type = self.pycriu.rpc.VERSION
         fd = os.open("/", os.O_DIRECTORY)

@@ -108,6 +108,17 @@ def look_at_this_host_soon() -> None:
     thread = threading.Thread(target=look, name="coldsnap-host-profile", daemon=True)
     thread.start()
     _looked.append((thread, box))
+    # the restore's CRIU library, loaded meanwhile too (nobody waits for it here; the restore's first use does)
+    threading.Thread(target=_load_pycriu, name="coldsnap-pycriu", daemon=True).start()
+
+
+def _load_pycriu() -> None:
+    from coldsnap.criu.driver import _pycriu
+
+    try:
+        _pycriu()
+    except ColdSnapError:  # not importable here: the restore says so
+        pass
 
 
 def _look() -> tuple[HostProfile, dict[str, float]]:
