@@ -308,6 +308,7 @@ def test_the_weights_start_beside_the_images_where_the_images_come_by_processes(
     monkeypatch.setenv("COLDSNAP_PULL_DIRECT", direct)
     monkeypatch.setattr(pieces.os, "cpu_count", lambda: cores)
     assert pieces.weights_ahead() is expected
+    assert pieces.weights_ahead(choosing=True) is (ahead != "0")  # a restore choosing the direct way at the profile
 
 
 class HostSink:
@@ -626,7 +627,7 @@ def test_a_direct_prefetch_is_ordered_by_whichever_of_its_standby_and_the_profil
             ahead.stand_by(standby)
             assert ordered == []
             ahead.profile_in(a, pulling)
-        assert ordered == [("sha256:a", pulling, standby)] and not pulling.direct_declined
+        assert ordered == [("sha256:a", pulling, standby)] and pulling.direct_chosen is True
         assert ahead.taken(a, SimpleNamespace(pieces=Arrivals()))() == "prefetch of sha256:a"
         assert len(ordered) == 1 and not standby.dismissed
     ordered.clear()
@@ -639,26 +640,30 @@ def test_a_direct_prefetch_is_ordered_by_whichever_of_its_standby_and_the_profil
     assert local.taken(a, None) is None and standby.dismissed
     tp, pulling = streaming.PrefetchAhead({}), Arrivals()  # weights for two GPUs: spooled, not direct
     tp.profile_in(SimpleNamespace(digest="sha256:tp"), pulling)
-    assert pulling.direct_declined
+    assert pulling.direct_chosen is False
 
 
-@pytest.mark.parametrize("mode, driver, prefetch, expected", [
-    ("", True, "", True),        # auto, by default: a node with an NVIDIA driver
-    ("auto", False, "", False),  # none: no prefetcher could take the pieces
-    ("auto", True, "0", False),  # the prefetch turned off
-    ("1", False, "", True),
-    ("0", True, "", False),
+@pytest.mark.parametrize("mode, driver, prefetch, wanted, unchosen", [
+    ("", True, "", True, False),        # auto, by default: a node with an NVIDIA driver, once a restore chooses it
+    ("auto", False, "", False, False),  # none: no prefetcher could take the pieces
+    ("auto", True, "0", False, False),  # the prefetch turned off
+    ("1", False, "", True, True),       # on: whoever does not say no
+    ("0", True, "", False, False),
 ])
 def test_the_direct_way_is_taken_where_a_gpu_prefetcher_can_take_the_pieces(monkeypatch, mode, driver, prefetch,
-                                                                           expected):
+                                                                           wanted, unchosen):
+    """COLDSNAP_PULL_DIRECT: whether a restore may go direct (direct_wanted), and whether a pull does
+    (Arrivals.goes_direct): as its restore chose at the profile, or, where none chose (a container's pull), only
+    when it is 1."""
     from coldsnap.capsule import pieces
 
     monkeypatch.setenv("COLDSNAP_PULL_DIRECT", mode)
     monkeypatch.setenv("COLDSNAP_PREFETCH", prefetch)
     real = pieces.os.path.exists
     monkeypatch.setattr(pieces.os.path, "exists", lambda p: driver if p == "/dev/nvidiactl" else real(p))
-    assert pieces.direct_wanted() is expected
-    pulling = Arrivals()
-    assert pulling.goes_direct() is expected
-    pulling.decline_direct()  # a capsule no single prefetcher takes
-    assert pulling.goes_direct() is False
+    assert pieces.direct_wanted() is wanted
+    assert Arrivals().goes_direct() is unchosen
+    chosen, declined = Arrivals(), Arrivals()
+    chosen.choose_direct(True)  # one file for one GPU
+    declined.choose_direct(False)  # a capsule no single prefetcher takes
+    assert chosen.goes_direct() is wanted and declined.goes_direct() is False

@@ -43,7 +43,7 @@ VARIABLES = (
     Variable("COLDSNAP_PULL_DIRECT", "auto", "1: a restore's GPU prefetcher fetches the streamed weights' pieces "
              "from the registry itself, each checked against its pin, and the pull fetches them for the node's store "
              "after the first token (a second transfer); 0: the pull fetches them, the prefetcher takes them from it; "
-             "auto: 1 where the node has an NVIDIA driver and the weights are one file for one GPU"),
+             "auto: 1 for a process restore on a node with an NVIDIA driver whose weights are one file for one GPU"),
     Variable("COLDSNAP_PULL_CONNECTIONS", "", "connections a pull by pieces uses at once (1-64); default one per "
              "core, 2 to 16"),
     Variable("COLDSNAP_PULL_IMAGE_FETCHERS", "", "a streamed restore fetches this many of its CRIU images' layers "

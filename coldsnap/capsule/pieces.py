@@ -83,7 +83,7 @@ class Arrivals:
         self.took: dict[str, float] = {}  # blob digest → seconds from its partial's sizing to its last piece checked
         self._sized_at: dict[str, float] = {}
         self._growing: dict[str, Growing] = {}  # blobs fetched as one stream that someone follows as they land
-        self.direct_declined = False  # decline_direct
+        self.direct_chosen: bool | None = None  # choose_direct
         self._heads: set[str] = set()  # blobs whose head is in their partial file (head_filed)
         self._direct: dict[str, dict | None] = {}  # blob digest → its pieces for a prefetcher to fetch (offer_direct)
         self._fetchers: list[Fetcher] = []  # fetching processes started ahead, for the first spooled blob
@@ -185,14 +185,20 @@ class Arrivals:
                 self.offered.add(digest)
             self._cond.notify_all()
 
-    def decline_direct(self) -> None:
-        """This restore has no prefetcher to fetch the weights from the registry (the capsule's weights are not one
-        file for one GPU): the pull spools them as it would without COLDSNAP_PULL_DIRECT. Said before they move."""
-        self.direct_declined = True
+    def choose_direct(self, fits: bool) -> None:
+        """Whether this restore has the one prefetcher to fetch the weights from the registry (the capsule's weights
+        are one file for one GPU); without, the pull spools them as it would without COLDSNAP_PULL_DIRECT. Said
+        before they move."""
+        self.direct_chosen = fits
 
     def goes_direct(self) -> bool:
-        """Whether the weights go to a prefetcher straight from the registry (direct_wanted, not declined)."""
-        return direct_wanted() and not self.direct_declined
+        """Whether the weights go to a prefetcher straight from the registry: direct_wanted, and chosen by the
+        restore (COLDSNAP_PULL_DIRECT=1: unless it said no)."""
+        if not direct_wanted():
+            return False
+        if self.direct_chosen is None:
+            return settings().pull_direct == "1"
+        return self.direct_chosen
 
     def head_filed(self, digest: str) -> None:
         """The blob's head (the pieces its header is in) is in its partial file, checked: an engine may read its
@@ -370,11 +376,11 @@ def _raise_fd_limit(need: int) -> bool:
 
 
 def direct_wanted() -> bool:
-    """Whether a restore's prefetcher fetches the weights' pieces from the registry itself (coldsnap.gpu.direct), the
-    pull fetching them for the node's store after the first token (a second transfer): COLDSNAP_PULL_DIRECT 1 or 0;
-    auto (default): where this node has an NVIDIA driver and the prefetch is on (COLDSNAP_PREFETCH). A restore
-    whose capsule no single prefetcher can take declines it (Arrivals.decline_direct); where none takes the offer,
-    the pull fetches the pieces at once, to disk."""
+    """Whether a restore's prefetcher may fetch the weights' pieces from the registry itself (coldsnap.gpu.direct),
+    the pull fetching them for the node's store after the first token (a second transfer): COLDSNAP_PULL_DIRECT 1
+    or 0; auto (default): where this node has an NVIDIA driver and the prefetch is on (COLDSNAP_PREFETCH), for a
+    restore that chooses it once the capsule's profile is in (Arrivals.choose_direct: one file for one GPU). Where
+    no prefetcher takes an offer, the pull fetches the pieces at once, to disk."""
     mode = settings().pull_direct
     if mode in ("", "auto"):
         return settings().prefetch and os.path.exists("/dev/nvidiactl")
@@ -674,15 +680,15 @@ def blob_fetcher_count() -> int:
     return int(n) if n.isdigit() and int(n) <= 4 else 0
 
 
-def weights_ahead() -> bool:
+def weights_ahead(choosing: bool = False) -> bool:
     """Whether a restore's pull starts the weights beside its CRIU images (once the profile that pins them is in)
     rather than after them: COLDSNAP_PULL_WEIGHTS_AHEAD (0 off, auto or unset, any other value on); auto: where the
     images come by fetching processes of their own, which the weights' traffic then slows less than it slows the
-    restore's own threads (docs/benchmarks.md), and where the weights go direct (only their head moves beside the
-    images, and the prefetcher takes its orders once the profile is in)."""
+    restore's own threads (docs/benchmarks.md), and where the weights may go direct: COLDSNAP_PULL_DIRECT=1, or
+    `choosing`, a restore that chooses the direct way once the profile is in (registry.pull's on_profile)."""
     ahead = settings().pull_weights_ahead
     if ahead in ("", "auto"):
-        return blob_fetcher_count() > 0 or direct_wanted()
+        return blob_fetcher_count() > 0 or settings().pull_direct == "1" or choosing
     return ahead != "0"
 
 

@@ -715,7 +715,8 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
                                                      digest)) if on_blobs is not None else None
             weights_missing = payload or any(not store.has_blob(d.digest) for d in descs if d not in own)
             with _blob_locks(store, [d.digest for d in own]):
-                if arrivals is not None and weights_missing and not payload and pieces.weights_ahead():
+                if (arrivals is not None and weights_missing and not payload
+                        and pieces.weights_ahead(choosing=on_profile is not None)):
                     # the profile first (it pins the weights' pieces), then the weights move beside the images
                     config = own[:1]  # _descriptors puts the config first
                     early = _fetch_missing(store, client, config, progress, arrivals=arrivals)

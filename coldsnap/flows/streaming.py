@@ -130,9 +130,8 @@ class PrefetchAhead:
 
     def profile_in(self, capsule: LoadedCapsule, arrivals: Arrivals) -> None:
         """The capsule's profile is in the store, verified, not yet trusted (the pull's thread, before the weights
-        move): a capsule no single prefetcher can take declines the direct way, its weights spooled instead."""
-        if not direct_fits(capsule):
-            arrivals.decline_direct()
+        move): the direct way is chosen where one prefetcher takes its weights, else they are spooled."""
+        arrivals.choose_direct(direct_fits(capsule))
         with self._lock:
             self._known = (capsule, arrivals)
             self._order()
