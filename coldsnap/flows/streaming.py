@@ -5,7 +5,7 @@ them, one owner for process and container restores alike.
                  CRIU restores the processes that map it while its pieces arrive; where a file comes as one stream,
                  the weights are waited for and put in place before CRIU instead (span "weights")
   for_prefetch   the prefetchers take each piece as it is checked against its pin, from memory (the spool); or,
-                 direct (COLDSNAP_PULL_DIRECT=1), fetch the pieces from the registry themselves, checking each
+                 direct (Arrivals.goes_direct), fetch the pieces from the registry themselves, checking each
   PrefetchAhead  direct, one file onto one GPU: its prefetcher (started on standby while the pull waits) is given
                  its orders as soon as the capsule's profile is in, so the weights stream onto the GPU while the
                  images arrive and the restore admits and stages; admission still decides, and nothing reaches an
