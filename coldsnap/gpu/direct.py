@@ -1,9 +1,9 @@
 """Weights from the registry straight onto the GPU (COLDSNAP_PULL_DIRECT; by default for a process restore on a GPU
 node): the prefetcher of a restore whose pull streams its weights fetches their pieces itself, each on a connection
 of its own, received into two pinned buffers in turn, hashed as they fill and copied to the GPU from there, never
-kept in host memory. A piece counts once its bytes match its pin; one that does not fails the whole load (the engine then reads its file, whose pull fails on
-the same piece: nothing unverified is ever served). The node's own copy of the blob is fetched by the pull after the
-first token.
+kept in host memory. A piece counts once its bytes match its pin; one that does not fails the whole load (the engine
+then reads its file, whose pull fails on the same piece: nothing unverified is ever served). The node's own copy of
+the blob is fetched by the pull after the first token.
 
 Why: landing 31 GB in fresh host memory first (the pull's spool) costs a third of the rate; received into small
 reused buffers the same connections moved 8 GB/s in one process (docs/benchmarks.md).
