@@ -579,13 +579,9 @@ def _data_offset(client, url: str, what: str, size: int) -> tuple[str | None, in
     """(the authorization that got the answer, where the file's data section starts: 8 + its header's length, as
     its first 8 bytes say) from the registry, before any piece is here; None where it answers no range or a length
     past the file. Unchecked here: the prefetcher checks it against the first piece once that matched its pin."""
-    r = client.request("GET", url, ok=(200, 206), what=what, headers={"Range": "bytes=0-7"}, stream=True,
-                       not_found=ErrorCode.CAPSULE_NOT_FOUND)
-    with r:
-        authorization = (r.history[0] if r.history else r).request.headers.get("Authorization")
-        if r.status_code != 206:
-            return None
-        head = r.raw.read(8)
+    ranges, authorization, head = first_bytes(client, url, what, 8)
+    if not ranges:
+        return None
     offset = 8 + int.from_bytes(head, "little") if len(head) == 8 else size + 1
     return (authorization, offset) if offset <= min(size, HEAD_MAX) else None
 
@@ -659,10 +655,18 @@ class Fetcher:
 def probe(client, url: str, what: str) -> tuple[bool, str | None]:
     """Ask the registry for the blob's first byte: (whether it answers ranges, the authorization that got the
     answer). The authorization is the first request's, before a redirect: what a fetching process sends."""
-    r = client.request("GET", url, ok=(200, 206), what=what, headers={"Range": "bytes=0-0"}, stream=True,
+    ranges, authorization, _ = first_bytes(client, url, what, 1)
+    return ranges, authorization
+
+
+def first_bytes(client, url: str, what: str, n: int) -> tuple[bool, str | None, bytes]:
+    """probe's question for the blob's first n bytes: (whether it answers ranges, the authorization that got the
+    answer, those bytes: empty where it answers no range)."""
+    r = client.request("GET", url, ok=(200, 206), what=what, headers={"Range": f"bytes=0-{n - 1}"}, stream=True,
                        not_found=ErrorCode.CAPSULE_NOT_FOUND)
     with r:
-        return r.status_code == 206, (r.history[0] if r.history else r).request.headers.get("Authorization")
+        authorization = (r.history[0] if r.history else r).request.headers.get("Authorization")
+        return r.status_code == 206, authorization, r.raw.read(n) if r.status_code == 206 else b""
 
 
 def fetcher_count() -> int:
