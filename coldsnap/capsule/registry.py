@@ -40,6 +40,7 @@ from coldsnap.base.files import WriteBehind
 from coldsnap.base.files import fsync_dir as _fsync_dir
 from coldsnap.base.paths import settings
 from coldsnap.base.progress import TransferProgress
+from coldsnap.base.soon import Soon
 from coldsnap.capsule import pieces, referrers, trust
 from coldsnap.capsule.bloblocks import blob_locks as _blob_locks
 from coldsnap.capsule.bloblocks import partial_path
@@ -699,7 +700,7 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
     early = _Fetched()
     ahead: _WeightsAhead | None = None  # the weights, moving while the images do
     signatures: int | None = None  # pulled with the capsule's own blobs, when someone admits it early
-    provenance: _Beside | None = None
+    provenance: Soon[int] | None = None
     descs = _descriptors(manifest, digest)
     own = [d for d in descs if d.media_type != mt.LAYER_WEIGHTS]
     try:
@@ -711,8 +712,8 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
             if on_manifest is not None:
                 on_manifest(digest, manifest)
             # where the capsule came from and who signed it, asked beside its blobs (admission waits for both)
-            provenance = _Beside(lambda: _provenance(_Client(client.ref, client.scheme == "http"), store, remote,
-                                                     digest)) if on_blobs is not None else None
+            provenance = Soon(lambda: _provenance(_Client(client.ref, client.scheme == "http"), store, remote, digest),
+                              "pull-provenance") if on_blobs is not None else None
             weights_missing = payload or any(not store.has_blob(d.digest) for d in descs if d not in own)
             with _blob_locks(store, [d.digest for d in own]):
                 if (arrivals is not None and weights_missing and not payload
@@ -915,27 +916,6 @@ def _fetch_missing(store: CapsuleStore, client: "_Client", descs: list[Descripto
 
 
 _clients_lock = threading.Lock()
-
-
-class _Beside:
-    """A call on a thread of its own, started now; result() waits for it, and raises what it raised."""
-
-    def __init__(self, call: Callable[[], int]) -> None:
-        self._box: dict = {}
-        self._thread = threading.Thread(target=self._run, args=(call,), name="pull-beside", daemon=True)
-        self._thread.start()
-
-    def _run(self, call: Callable[[], int]) -> None:
-        try:
-            self._box["value"] = call()
-        except BaseException as e:  # noqa: BLE001 - raised again where the result is asked for
-            self._box["error"] = e
-
-    def result(self) -> int:
-        self._thread.join()
-        if "error" in self._box:
-            raise self._box["error"]
-        return self._box["value"]
 
 
 def _provenance(client: "_Client", store: CapsuleStore, remote: RemoteRef, digest: str) -> int:

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 from coldsnap.base.paths import settings
+from coldsnap.base.soon import Soon
 from coldsnap.capsule import CapsuleStore, LoadedCapsule
 from coldsnap.contracts import ColdSnapError, ContainerLaunch, Distributed, ErrorCode, HostProfile, Policy
 from coldsnap.criu import CriuDriver
@@ -91,23 +92,14 @@ def admit(captured: HostProfile, host: HostProfile, strictness: str = "strict",
     return Admission(admitted=not blocking, differences=blocking, warnings=soft)
 
 
-_looked: list[tuple[threading.Thread, dict]] = []  # this host's profile, being found ahead of the next admission
+# this host's profile, being found ahead of the next admission
+_looked: list[Soon[tuple[HostProfile, dict[str, float]]]] = []
 
 
 def look_at_this_host_soon() -> None:
     """Start finding this host's profile (CRIU's version, the GPUs through NVML: ~0.1 s) on a thread of its own,
     for a restore that waits on the network meanwhile (its pull); the next admission takes it."""
-    box: dict = {}
-
-    def look() -> None:
-        try:
-            box["here"], box["took"] = _look()
-        except Exception:  # noqa: BLE001 - admission looks again, and says what is wrong
-            pass
-
-    thread = threading.Thread(target=look, name="coldsnap-host-profile", daemon=True)
-    thread.start()
-    _looked.append((thread, box))
+    _looked.append(Soon(_look, "coldsnap-host-profile"))
     # the restore's CRIU library, loaded meanwhile too (nobody waits for it here; the restore's first use does)
     threading.Thread(target=_load_pycriu, name="coldsnap-pycriu", daemon=True).start()
 
@@ -132,11 +124,12 @@ def _look() -> tuple[HostProfile, dict[str, float]]:
 
 def _this_host() -> tuple[HostProfile, dict[str, float]]:
     while _looked:
-        thread, box = _looked.pop()
-        thread.join()
-        if "here" in box:
-            _looked.clear()
-            return box["here"], box["took"]
+        try:
+            found = _looked.pop().result()
+        except Exception:  # noqa: BLE001 - looked at again below, which says what is wrong
+            continue
+        _looked.clear()
+        return found
     return _look()
 
 

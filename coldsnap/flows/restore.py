@@ -56,11 +56,9 @@ def restore(request: RestoreRequest, progress: Progress = quiet) -> Receipt:
         ahead = None
         if is_registry_reference(request.capsule):
             def meanwhile() -> None:
-                """While the pull waits on the registry, off the restore's clock: the network step's library and
-                the signatures' checks load, admission looks at this host, and a direct pull's prefetcher starts
-                CUDA."""
-                for library in ("coldsnap.net.netns", "coldsnap.capsule.trust"):
-                    threading.Thread(target=importlib.import_module, args=(library,), daemon=True).start()
+                """While the pull waits on the registry, off the restore's clock: the network step's library loads,
+                admission looks at this host, and a direct pull's prefetcher starts CUDA."""
+                threading.Thread(target=importlib.import_module, args=("coldsnap.net.netns",), daemon=True).start()
                 look_at_this_host_soon()
                 if orders is not None and (waiting := gpu_steps.stand_by()) is not None:
                     held.callback(waiting.reap)  # taken, or not needed: it goes

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Mapping
 from uuid import uuid4
 
 from coldsnap.base.paths import settings
+from coldsnap.base.soon import Soon
 
 
 @dataclass
@@ -349,28 +350,21 @@ def start_prefetch_soon(profile, supported: bool, gpu_map: dict[str, str], run_d
                         standby: Standby | None = None) -> Callable[[], Prefetch]:
     """start_prefetch on a thread of its own, so the restore does not wait for its NVML queries and process starts
     (~10 ms); the answer, called, waits for it and returns the Prefetch."""
-    box: dict[str, Prefetch] = {}
-
-    def start() -> None:
+    def start() -> Prefetch:
+        p = None
         try:
-            box["p"] = start_prefetch(profile, supported, gpu_map, run_dir, by_file, arrivals, standby)
+            p = start_prefetch(profile, supported, gpu_map, run_dir, by_file, arrivals, standby)
         except Exception as e:  # noqa: BLE001 - no prefetch is only slower; say why in the receipt
-            box["p"] = Prefetch(skipped=f"starting the prefetchers failed: {e}")
+            p = Prefetch(skipped=f"starting the prefetchers failed: {e}")
         finally:  # the prefetchers have their own descriptors of the spools by now
             for streaming in (arrivals or {}).values():
                 if streaming.spool is not None:
                     streaming.spool.close()
-                if streaming.decline is not None and not getattr(box.get("p"), "direct", False):
+                if streaming.decline is not None and not getattr(p, "direct", False):
                     streaming.decline()  # no prefetcher fetches them: the pull does, now
+        return p
 
-    thread = threading.Thread(target=start, name="coldsnap-prefetch-start", daemon=True)
-    thread.start()
-
-    def started() -> Prefetch:
-        thread.join()
-        return box["p"]
-
-    return started
+    return Soon(start, "coldsnap-prefetch-start").result
 
 
 def _abandon(p: Prefetch, why: str) -> Prefetch:
