@@ -508,8 +508,9 @@ def test_weights_fetched_straight_from_the_registry_reach_the_engine_bit_for_bit
     against its pin, copies its data onto the GPU from its pinned buffers (the header skipped), and the engine gets
     the tensors it would load from the whole file. A piece that does not match its pin fails the load, and so does
     a data section's start that the pinned first piece does not confirm; the engine hears why. The good one is a
-    standby prefetcher given its orders (as a cold node's restore does), its file the partial the job names (the
-    pull fills its head meanwhile), the engine's file linked to it afterwards."""
+    standby prefetcher given its orders (as a cold node's restore does), its file the partial the job names, whose
+    head the pull writes only after the load is done (its mtime moving then, as on a slow node's disk), the
+    engine's file linked to it afterwards."""
     import hashlib
 
     from test_prefetch_arrivals import RangeServer
@@ -528,7 +529,7 @@ def test_weights_fetched_straight_from_the_registry_reach_the_engine_bit_for_bit
     for i, (served, data_offset, failure) in enumerate(cases):
         good = failure is None
         partial = tmp_path / f"partial-{i}.safetensors"
-        partial.write_bytes(whole[:first] + bytes(len(whole) - first))
+        partial.write_bytes(bytes(len(whole)))  # the head comes below, once the load is done
         engine_file = tmp_path / f"engine-{i}.safetensors"  # linked to the partial once the restore stages
         server = RangeServer(served)
         sock = str(tmp_path / f"d-{i}.sock")
@@ -546,6 +547,9 @@ def test_weights_fetched_straight_from_the_registry_reach_the_engine_bit_for_bit
             proc.stdin.flush()  # communicate (report_of) closes it
             loaded = json.loads(proc.stdout.readline())
             assert loaded["loaded"] is good, (loaded, proc.stderr.read1(4000) if not good else "")
+            with open(partial, "r+b") as f:  # the pull's head, filed after the load (a second later, by its mtime)
+                f.write(whole[:first])
+            os.utime(partial, ns=(partial.stat().st_atime_ns, partial.stat().st_mtime_ns + 10**9))
             params = {n: torch.zeros_like(t) for n, t in want.items()}
             os.link(partial, engine_file)
             if good:

@@ -22,6 +22,10 @@ def test_the_reference_engine_says_whether_it_took_the_prefetched_weights():
     assert reference.prefetch_taken({"weights_reload": {"bytes": 1, "seconds": 0.5}}) is False  # read the file
     assert reference.prefetch_taken({"weights_reload": {"prefetched": True, "prefetch_error": "x"}}) is False
     assert reference.prefetch_taken({"released": False}) is None  # nothing reloaded: nothing to say
+    # and why not, for the restore's error
+    assert reference.prefetch_error(resumed) is None
+    assert reference.prefetch_error({"weights_reload": {"prefetched": True, "prefetch_error": "PrefetchError: x"}}) \
+        == "PrefetchError: x"
 
 
 @pytest.mark.parametrize("resumed, taken", [
@@ -32,3 +36,4 @@ def test_the_reference_engine_says_whether_it_took_the_prefetched_weights():
 ])
 def test_vllm_says_whether_it_took_the_prefetched_weights(resumed, taken):
     assert get_adapter("vllm").prefetch_taken(resumed) is taken
+    assert (get_adapter("vllm").prefetch_error(resumed) is not None) is ("reload_fallback" in resumed)

@@ -114,6 +114,11 @@ class EngineAdapter:
         the files then read holes, and is not let serve."""
         return None
 
+    def prefetch_error(self, resumed: dict) -> str | None:
+        """Why the engine's resume did not take its weights from the prefetchers, as its answer says (None: it
+        says nothing of it)."""
+        return None
+
     def after_capture_left_running(self, host: str, port: int, kv_discarded: bool, weights_mode: str) -> dict:
         return self.after_restore(host, port, kv_discarded, weights_mode)
 

@@ -114,6 +114,10 @@ class ReferenceAdapter(EngineAdapter):
             return None
         return reload.get("prefetched") is True and "prefetch_error" not in reload
 
+    def prefetch_error(self, resumed: dict) -> str | None:
+        reload = resumed.get("weights_reload")
+        return str(reload["prefetch_error"]) if isinstance(reload, dict) and reload.get("prefetch_error") else None
+
     def after_restore(self, host: str, port: int, kv_discarded: bool, weights_mode: str,
                       prefetched: str | dict[str, str] | None = None) -> dict:
         if prefetched:

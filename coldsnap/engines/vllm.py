@@ -220,6 +220,9 @@ class VllmAdapter(EngineAdapter):
             return None
         return reload["filled"] == 0 and reload.get("prefetched", 0) > 0
 
+    def prefetch_error(self, resumed: dict) -> str | None:
+        return str(resumed["reload_fallback"]) if resumed.get("reload_fallback") else None
+
     def after_restore(self, host: str, port: int, kv_discarded: bool, weights_mode: str,
                       prefetched: str | dict[str, str] | None = None) -> dict:
         if not kv_discarded or not has_sleep_mode(host, port):  # a CPU build released nothing: nothing to wake

@@ -82,8 +82,10 @@ class ArrivingWeights:
         """An engine resumed ahead of its files that read them instead of the prefetched copy read pieces not yet
         written: it must not serve."""
         if self.ahead_of_files and adapter.prefetch_taken(resumed) is False:
+            why = adapter.prefetch_error(resumed)
             raise ColdSnapError(ErrorCode.GPU_FAILED, "the engine read its weights files instead of the prefetched "
-                                "copy while the files were still arriving: not let serve")
+                                "copy while the files were still arriving: not let serve"
+                                + (f" (it could not take the copy: {why})" if why else ""))
 
     def settle(self) -> None:
         """After the first token: the pull's end waited for, and the listed blob put in the links' place."""

@@ -583,7 +583,7 @@ def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float
                 finally:
                     os.close(fd)
             fds = [buf.export_fd()]
-            message = {"bytes": size, "alloc_bytes": buf.size, "offset": base, "identity": file_identity(source),
+            message = {"bytes": size, "alloc_bytes": buf.size, "offset": base,
                        **({"plan": plan_digest(pieces)} if pieces is not None else {})}
             report.update(bytes=size, load_s=round(load_s, 4), gb_per_s=round(size / load_s / 1e9, 2),
                           threads=threads, ready_s=round(time.monotonic() - t0, 4),
@@ -599,6 +599,13 @@ def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float
             report["served"] = False
             return report
         os.unlink(sock_path)  # one engine only; and the restore knows from it that this one was served
+        if "error" not in message:
+            # The file as the engine finds it now: a direct load's file (the blob's partial) was still being
+            # written (its head, by the pull) while the load went on, which moved its mtime after the load was done.
+            try:
+                message["identity"] = file_identity(source)
+            except OSError as e:
+                message = {"error": f"the weights file is gone: {e}"}
         with conn:
             conn.settimeout(timeout)
             socket.send_fds(conn, [json.dumps(message).encode()], fds)
