@@ -667,28 +667,3 @@ def test_the_direct_way_is_taken_where_a_gpu_prefetcher_can_take_the_pieces(monk
     chosen.choose_direct(True)  # one file for one GPU
     declined.choose_direct(False)  # a capsule no single prefetcher takes
     assert chosen.goes_direct() is wanted and declined.goes_direct() is False
-
-
-def test_a_direct_prefetcher_niced_fetches_on_threads_that_yield_the_cpu_and_leaves_the_rest_alone():
-    """COLDSNAP_PREFETCH_NICE: the thread that takes the job (and so every connection thread it starts) runs at the
-    niceness asked; a thread started before keeps its own (a niceness is a thread's on Linux)."""
-    import os
-
-    from coldsnap.gpu.prefetch import _niced
-
-    seen: dict[str, int] = {}
-
-    def take() -> None:
-        assert _niced(7, {"job": 1}) == {"job": 1}
-        worker = threading.Thread(target=lambda: seen.setdefault("worker", os.getpriority(
-            os.PRIO_PROCESS, threading.get_native_id())))
-        worker.start()
-        worker.join()
-        seen["taker"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
-    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    t = threading.Thread(target=take)
-    t.start()
-    t.join()
-    assert seen == {"taker": 7, "worker": 7}  # the niceness asked (not added to the caller's)
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base

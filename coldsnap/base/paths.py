@@ -60,8 +60,6 @@ VARIABLES = (
     Variable("COLDSNAP_CODE_STASH", "1", "0: CUDA device code stays in the engine's memory at capture"),
     Variable("COLDSNAP_PREFETCH", "1", "0: no GPU weight prefetch during a restore"),
     Variable("COLDSNAP_PREFETCH_THREADS", "8", "readers per weight prefetcher"),
-    Variable("COLDSNAP_PREFETCH_NICE", "0", "the niceness (0-19) a prefetcher fetching weights from the registry "
-             "itself (the direct way) takes, so that the capsule's own blobs and CRIU win the CPU it shares"),
     Variable("COLDSNAP_PREFETCH_MODE", "auto", "how prefetched weights reach the GPU: buffered, mapped, or auto "
              "(mapped for weights in several files, each its own prefetcher; buffered for one file)"),
     Variable("COLDSNAP_PREFETCH_LINGER", "1", "0: a weights file's prefetcher exits once its copy is taken, "
@@ -124,7 +122,6 @@ class Settings:
     prefetch: bool = True
     prefetch_threads: str = "8"
     prefetch_mode: str = "auto"
-    prefetch_nice: str = "0"
     prefetch_linger: bool = True
     libcuda: str | None = None
     tiny_model: Path = Path("/var/lib/coldsnap/fixtures/tiny-llama")
@@ -190,7 +187,6 @@ def settings() -> Settings:
         prefetch=_flag("COLDSNAP_PREFETCH", True),
         prefetch_threads=os.environ.get("COLDSNAP_PREFETCH_THREADS", "8"),
         prefetch_mode=os.environ.get("COLDSNAP_PREFETCH_MODE", "auto"),
-        prefetch_nice=os.environ.get("COLDSNAP_PREFETCH_NICE", "0"),
         prefetch_linger=_flag("COLDSNAP_PREFETCH_LINGER", True),
         libcuda=_env("COLDSNAP_LIBCUDA"),
         tiny_model=Path(os.environ.get("COLDSNAP_TINY_MODEL", "/var/lib/coldsnap/fixtures/tiny-llama")),

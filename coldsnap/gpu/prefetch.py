@@ -822,14 +822,6 @@ def stand_by() -> tuple[vmm.Driver | None, list[str] | None]:
     return driver, orders if ok else None
 
 
-def _niced(nice: int, job):
-    """The job, the calling thread (and so the connections' threads it starts) niced first: on Linux a niceness is
-    a thread's, inherited by the threads it starts; the standby's CUDA start had the usual one."""
-    if nice:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-    return job
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     driver = None
@@ -864,8 +856,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="the file's pieces past its head come from the registry, fetched here: stdin's first line "
                         "is the job, JSON (coldsnap.gpu.direct; null: none), read once the GPU is ready; the head "
                         "is read from --file")
-    p.add_argument("--nice", type=int, default=0, choices=range(20), metavar="0-19",
-                   help="with --direct: the niceness its connections' threads fetch at (default 0)")
     p.add_argument("--plan", help="JSON file: [[offset, width, rows, pitch], ...] of the data section to load, "
                                   "packed (a tensor-parallel rank's part); default the whole data section")
     a = p.parse_args(argv)
@@ -877,7 +867,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, TypeError) as e:
         print(json.dumps({"served": False, "error": f"--plan {a.plan}: {e}"}), flush=True)
         return 1
-    direct = (lambda: _niced(a.nice, json.loads(sys.stdin.readline()))) if a.direct else None  # once the GPU is ready
+    direct = (lambda: json.loads(sys.stdin.readline())) if a.direct else None  # read once the GPU is ready
     report = serve(a.file, a.gpu, a.socket, max(1, a.threads), a.timeout, a.hold, pieces, a.mode,
                    sys.stdin if a.arrivals and not a.direct else None, a.linger,
                    ([int(fd) for fd in a.spool_fds.split(",")], a.spool_piece_bytes)

@@ -270,9 +270,6 @@ def _start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir, 
     threads = settings().prefetch_threads  # readers per prefetcher (they compete with CRIU)
     if not threads.isdigit() or int(threads) < 1:
         return Prefetch(skipped=f"COLDSNAP_PREFETCH_THREADS={threads!r} is not a positive number")
-    nice = settings().prefetch_nice  # a direct prefetcher's, beside the images' unpacking and CRIU
-    if not nice.isdigit() or int(nice) > 19:
-        return Prefetch(skipped=f"COLDSNAP_PREFETCH_NICE={nice!r} is not a number from 0 to 19")
     mode = settings().prefetch_mode  # how the weights reach the GPU (prefetch.MODES)
     if mode == "auto":  # several prefetchers reading side by side beside CRIU: the GPU copies from the page cache,
         mode = "mapped" if by_file and len(targets) > 1 else "buffered"  # each byte crossing host memory once
@@ -302,7 +299,7 @@ def _start_prefetch(profile, supported: bool, gpu_map: dict[str, str], run_dir, 
                 if spool is not None else []
             args = ["--file", weights.path, "--gpu", gpu, "--socket", sock, *once_served, "--threads", threads,
                     "--mode", mode, *plan, *(["--direct"] if direct else ["--arrivals"] if streaming else []),
-                    *spooled, *(["--nice", nice] if direct and nice != "0" else [])]
+                    *spooled]
             if direct and standby is not None and standby.proc is not None:
                 proc = standby.take(args)
             else:

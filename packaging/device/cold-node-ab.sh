@@ -10,7 +10,6 @@
 #   fetchers        spool with COLDSNAP_PULL_IMAGE_FETCHERS=4: the layers by fetching processes, the weights beside
 #                   them (auto)
 #   fetchers-after  the same with COLDSNAP_PULL_WEIGHTS_AHEAD=0: the weights after the capsule's own blobs
-#   nice            defaults with COLDSNAP_PREFETCH_NICE=10: the direct prefetcher's threads yield the CPU
 #   direct          COLDSNAP_PULL_DIRECT=1: the prefetcher fetches the weights' pieces from the registry itself,
 #                   ordered once the profile is in (the weights beside the images)
 #   direct-fetchers the same with COLDSNAP_PULL_IMAGE_FETCHERS=4: the images' layers by fetching processes
@@ -31,7 +30,6 @@ for v in ${STEPS:-spool defaults container}; do
     fetchers) arms+=("fetchers=COLDSNAP_PULL_DIRECT=0,COLDSNAP_PULL_IMAGE_FETCHERS=4");;
     fetchers-after) arms+=("fetchers-after=COLDSNAP_PULL_DIRECT=0,COLDSNAP_PULL_IMAGE_FETCHERS=4,COLDSNAP_PULL_WEIGHTS_AHEAD=0");;
     direct) arms+=("direct=COLDSNAP_PULL_DIRECT=1");;
-    nice) arms+=("nice=COLDSNAP_PREFETCH_NICE=10");;
     direct-fetchers) arms+=("direct-fetchers=COLDSNAP_PULL_DIRECT=1,COLDSNAP_PULL_IMAGE_FETCHERS=4");;
     container|check) ;;
     *) echo "cold-node-ab: no step $v"; exit 2;;
