@@ -220,6 +220,7 @@ def run_cold_node(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
                 os.replace(src, dst)
             samples: list[dict] = []
             two_commands: list[dict] = []
+            failed: list[dict] = []  # restores that did not serve: said, not timed; the bench goes on
             arms = opts.arms  # (name, settings), each restored once a round
             rounds: list[float] = []  # seconds each node took (its two restores and their clean-up)
             for i in range(n):
@@ -227,7 +228,7 @@ def run_cold_node(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
                     stopped.append(f"cold nodes after {i} of {n}")
                     progress(f"cold nodes: {i} of {n}, the rest would end past --deadline-s {opts.deadline_s:g}")
                     break
-                began = time.monotonic()
+                began, took = time.monotonic(), len(samples)
                 # arms: each once, the order turning by one a round; else one command, and pull-then-restore as
                 # two, in turns: first one, then the other
                 turns = [(True, *arms[(i + k) % len(arms)]) for k in range(len(arms))] if arms else \
@@ -235,15 +236,26 @@ def run_cold_node(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
                 for one, arm, extra in turns:
                     for p in weights:
                         Path(p).unlink(missing_ok=True)  # the previous sample's put-back copy
-                    got = _first_restore(Path(tmp) / f"node{i}", ref, expected, one_command=one, settings_=extra)
-                    if arms:
+                    try:
+                        got = _first_restore(Path(tmp) / f"node{i}", ref, expected, one_command=one,
+                                             settings_=extra)
+                    except ColdSnapError as e:
+                        failed.append({"node": i + 1, **({"arm": arm} if arms else {}), "one_command": one,
+                                       "error": e.message})
+                        progress(f"cold node {i + 1}: {arm + ' ' if arm else ''}failed: {e.message}")
+                        got = None
+                    if got is not None and arms:
                         got["arm"] = arm
-                    (samples if one else two_commands).append(got)
+                    if got is not None:
+                        (samples if one else two_commands).append(got)
                     shutil.rmtree(Path(tmp) / f"node{i}", ignore_errors=True)  # its copy of the weights: disk room
                 rounds.append(time.monotonic() - began)
+                took = len(samples) - took  # this round's
                 if arms:
                     progress(f"cold node {i + 1}/{n}: " + ", ".join(
-                        f"{g['arm']} {g['total_s']:.3f} s" for g in samples[-len(arms):]) + " to first token")
+                        f"{g['arm']} {g['total_s']:.3f} s" for g in samples[len(samples) - took:]) + " to first token")
+                    continue
+                if failed and failed[-1]["node"] == i + 1:
                     continue
                 progress(f"cold node {i + 1}/{n}: restore of the reference → first token "
                          f"{samples[-1]['total_s']:.3f} s (pull {samples[-1]['spans']['pull']:.2f} s); pull, then "
@@ -254,6 +266,10 @@ def run_cold_node(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
                     os.replace(dst, src)
             registry.stop()
 
+    first = [s for s in samples if s.get("arm", "") == (opts.arms[0][0] if opts.arms else "")]
+    if not first:  # the baseline (the first arm) has nothing to time
+        raise ColdSnapError(ErrorCode.VALIDATION_FAILED, "no restore on a fresh node served"
+                            + (f": {failed[-1]['error']}" if failed else ""))
     staged = settings().staged / cap.capsule.split(":")[1] / "images"
     if not staged.exists():
         from coldsnap.contracts import RestoreRequest
@@ -268,9 +284,8 @@ def run_cold_node(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
     limit = cold_node_limit(bw, bandwidth.dir_bytes(staged), weights_bytes, not apart,
                             statistics.median(s["pulled_bytes"] for s in samples), rate, write_rate, streams)
     v = _stats(vanilla)
-    by_arm = {name: _arm_result(extra, [s for s in samples if s["arm"] == name], v, limit)
-              for name, extra in opts.arms}
-    first = [s for s in samples if s.get("arm", "") == (opts.arms[0][0] if opts.arms else "")]
+    by_arm = {name: _arm_result(extra, [s for s in samples if s["arm"] == name], v, limit,
+                                sum(f.get("arm") == name for f in failed)) for name, extra in opts.arms}
     r = _stats([s["total_s"] for s in first])  # with arms: the first arm's (the baseline)
     data = {
         "kind": "coldsnap.bench",
@@ -288,8 +303,10 @@ def run_cold_node(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
                  "vanilla: issue of a cold start -> first token, weights from local disk",
         "vanilla": v, "restore": r, "ratio_median": round(v["median_s"] / r["median_s"], 2),
         "validations": {"vanilla": f"{len(vanilla)}/{len(vanilla)}",
-                        "restore": f"{sum(s['validated'] for s in samples)}/{len(samples)}"},
+                        "restore": f"{sum(s['validated'] for s in samples)}/"
+                                   f"{len(samples) + sum(f['one_command'] for f in failed)}"},
         "fell_back": 0, "span_medians_s": _span_medians(first),
+        **({"failed": failed} if failed else {}),
         **({"arms": by_arm} if by_arm else {}),
         "runs": samples, "bandwidth": bw, "physical_limit": limit,
         # the same nodes' restores issued as `coldsnap pull` then `coldsnap restore`, in turns with the runs above
@@ -309,7 +326,8 @@ def run_cold_node(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
     _chart(data, stem.with_suffix(".png"))
     lim = f"; the limit {limit['limit_s']} s ({r['median_s'] / limit['limit_s']:.2f}x)" if limit else ""
     if by_arm:
-        told = "; ".join(f"{name} {a['restore']['median_s']:.3f} s ({a['validations']})" for name, a in by_arm.items())
+        told = "; ".join(f"{name} {a['restore']['median_s'] if a['restore'] else float('nan'):.3f} s "
+                         f"({a['validations']})" for name, a in by_arm.items())
         told = f"first restore on a cold node, by arm: {told}; the limit {limit['limit_s'] if limit else '?'} s"
     else:
         told = (f"first restore on a cold node {r['median_s']:.3f} s (pull {data['span_medians_s']['pull']:.3f} s)"
@@ -317,6 +335,7 @@ def run_cold_node(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
                 f"{data['two_commands']['median_s']:.3f} s")
     summary = (f"vanilla {v['median_s']:.3f} s vs {told}"
                + (f" (stopped early by --deadline-s: {'; '.join(stopped)})" if stopped else "")
+               + (f"; {len(failed)} restore(s) did not serve, the first: {failed[0]['error']}" if failed else "")
                + f"\nwrote {stem}.json and {stem}.png")
     return BenchResult(data, summary)
 
@@ -325,12 +344,14 @@ def _span_medians(runs: list[dict]) -> dict[str, float]:
     return {k: round(statistics.median(s["spans"][k] for s in runs), 4) for k in SPANS} if runs else {}
 
 
-def _arm_result(extra: dict[str, str], runs: list[dict], vanilla: dict, limit: dict) -> dict:
-    """One arm's account: its settings, its restores' medians, against the run's vanilla and limit."""
-    r = _stats([s["total_s"] for s in runs])
-    return {"settings": extra, "restore": r, "validations": f"{sum(s['validated'] for s in runs)}/{len(runs)}",
-            "ratio_median": round(vanilla["median_s"] / r["median_s"], 2),
-            "vs_limit": round(r["median_s"] / limit["limit_s"], 2) if limit and limit.get("limit_s") else None,
+def _arm_result(extra: dict[str, str], runs: list[dict], vanilla: dict, limit: dict, failed: int = 0) -> dict:
+    """One arm's account: its settings, its restores' medians, against the run's vanilla and limit (failed: its
+    restores that did not serve, counted among those not validated)."""
+    r = _stats([s["total_s"] for s in runs]) if runs else None
+    return {"settings": extra, "restore": r,
+            "validations": f"{sum(s['validated'] for s in runs)}/{len(runs) + failed}",
+            "ratio_median": round(vanilla["median_s"] / r["median_s"], 2) if r else None,
+            "vs_limit": round(r["median_s"] / limit["limit_s"], 2) if r and limit and limit.get("limit_s") else None,
             "span_medians_s": _span_medians(runs)}
 
 
@@ -474,7 +495,7 @@ def _chart(data: dict, path: Path) -> None:
     ax.set_xticks(range(len(ticks)), ticks, fontsize=7)
     ax.set_ylabel("seconds from issue to first token")
     arms = data.get("arms")
-    how = ", ".join(f"{name} {a['ratio_median']}x" for name, a in arms.items()) if arms else \
+    how = ", ".join(f"{name} {a['ratio_median'] or 'none served, '}x" for name, a in arms.items()) if arms else \
         f"{data['ratio_median']}x"
     ax.set_title(f"{data['engine']} on {data['device']}: first restore on a cold node, {how} sooner than vanilla",
                  fontsize=10)

@@ -54,14 +54,20 @@ def test_arms_restore_side_by_side_in_turning_order_each_with_its_settings(tmp_p
     """--arm: one capture and one vanilla for all arms; each round restores a fresh node once per arm, the order
     turning a round, each arm's settings in its commands' environment (here: the weights' pieces in memory first, or
     straight to the node's disk, which each run's receipt tells; pinned by 1 MiB pieces, so that the small CPU
-    model's weights come by pieces at all)."""
+    model's weights come by pieces at all). An arm whose restores fail (no CRIU where it looks) is said, not timed,
+    and the bench goes on."""
     needs_root_criu()
     monkeypatch.setenv("COLDSNAP_PIN_PIECE_MIB", "1")
     data = run_bench(tmp_path, "reference-cpu-cold-node", "--cold-node", "--samples", "2", "--vanilla-samples", "1",
-                     "--arm", "memory=COLDSNAP_PULL_SPOOL=1", "--arm", "disk=COLDSNAP_PULL_SPOOL=0")
+                     "--arm", "memory=COLDSNAP_PULL_SPOOL=1", "--arm", "disk=COLDSNAP_PULL_SPOOL=0",
+                     "--arm", f"broken=COLDSNAP_CRIU_PREFIX={tmp_path / 'no-criu'}")
     assert [r["arm"] for r in data["runs"]] == ["memory", "disk", "disk", "memory"]
-    assert data["two_commands"] is None and data["validations"]["restore"] == "4/4"
-    arms = data["arms"]
+    assert data["two_commands"] is None and data["validations"]["restore"] == "4/6"
+    assert [(f["node"], f["arm"]) for f in data["failed"]] == [(1, "broken"), (2, "broken")]
+    assert all("exit" in f["error"] for f in data["failed"])
+    arms = data.pop("arms")
+    assert arms.pop("broken") == {"settings": {"COLDSNAP_CRIU_PREFIX": str(tmp_path / "no-criu")}, "restore": None,
+                                  "validations": "0/2", "ratio_median": None, "vs_limit": None, "span_medians_s": {}}
     assert list(arms) == ["memory", "disk"] and arms["disk"]["settings"] == {"COLDSNAP_PULL_SPOOL": "0"}
     assert all(r["spooled"] == (r["arm"] == "memory") and r["streamed"] for r in data["runs"])
     for name, arm in arms.items():
