@@ -114,6 +114,28 @@ def test_prefetched_weights_reach_the_engine_bit_for_bit(tmp_path, tp_rank, plan
     print(json.dumps({"engine": stats, "prefetcher": report}))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the prefetcher loads onto it")
+def test_a_file_changed_after_its_load_is_not_taken_from_the_prefetcher(tmp_path):
+    """The bytes a prefetcher read from a file are the file as it was then: written to since (its mtime moved), it
+    is another file to the engine, which refuses the copy (and, in a resume, reloads from the file)."""
+    from coldsnap.gpu.prefetch import PrefetchError
+
+    path = ensure_weights(tmp_path / "w.safetensors", TINY)
+    params = {n: torch.zeros_like(t) for n, t in load_weights(path, "cuda").items()}
+    sock = str(tmp_path / "p.sock")
+    proc = start_prefetcher(path, "GPU-" + str(torch.cuda.get_device_properties(0).uuid), sock, mode="buffered")
+    try:
+        assert json.loads(proc.stdout.readline())["loaded"] is True
+        st = os.stat(path)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+        with pytest.raises(PrefetchError, match="loaded another file than"):
+            load_prefetched(path, params, sock)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def _drop_from_page_cache(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

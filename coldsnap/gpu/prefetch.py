@@ -585,6 +585,8 @@ def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float
             fds = [buf.export_fd()]
             message = {"bytes": size, "alloc_bytes": buf.size, "offset": base,
                        **({"plan": plan_digest(pieces)} if pieces is not None else {})}
+            if direct is None:  # the file the bytes were read from, as it was then: one changed since is refused
+                message["identity"] = file_identity(source)
             report.update(bytes=size, load_s=round(load_s, 4), gb_per_s=round(size / load_s / 1e9, 2),
                           threads=threads, ready_s=round(time.monotonic() - t0, 4),
                           **({"pieces": len(pieces)} if pieces is not None else {}))
@@ -599,9 +601,10 @@ def serve(path: str, gpu_uuid: str, sock_path: str, threads: int, timeout: float
             report["served"] = False
             return report
         os.unlink(sock_path)  # one engine only; and the restore knows from it that this one was served
-        if "error" not in message:
-            # The file as the engine finds it now: a direct load's file (the blob's partial) was still being
-            # written (its head, by the pull) while the load went on, which moved its mtime after the load was done.
+        if "error" not in message and direct is not None:
+            # A direct load's bytes came from the registry, each checked against its pin, not from its file (the
+            # blob's partial), whose head the pull may write after the load is done: the file is the one the engine
+            # finds now (the same inode), whatever its mtime was at the load's end.
             try:
                 message["identity"] = file_identity(source)
             except OSError as e:

@@ -38,7 +38,7 @@ done
 if [[ " ${STEPS:-} " == *" check "* ]]; then
   echo "== check: the prefetch's GPU tests"
   timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" -rfs tests/test_gpu_prefetch.py \
-      -k "bit_for_bit or straight" 2>&1 | grep -E "passed|failed|Error|assert|SKIP" | tail -8
+      -k "bit_for_bit or straight or changed_after" 2>&1 | grep -E "passed|failed|Error|assert|SKIP" | tail -8
 fi
 if [ ${#arms[@]} -gt 0 ]; then
   with_container=0; [[ " ${STEPS:-container} " == *" container "* ]] && with_container=1
