@@ -228,7 +228,8 @@ def run_cold_node(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
                     stopped.append(f"cold nodes after {i} of {n}")
                     progress(f"cold nodes: {i} of {n}, the rest would end past --deadline-s {opts.deadline_s:g}")
                     break
-                began, took = time.monotonic(), len(samples)
+                began = time.monotonic()
+                served: list[dict] = []  # this round's one-command restores that served
                 # arms: each once, the order turning by one a round; else one command, and pull-then-restore as
                 # two, in turns: first one, then the other
                 turns = [(True, *arms[(i + k) % len(arms)]) for k in range(len(arms))] if arms else \
@@ -239,23 +240,21 @@ def run_cold_node(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
                     try:
                         got = _first_restore(Path(tmp) / f"node{i}", ref, expected, one_command=one,
                                              settings_=extra)
+                        if arms:
+                            got["arm"] = arm
+                        (served if one else two_commands).append(got)
                     except ColdSnapError as e:
                         failed.append({"node": i + 1, **({"arm": arm} if arms else {}), "one_command": one,
                                        "error": e.message})
                         progress(f"cold node {i + 1}: {arm + ' ' if arm else ''}failed: {e.message}")
-                        got = None
-                    if got is not None and arms:
-                        got["arm"] = arm
-                    if got is not None:
-                        (samples if one else two_commands).append(got)
                     shutil.rmtree(Path(tmp) / f"node{i}", ignore_errors=True)  # its copy of the weights: disk room
                 rounds.append(time.monotonic() - began)
-                took = len(samples) - took  # this round's
+                samples += served
                 if arms:
                     progress(f"cold node {i + 1}/{n}: " + ", ".join(
-                        f"{g['arm']} {g['total_s']:.3f} s" for g in samples[len(samples) - took:]) + " to first token")
+                        f"{g['arm']} {g['total_s']:.3f} s" for g in served) + " to first token")
                     continue
-                if failed and failed[-1]["node"] == i + 1:
+                if failed and failed[-1]["node"] == i + 1:  # said above
                     continue
                 progress(f"cold node {i + 1}/{n}: restore of the reference → first token "
                          f"{samples[-1]['total_s']:.3f} s (pull {samples[-1]['spans']['pull']:.2f} s); pull, then "
@@ -326,8 +325,8 @@ def run_cold_node(opts: BenchOptions, progress=lambda m: None) -> BenchResult:
     _chart(data, stem.with_suffix(".png"))
     lim = f"; the limit {limit['limit_s']} s ({r['median_s'] / limit['limit_s']:.2f}x)" if limit else ""
     if by_arm:
-        told = "; ".join(f"{name} {a['restore']['median_s'] if a['restore'] else float('nan'):.3f} s "
-                         f"({a['validations']})" for name, a in by_arm.items())
+        told = "; ".join(f"{name} " + (f"{a['restore']['median_s']:.3f} s" if a["restore"] else "none served")
+                         + f" ({a['validations']})" for name, a in by_arm.items())
         told = f"first restore on a cold node, by arm: {told}; the limit {limit['limit_s'] if limit else '?'} s"
     else:
         told = (f"first restore on a cold node {r['median_s']:.3f} s (pull {data['span_medians_s']['pull']:.3f} s)"
@@ -495,8 +494,8 @@ def _chart(data: dict, path: Path) -> None:
     ax.set_xticks(range(len(ticks)), ticks, fontsize=7)
     ax.set_ylabel("seconds from issue to first token")
     arms = data.get("arms")
-    how = ", ".join(f"{name} {a['ratio_median'] or 'none served, '}x" for name, a in arms.items()) if arms else \
-        f"{data['ratio_median']}x"
+    how = ", ".join(f"{name} {a['ratio_median']}x" if a["ratio_median"] else f"{name} none served"
+                    for name, a in arms.items()) if arms else f"{data['ratio_median']}x"
     ax.set_title(f"{data['engine']} on {data['device']}: first restore on a cold node, {how} sooner than vanilla",
                  fontsize=10)
     ax.legend(fontsize=7)
