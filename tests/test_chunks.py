@@ -128,6 +128,26 @@ def test_a_file_hashed_as_it_was_written_is_not_read_again_until_it_changes(tmp_
     assert digests.checked_sha256(path)[0] == "sha256:" + hashlib.sha256(b"changed").hexdigest() and calls
 
 
+def test_a_file_remembered_before_it_was_durable_is_trusted_in_this_boot_only(tmp_path, monkeypatch):
+    """A restore's pull lists the capsule's own blobs before their bytes reach the disk: their digests are trusted
+    without reading them again in this boot (a killed process leaves its writes in the page cache), hashed again
+    after a reboot (a power loss can keep a file's size and times but not its bytes), and trusted in any boot once
+    remembered durable."""
+    monkeypatch.setenv("COLDSNAP_HOME", str(tmp_path / "home"))
+    path = tmp_path / "blob"
+    path.write_bytes(os.urandom(MIB))
+    truth = "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+    calls, real = [], digests.sha256_file
+    monkeypatch.setattr(digests, "sha256_file", lambda p: calls.append(p) or real(p))
+    digests.remember_hashed(path, truth, durable=False)
+    assert digests.checked_sha256(path) == (truth, MIB) and calls == []
+    monkeypatch.setattr(digests, "boot_id", lambda: "a-later-boot")
+    assert digests.checked_sha256(path)[0] == truth and len(calls) == 1  # read again: then remembered (this boot)
+    digests.remember_hashed(path, truth)  # fsynced since: durable
+    monkeypatch.setattr(digests, "boot_id", lambda: "yet-another-boot")
+    assert digests.checked_sha256(path)[0] == truth and len(calls) == 1
+
+
 def test_a_file_pinned_in_the_background_is_not_read_again(weights, monkeypatch):
     """A capture pins weights that exist before the engine starts while it starts (digests.pin_in_background):
     pinning them for real afterwards finds the digest remembered."""

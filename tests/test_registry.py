@@ -508,3 +508,76 @@ def test_store_hygiene(registry, src, dst, tmp_path):  # noqa: F811
     src.add_to_index(Descriptor(mt.MANIFEST_MEDIA_TYPE, sig.digest, sig.size), "sha256-sig")
     assert sig.digest not in {r["digest"] for r in capsule_gc.list_capsules(src)}
     assert digest in {r["digest"] for r in capsule_gc.list_capsules(src)}
+
+
+def test_a_restores_pull_leaves_the_disk_to_it_until_its_first_token(registry, src, dst, tmp_path,  # noqa: F811
+                                                                     monkeypatch):
+    """A restore's pull (one that hears of its arrivals) lists the capsule's own blobs before their bytes are
+    durable: no fsync of them while admission, the unpack and CRIU use them; once the restore is past its first
+    token (allow_sync) they are fsynced, remembered durable, and only then is the capsule listed. A weights blob
+    is durable before it is listed, as before. A plain pull fsyncs each blob as it comes."""
+    from coldsnap.base import digests
+    from coldsnap.capsule.pieces import Arrivals
+
+    own = random_layer(src, tmp_path, 3 * MIB)
+    weights = random_layer(src, tmp_path, 2 * MIB, media_type=mt.LAYER_WEIGHTS)
+    digest, _ = make_capsule(src, tmp_path, [own, weights], tag="durable")
+    push(src, digest, f"{registry}/coldsnap/durable:v1", insecure=True)
+    synced, real_fsync = [], os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+    def synced_blob(d):
+        return any(p in (str(dst.blob_path(d)), str(bloblocks.partial_path(dst, d))) for p in synced)
+
+    arrivals, seen, done = Arrivals(), {}, {}
+
+    def on_blobs(d, manifest):
+        seen["own_synced"] = synced_blob(own.digest)
+        seen["listed"] = dst.has_blob(own.digest)
+        seen["memo"] = digests._memo_entry(str(dst.blob_path(own.digest)), dst.blob_path(own.digest).stat())
+
+    def run():
+        try:
+            done["result"] = pull(dst, f"{registry}/coldsnap/durable@{digest}", insecure=True, on_blobs=on_blobs,
+                                  arrivals=arrivals)
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            done["error"] = e
+
+    puller = threading.Thread(target=run)
+    puller.start()
+    try:
+        deadline = time.monotonic() + 60
+        while "listed" not in seen and time.monotonic() < deadline and puller.is_alive():
+            time.sleep(0.02)
+        assert seen["listed"] and not seen["own_synced"] and seen["memo"].get("boot")  # trusted this boot only
+        puller.join(1.0)
+        assert puller.is_alive() and dst.index() == [] and not synced_blob(own.digest)
+        assert synced_blob(weights.digest)  # the weights: durable before they were listed
+    finally:
+        arrivals.allow_sync()
+        puller.join(60)
+    assert "error" not in done and str(done["result"]) == digest
+    assert synced_blob(own.digest) and [m["digest"] for m in dst.index()] == [digest]
+    path = dst.blob_path(own.digest)
+    assert "boot" not in digests._memo_entry(str(path), path.stat())
+    synced.clear()
+    plain = CapsuleStore(tmp_path / "plain").init()
+    pull(plain, f"{registry}/coldsnap/durable@{digest}", insecure=True)
+    assert str(plain.blob_path(own.digest)) in synced or str(bloblocks.partial_path(plain, own.digest)) in synced
+
+
+def test_a_listed_image_blob_that_does_not_hash_to_its_digest_is_fetched_again(registry, src, dst,  # noqa: F811
+                                                                               tmp_path):
+    """A capsule's own blob already in the store but not its bytes (torn by a power loss before it was durable,
+    say) is hashed before it is taken as present, and fetched again."""
+    own = random_layer(src, tmp_path, 2 * MIB)
+    digest, _ = make_capsule(src, tmp_path, [own], tag="torn")
+    push(src, digest, f"{registry}/coldsnap/torn:v1", insecure=True)
+    dst.blob_path(own.digest).write_bytes(bytes(own.size))
+    pull(dst, f"{registry}/coldsnap/torn@{digest}", insecure=True)
+    assert dst.blob_path(own.digest).read_bytes() == src.blob_path(own.digest).read_bytes()

@@ -23,6 +23,7 @@ from typing import Callable
 
 from coldsnap.base.files import atomic_write
 from coldsnap.base.paths import settings
+from coldsnap.base.procfs import boot_id
 
 CHUNK = 8 << 20
 SETTLED_NS = 1_000_000_000  # a file changed less than this before its check is hashed again next time
@@ -63,19 +64,23 @@ def _remember(key: str, before: os.stat_result, started_ns: int | None, **facts)
     if started_ns is not None and started_ns - before.st_ctime_ns < SETTLED_NS:
         return
     memo = {p: e for p, e in _read_memo().items() if os.path.exists(p)}  # forget files that are gone
-    memo[key] = {**_memo_entry(key, before, memo), "version": _version(before), **facts}
+    entry = {**_memo_entry(key, before, memo), "version": _version(before), **facts}
+    memo[key] = {k: v for k, v in entry.items() if v is not None}  # a fact given as None is forgotten
     with suppress(OSError):  # no memo: the next check hashes again
         atomic_write(_memo_path(), json.dumps(memo).encode())
 
 
-def remember_hashed(path: str | os.PathLike, digest: str, **facts) -> None:
+def remember_hashed(path: str | os.PathLike, digest: str, durable: bool = True, **facts) -> None:
     """Record the digest (and facts such as chunk pins) of a file whose bytes ColdSnap hashed as it wrote them (a
     pull streams, hashes and writes a blob in one pass) or linked from such a file, so that its first use does not
     read it again. Recorded at the file's version now, after the writes and the rename or link (which move its
     ctime); the settling rule is waived because nothing but this process wrote the file, under the blob's lock,
-    in a 0700 store: any later write moves its ctime past the one recorded here."""
+    in a 0700 store: any later write moves its ctime past the one recorded here.
+    durable False: its bytes are not fsynced yet (a restore's pull leaves the disk to the restore until its first
+    token): trusted in this boot only, since a power loss can keep a file's size and times but not its bytes;
+    remembered again, durable, once they are."""
     key = os.path.abspath(os.fspath(path))
-    _remember(key, os.stat(key), None, sha256=digest, **facts)
+    _remember(key, os.stat(key), None, sha256=digest, boot=None if durable else boot_id(), **facts)
 
 
 def remember_pieces(path: str | os.PathLike, chunks: list[str], chunk_bytes: int, algorithm: str = "sha256") -> None:
@@ -94,9 +99,12 @@ def known_by_pieces_only(path: str | os.PathLike) -> bool:
 
 
 def _memo_entry(key: str, before: os.stat_result, memo: dict | None = None) -> dict:
-    """The memo's entry for the file at `before`'s version; {} for none, or for one of another version."""
+    """The memo's entry for the file at `before`'s version; {} for none, for one of another version, or for one
+    recorded before its bytes were durable in a boot that is over."""
     entry = (_read_memo() if memo is None else memo).get(key)
-    return entry if isinstance(entry, dict) and entry.get("version") == _version(before) else {}
+    if not isinstance(entry, dict) or entry.get("version") != _version(before):
+        return {}
+    return {} if entry.get("boot", boot_id()) != boot_id() else entry  # not durable then, and that boot is over
 
 
 def checked_sha256(path: str | os.PathLike) -> tuple[str, int]:

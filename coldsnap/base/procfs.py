@@ -5,8 +5,19 @@ any OSError as "gone"."""
 
 from __future__ import annotations
 
+import functools
 import os
 from contextlib import suppress
+
+
+@functools.cache
+def boot_id() -> str:
+    """This boot's id (the kernel's random boot_id): what a page-cache-only write can be trusted within."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return "unknown"
 
 
 def read_children(pid: int) -> list[int]:

@@ -407,16 +407,18 @@ def _hash_prefix(path: Path, length: int):
 
 class _Sink:
     """Hash and write received chunks in two threads (both release the GIL) so receiving, hashing and writing
-    overlap; at most 2 x 8 chunks in flight. WriteBehind keeps the final fsync down to the last windows."""
+    overlap; at most 2 x 8 chunks in flight. WriteBehind keeps the final fsync down to the last windows (durable
+    False: no final fsync now, so nothing written back meanwhile either)."""
 
-    def __init__(self, h, f, offset: int, growing: Growing | None = None):
-        behind = WriteBehind(f.fileno(), offset)
+    def __init__(self, h, f, offset: int, growing: Growing | None = None, durable: bool = True):
+        behind = WriteBehind(f.fileno(), offset) if durable else None
         at = [offset]
 
         def write(chunk: bytes) -> None:
             f.write(chunk)
             f.flush()
-            behind.wrote(len(chunk))
+            if behind is not None:
+                behind.wrote(len(chunk))
             at[0] += len(chunk)
             if growing is not None:  # readable from the file now
                 growing.wrote(at[0])
@@ -452,11 +454,12 @@ class _Sink:
 
 
 def _download(client: _Client, desc: Descriptor, part: Path, progress: TransferProgress | None,
-              growing: Growing | None = None) -> tuple[int, int, bool]:
+              growing: Growing | None = None, durable: bool = True) -> tuple[int, int, bool]:
     """Bring part up to desc.size bytes, resuming what is there: (received, resumed, matches size and digest).
-    growing: told how far the file is written, for a reader that follows it (any restart stops the reader)."""
+    growing: told how far the file is written, for a reader that follows it (any restart stops the reader).
+    durable False: not fsynced (the caller makes it durable later: _make_durable)."""
     try:
-        received, resumed, ok = _download_into(client, desc, part, progress, growing)
+        received, resumed, ok = _download_into(client, desc, part, progress, growing, durable)
     except BaseException:
         if growing is not None:
             growing.broke()
@@ -467,7 +470,7 @@ def _download(client: _Client, desc: Descriptor, part: Path, progress: TransferP
 
 
 def _download_into(client: _Client, desc: Descriptor, part: Path, progress: TransferProgress | None,
-                   growing: Growing | None) -> tuple[int, int, bool]:
+                   growing: Growing | None, durable: bool = True) -> tuple[int, int, bool]:
     url = f"{client.base}/blobs/{desc.digest}"
     received = attempts = 0
     fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -495,7 +498,7 @@ def _download_into(client: _Client, desc: Descriptor, part: Path, progress: Tran
                     h = hashlib.sha256()
                     if r.status_code != 200:
                         continue
-                sink = _Sink(h, f, offset, growing)
+                sink = _Sink(h, f, offset, growing, durable)
                 try:
                     try:
                         for chunk in r.iter_content(READ_CHUNK):
@@ -527,12 +530,14 @@ def _download_into(client: _Client, desc: Descriptor, part: Path, progress: Tran
         ok = offset == desc.size and "sha256:" + h.hexdigest() == desc.digest
         if ok:
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
     return received, resumed, ok
 
 
 def _download_by_fetcher(fetcher: pieces.Fetcher, client: _Client, desc: Descriptor, part: Path,
-                         progress: TransferProgress | None, growing: Growing) -> tuple[int, bool] | None:
+                         progress: TransferProgress | None, growing: Growing,
+                         durable: bool = True) -> tuple[int, bool] | None:
     """desc's blob streamed into a new partial file by a fetching process started ahead of it (pieces.Fetcher: a
     GIL of its own, so the restore's threads neither slow it nor wait for it), growing told as it is written:
     (bytes received, whether they match the digest and size). None when it did not bring the blob (a partial was
@@ -569,7 +574,7 @@ def _download_by_fetcher(fetcher: pieces.Fetcher, client: _Client, desc: Descrip
         if whole is None:
             growing.broke()
             return None
-        if whole:
+        if whole and durable:
             os.fsync(fd)
         growing.ended(whole)
         return at, whole
@@ -581,20 +586,21 @@ def _download_by_fetcher(fetcher: pieces.Fetcher, client: _Client, desc: Descrip
 
 
 def _fetch_blob(client: _Client, store: CapsuleStore, desc: Descriptor, progress: TransferProgress | None,
-                growing: Growing | None = None, fetcher: pieces.Fetcher | None = None) -> tuple[int, int]:
+                growing: Growing | None = None, fetcher: pieces.Fetcher | None = None,
+                durable: bool = True) -> tuple[int, int]:
     """Bring one blob into its partial file, verified: by a fetching process started for it (a blob someone follows
-    while it arrives), else, or for what that one did not bring, on this thread."""
+    while it arrives), else, or for what that one did not bring, on this thread. durable False: not fsynced."""
     part = partial_path(store, desc.digest)
-    got = _download_by_fetcher(fetcher, client, desc, part, progress, growing) \
+    got = _download_by_fetcher(fetcher, client, desc, part, progress, growing, durable) \
         if fetcher is not None and growing is not None else None
     if got is not None:
         received, ok = got
         resumed = 0
     else:
-        received, resumed, ok = _download(client, desc, part, progress, growing)
+        received, resumed, ok = _download(client, desc, part, progress, growing, durable)
     if not ok and resumed:  # a resumed partial may have been bad locally: one clean retry
         part.unlink(missing_ok=True)
-        more, more_resumed, ok = _download(client, desc, part, progress)
+        more, more_resumed, ok = _download(client, desc, part, progress, durable=durable)
         received, resumed = received + more, resumed + more_resumed
     if not ok:
         part.unlink(missing_ok=True)
@@ -790,11 +796,13 @@ class _Fetched:
     received: int = 0
     resumed: int = 0
     digests: list[str] = field(default_factory=list)
+    unsynced: list[str] = field(default_factory=list)  # of digests: listed before their bytes were durable
 
     def add(self, more: "_Fetched") -> None:
         self.received += more.received
         self.resumed += more.resumed
         self.digests += more.digests
+        self.unsynced += more.unsynced
 
 
 class _WeightsAhead:
@@ -846,6 +854,8 @@ def _present_for(store: CapsuleStore, d: Descriptor, wf: WeightFile | None) -> b
     path = store.blob_path(d.digest)
     # trusted by its digest (pins without pieces: the same): one only ever checked by pieces is hashed whole first
     if wf is None or wf.chunk_bytes is None:
+        if d.media_type != mt.LAYER_WEIGHTS:  # the capsule's own: checked now (memoized), fetched again if torn
+            return checked_sha256(path)[0] == d.digest
         return not known_by_pieces_only(path) or checked_sha256(path)[0] == d.digest
     if checked_chunks(path, wf.chunks, wf.chunk_bytes, wf.chunk_digest):
         return True
@@ -862,8 +872,14 @@ def _fetch_missing(store: CapsuleStore, client: "_Client", descs: list[Descripto
                    pins: dict[str, WeightFile] | None = None, arrivals: pieces.Arrivals | None = None) -> _Fetched:
     """Fetch the blobs the store lacks, up to BLOB_STREAMS at once, then publish them once every one verified (a
     refused one: none, and no partial kept). A weights blob in `pins` is fetched and checked piece by piece. The
-    caller holds their locks."""
+    caller holds their locks. For a restore that uses them as they come (`arrivals`), the capsule's own blobs
+    (its profile and CRIU images) are listed before they are durable (got.unsynced: the pull makes them durable
+    past the restore's first token, before it lists the capsule), so that writing them back does not hold up
+    admission, the images' unpack and CRIU; weights are durable before they are listed, as they always were."""
     got = _Fetched()
+
+    def durable(d: Descriptor) -> bool:
+        return arrivals is None or d.media_type == mt.LAYER_WEIGHTS
     missing = [(d, (pins or {}).get(d.digest)) for d in descs]
     missing = [(d, wf) for d, wf in missing if not _present_for(store, d, wf)]
     by_pieces: dict[str, WeightFile] = {}
@@ -881,7 +897,7 @@ def _fetch_missing(store: CapsuleStore, client: "_Client", descs: list[Descripto
             by_pieces[d.digest] = wf
             return got_pieces
         return _fetch_blob(local.client, store, d, progress, arrivals.followed(d.digest) if arrivals else None,
-                           arrivals.take_blob_fetcher(d.digest) if arrivals else None)
+                           arrivals.take_blob_fetcher(d.digest) if arrivals else None, durable(d))
 
     outcomes: list[tuple[int, int] | BaseException] = []
     with ThreadPoolExecutor(max(1, min(BLOB_STREAMS, len(missing))), thread_name_prefix="coldsnap-blob") as pool:
@@ -908,11 +924,32 @@ def _fetch_missing(store: CapsuleStore, client: "_Client", descs: list[Descripto
         if wf := by_pieces.get(d.digest):  # its pieces checked as they came in; its whole digest never computed
             assert wf.chunk_bytes is not None  # pieces.covers held for it
             remember_pieces(store.blob_path(d.digest), wf.chunks, wf.chunk_bytes, wf.chunk_digest)
-        else:
-            remember_hashed(store.blob_path(d.digest), d.digest)  # hashed while it streamed in: not read again
-    if fetched:
+        else:  # hashed while it streamed in: not read again
+            remember_hashed(store.blob_path(d.digest), d.digest, durable(d))
+            if not durable(d):
+                got.unsynced.append(d.digest)
+    if len(got.unsynced) < len(fetched):  # the unsynced ones' entries wait for _make_durable
         _fsync_dir(store.blobs)
     return got
+
+
+def _make_durable(store: CapsuleStore, digests: list[str], arrivals: pieces.Arrivals | None) -> None:
+    """Blobs a restore's pull listed before their bytes were on the disk (_fetch_missing), made durable once the
+    restore is past its first token (or over), before the capsule is listed; remembered durable then (until
+    now the digest memo trusted them in this boot only)."""
+    if not digests:
+        return
+    if arrivals is not None:
+        arrivals.wait_sync_allowed()
+    for digest in digests:
+        fd = os.open(store.blob_path(digest), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    _fsync_dir(store.blobs)
+    for digest in digests:
+        remember_hashed(store.blob_path(digest), digest)
 
 
 _clients_lock = threading.Lock()
@@ -935,7 +972,8 @@ def _pull_capsule(store: CapsuleStore, client: "_Client", remote: RemoteRef, raw
     # shared blob waits here and then finds it present.
     with _blob_locks(store, [d.digest for d in descs] + [digest]):
         got = _fetch_missing(store, client, descs, progress, pins, arrivals)
-        # Every blob here and verified: the manifest, then the tag.
+        _make_durable(store, early.unsynced + got.unsynced, arrivals)
+        # Every blob here, verified and durable: the manifest, then the tag.
         had_manifest = store.has_blob(digest)
         mdesc = store.put_bytes(raw, manifest.get("mediaType", mt.MANIFEST_MEDIA_TYPE))
         indexed = any(m.get("digest") == digest for m in store.index())
