@@ -565,6 +565,19 @@ def test_a_restores_pull_leaves_the_disk_to_it_until_its_first_token(registry, s
     assert synced_blob(own.digest) and [m["digest"] for m in dst.index()] == [digest]
     path = dst.blob_path(own.digest)
     assert "boot" not in digests._memo_entry(str(path), path.stat())
+    # a capsule with no weights of its own: nothing is used before the pull ends, so nothing waits for a token
+    alone, _ = make_capsule(src, tmp_path, [random_layer(src, tmp_path, MIB)], tag="alone")
+    push(src, alone, f"{registry}/coldsnap/durable:alone", insecure=True)
+    done.clear()
+    alone_store, arrivals = CapsuleStore(tmp_path / "alone").init(), Arrivals()
+    puller = threading.Thread(target=lambda: done.update(result=pull(
+        alone_store, f"{registry}/coldsnap/durable@{alone}", insecure=True, on_blobs=on_blobs, arrivals=arrivals)))
+    puller.start()
+    puller.join(60)
+    alive = puller.is_alive()
+    arrivals.allow_sync()
+    puller.join(60)
+    assert not alive and str(done["result"]) == alone
     synced.clear()
     plain = CapsuleStore(tmp_path / "plain").init()
     pull(plain, f"{registry}/coldsnap/durable@{digest}", insecure=True)

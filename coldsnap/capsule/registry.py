@@ -721,19 +721,22 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
             provenance = Soon(lambda: _provenance(_Client(client.ref, client.scheme == "http"), store, remote, digest),
                               "pull-provenance") if on_blobs is not None else None
             weights_missing = payload or any(not store.has_blob(d.digest) for d in descs if d not in own)
+            # a restore uses these before the pull ends (on_blobs): their fsync waits for its first token
+            used_early = on_blobs is not None and arrivals is not None
             with _blob_locks(store, [d.digest for d in own]):
                 if (arrivals is not None and weights_missing and not payload
                         and pieces.weights_ahead(choosing=on_profile is not None)):
                     # the profile first (it pins the weights' pieces), then the weights move beside the images
                     config = own[:1]  # _descriptors puts the config first
-                    early = _fetch_missing(store, client, config, progress, arrivals=arrivals)
+                    early = _fetch_missing(store, client, config, progress, arrivals=arrivals, sync_later=used_early)
                     if on_profile is not None:
                         on_profile(digest, manifest)
                     ahead = _WeightsAhead(store, client, manifest, [d for d in descs if d not in own], progress,
                                           arrivals)
-                    early.add(_fetch_missing(store, client, own[1:], progress, arrivals=arrivals))
+                    early.add(_fetch_missing(store, client, own[1:], progress, arrivals=arrivals,
+                                             sync_later=used_early))
                 else:
-                    early = _fetch_missing(store, client, own, progress, arrivals=arrivals)
+                    early = _fetch_missing(store, client, own, progress, arrivals=arrivals, sync_later=used_early)
             if arrivals is not None:
                 arrivals.mark("own_blobs")
             if on_blobs is not None:
@@ -869,17 +872,18 @@ BLOB_STREAMS = 6  # blobs fetched at once (the CRIU images' layers side by side;
 
 
 def _fetch_missing(store: CapsuleStore, client: "_Client", descs: list[Descriptor], progress,
-                   pins: dict[str, WeightFile] | None = None, arrivals: pieces.Arrivals | None = None) -> _Fetched:
+                   pins: dict[str, WeightFile] | None = None, arrivals: pieces.Arrivals | None = None,
+                   sync_later: bool = False) -> _Fetched:
     """Fetch the blobs the store lacks, up to BLOB_STREAMS at once, then publish them once every one verified (a
     refused one: none, and no partial kept). A weights blob in `pins` is fetched and checked piece by piece. The
-    caller holds their locks. For a restore that uses them as they come (`arrivals`), the capsule's own blobs
-    (its profile and CRIU images) are listed before they are durable (got.unsynced: the pull makes them durable
-    past the restore's first token, before it lists the capsule), so that writing them back does not hold up
-    admission, the images' unpack and CRIU; weights are durable before they are listed, as they always were."""
+    caller holds their locks. sync_later: a restore uses these blobs before the pull ends (the capsule's own,
+    ahead of its weights): those fetched whole are listed before they are durable (got.unsynced: the pull makes
+    them durable past the restore's first token, before it lists the capsule), so that writing them back does not
+    hold up admission, the images' unpack and CRIU; weights are durable before they are listed, as always."""
     got = _Fetched()
 
     def durable(d: Descriptor) -> bool:
-        return arrivals is None or d.media_type == mt.LAYER_WEIGHTS
+        return not sync_later or d.media_type == mt.LAYER_WEIGHTS
     missing = [(d, (pins or {}).get(d.digest)) for d in descs]
     missing = [(d, wf) for d, wf in missing if not _present_for(store, d, wf)]
     by_pieces: dict[str, WeightFile] = {}
@@ -940,7 +944,8 @@ def _make_durable(store: CapsuleStore, digests: list[str], arrivals: pieces.Arri
     if not digests:
         return
     if arrivals is not None:
-        arrivals.wait_sync_allowed()
+        arrivals.end()  # nothing more arrives: whoever waits for a blob it did not bring by pieces waits for the
+        arrivals.wait_sync_allowed()  # pull's end instead, which allows this
     for digest in digests:
         fd = os.open(store.blob_path(digest), os.O_RDONLY | os.O_CLOEXEC)
         try:
