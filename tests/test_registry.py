@@ -594,3 +594,23 @@ def test_a_listed_image_blob_that_does_not_hash_to_its_digest_is_fetched_again(r
     dst.blob_path(own.digest).write_bytes(bytes(own.size))
     pull(dst, f"{registry}/coldsnap/torn@{digest}", insecure=True)
     assert dst.blob_path(own.digest).read_bytes() == src.blob_path(own.digest).read_bytes()
+
+
+def test_a_restores_pull_fsyncs_as_it_goes_when_told_to(registry, src, dst, tmp_path, monkeypatch):  # noqa: F811
+    """COLDSNAP_PULL_SYNC_LATER=0: the capsule's own blobs are durable before the restore is told they are here,
+    as a plain pull's are (the other arm of `coldsnap bench --cold-node --arm`)."""
+    from coldsnap.capsule.pieces import Arrivals
+
+    monkeypatch.setenv("COLDSNAP_PULL_SYNC_LATER", "0")
+    own = random_layer(src, tmp_path, MIB)
+    weights = random_layer(src, tmp_path, MIB, media_type=mt.LAYER_WEIGHTS)
+    digest, _ = make_capsule(src, tmp_path, [own, weights], tag="sync-now")
+    push(src, digest, f"{registry}/coldsnap/sync-now:v1", insecure=True)
+    synced, real_fsync, seen = [], os.fsync, []
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real_fsync(fd))
+    part, path = str(bloblocks.partial_path(dst, own.digest)), str(dst.blob_path(own.digest))
+    arrivals = Arrivals()
+    arrivals.allow_sync()  # were they deferred, the pull would still end (and the assertion say so)
+    pull(dst, f"{registry}/coldsnap/sync-now@{digest}", insecure=True, arrivals=arrivals,
+         on_blobs=lambda d, m: seen.append(part in synced or path in synced))
+    assert seen == [True]

@@ -722,7 +722,7 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
                               "pull-provenance") if on_blobs is not None else None
             weights_missing = payload or any(not store.has_blob(d.digest) for d in descs if d not in own)
             # a restore uses these before the pull ends (on_blobs): their fsync waits for its first token
-            used_early = on_blobs is not None and arrivals is not None
+            used_early = on_blobs is not None and arrivals is not None and settings().pull_sync_later
             with _blob_locks(store, [d.digest for d in own]):
                 if (arrivals is not None and weights_missing and not payload
                         and pieces.weights_ahead(choosing=on_profile is not None)):
