@@ -555,8 +555,9 @@ def test_a_restores_pull_leaves_the_disk_to_it_until_its_first_token(registry, s
         while "listed" not in seen and time.monotonic() < deadline and puller.is_alive():
             time.sleep(0.02)
         assert seen["listed"] and not seen["own_synced"] and seen["memo"].get("boot")  # trusted this boot only
-        puller.join(1.0)
-        assert puller.is_alive() and dst.index() == [] and not synced_blob(own.digest)
+        while not arrivals.ended and time.monotonic() < deadline:  # every blob in: the pull waits for the token
+            time.sleep(0.02)
+        assert arrivals.ended and puller.is_alive() and dst.index() == [] and not synced_blob(own.digest)
         assert synced_blob(weights.digest)  # the weights: durable before they were listed
     finally:
         arrivals.allow_sync()
