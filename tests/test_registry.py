@@ -519,6 +519,7 @@ def test_a_restores_pull_leaves_the_disk_to_it_until_its_first_token(registry, s
     from coldsnap.base import digests
     from coldsnap.capsule.pieces import Arrivals
 
+    monkeypatch.setenv("COLDSNAP_PULL_SYNC_LATER", "1")
     own = random_layer(src, tmp_path, 3 * MIB)
     weights = random_layer(src, tmp_path, 2 * MIB, media_type=mt.LAYER_WEIGHTS)
     digest, _ = make_capsule(src, tmp_path, [own, weights], tag="durable")

@@ -44,7 +44,7 @@ VARIABLES = (
              "from the registry itself, each checked against its pin, and the pull fetches them for the node's store "
              "after the first token (a second transfer); 0: the pull fetches them, the prefetcher takes them from it; "
              "auto: 1 for a process restore on a node with an NVIDIA driver whose weights are one file for one GPU"),
-    Variable("COLDSNAP_PULL_SYNC_LATER", "1", "1: a restore's pull fsyncs the capsule's own blobs (its CRIU "
+    Variable("COLDSNAP_PULL_SYNC_LATER", "0", "1: a restore's pull fsyncs the capsule's own blobs (its CRIU "
              "images) past the restore's first token, before it lists the capsule; 0: as each one comes"),
     Variable("COLDSNAP_PULL_CONNECTIONS", "", "connections a pull by pieces uses at once (1-64); default one per "
              "core, 2 to 16"),
@@ -114,7 +114,7 @@ class Settings:
     pull_connections: str = ""
     pull_image_fetchers: str = ""
     pull_direct: str = "auto"
-    pull_sync_later: bool = True
+    pull_sync_later: bool = False
     pin_piece_mib: str = "256"
     pin_piece_hash: str = "blake3"
     images_layer_mib: str = "64"
@@ -180,7 +180,7 @@ def settings() -> Settings:
         pull_connections=os.environ.get("COLDSNAP_PULL_CONNECTIONS", ""),
         pull_image_fetchers=os.environ.get("COLDSNAP_PULL_IMAGE_FETCHERS", ""),
         pull_direct=os.environ.get("COLDSNAP_PULL_DIRECT", "auto"),
-        pull_sync_later=_flag("COLDSNAP_PULL_SYNC_LATER", True),
+        pull_sync_later=_flag("COLDSNAP_PULL_SYNC_LATER", False),
         pin_piece_mib=os.environ.get("COLDSNAP_PIN_PIECE_MIB", "256"),
         pin_piece_hash=os.environ.get("COLDSNAP_PIN_PIECE_HASH", "blake3"),
         images_layer_mib=os.environ.get("COLDSNAP_IMAGES_LAYER_MIB", "64"),

@@ -13,8 +13,8 @@
 #   direct          COLDSNAP_PULL_DIRECT=1: the prefetcher fetches the weights' pieces from the registry itself,
 #                   ordered once the profile is in (the weights beside the images)
 #   direct-fetchers the same with COLDSNAP_PULL_IMAGE_FETCHERS=4: the images' layers by fetching processes
-#   synced          COLDSNAP_PULL_SYNC_LATER=0: the capsule's own blobs fsynced as they come (the default defers
-#                   that past the first token)
+#   sync-later      COLDSNAP_PULL_SYNC_LATER=1: the capsule's own blobs fsynced past the first token (the default:
+#                   as they come)
 #   check           first, the GPU tests of the prefetch's paths (tests/test_gpu_prefetch.py: bit for bit, the
 #                   direct way's included), so that a broken path shows before the bench spends the call
 # Carry [".whl", ".carry/gpu", ".carry/registry"] (and ".carry/runc" for the container): prepare.sh makes them.
@@ -33,7 +33,7 @@ for v in ${STEPS:-spool defaults container}; do
     fetchers-after) arms+=("fetchers-after=COLDSNAP_PULL_DIRECT=0,COLDSNAP_PULL_IMAGE_FETCHERS=4,COLDSNAP_PULL_WEIGHTS_AHEAD=0");;
     direct) arms+=("direct=COLDSNAP_PULL_DIRECT=1");;
     direct-fetchers) arms+=("direct-fetchers=COLDSNAP_PULL_DIRECT=1,COLDSNAP_PULL_IMAGE_FETCHERS=4");;
-    synced) arms+=("synced=COLDSNAP_PULL_SYNC_LATER=0");;
+    sync-later) arms+=("sync-later=COLDSNAP_PULL_SYNC_LATER=1");;
     container|check) ;;
     *) echo "cold-node-ab: no step $v"; exit 2;;
   esac
