@@ -13,8 +13,7 @@ from registry_fixture import ensure_registry, registry  # noqa: F401  (pytest fi
 from test_registry import no_ambient_credentials, profile, random_layer, registry_blob_file  # noqa: F401
 
 from coldsnap.base import digests
-from coldsnap.capsule import CapsuleStore, pieces
-from coldsnap.capsule import registry as reg_mod
+from coldsnap.capsule import CapsuleStore, pieces, remote
 from coldsnap.capsule.payload import materialize
 from coldsnap.capsule.registry import pull, push
 from coldsnap.contracts import ColdSnapError, ErrorCode, Model, WeightFile
@@ -54,14 +53,14 @@ def test_pinned_weights_come_by_pieces_on_several_connections(registry, stores, 
     data = os.urandom(5 * MIB + 12345)
     digest, wf = pinned_capsule(src, tmp_path, data)
     push(src, digest, f"{registry}/coldsnap/pieces:v1", insecure=True)
-    ranges, send = [], reg_mod._Client._send
+    ranges, send = [], remote.Client._send
 
     def spy(self, method, url, headers=None, **kw):
         if "Range" in (headers or {}) and url.endswith(wf.sha256):
             ranges.append(headers["Range"])
         return send(self, method, url, headers=headers, **kw)
 
-    monkeypatch.setattr(reg_mod._Client, "_send", spy)
+    monkeypatch.setattr(remote.Client, "_send", spy)
     got = pull(dst, f"{registry}/coldsnap/pieces@{digest}", insecure=True)
     blob = dst.blob_path("sha256:" + wf.sha256)
     assert blob.read_bytes() == data
@@ -106,8 +105,8 @@ def test_a_registry_without_ranges_sends_the_blob_whole(registry, stores, tmp_pa
     data = os.urandom(3 * MIB + 1)
     digest, wf = pinned_capsule(src, tmp_path, data)
     push(src, digest, f"{registry}/coldsnap/piecesnorange:v1", insecure=True)
-    send = reg_mod._Client._send
-    monkeypatch.setattr(reg_mod._Client, "_send", lambda self, method, url, headers=None, **kw: send(
+    send = remote.Client._send
+    monkeypatch.setattr(remote.Client, "_send", lambda self, method, url, headers=None, **kw: send(
         self, method, url, headers={k: v for k, v in (headers or {}).items() if k != "Range"}, **kw))
     pull(dst, f"{registry}/coldsnap/piecesnorange@{digest}", insecure=True)
     blob = dst.blob_path("sha256:" + wf.sha256)

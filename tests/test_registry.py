@@ -13,7 +13,7 @@ import pytest
 import requests
 from registry_fixture import ensure_registry, registry  # noqa: F401  (pytest fixture)
 
-from coldsnap.capsule import CapsuleStore, bloblocks
+from coldsnap.capsule import CapsuleStore, bloblocks, remote
 from coldsnap.capsule import gc as capsule_gc
 from coldsnap.capsule import registry as reg_mod
 from coldsnap.capsule.registry import pull, push
@@ -204,12 +204,12 @@ def test_resume_restarts_when_the_server_ignores_range(registry, src, dst, tmp_p
     push(src, digest, f"{registry}/coldsnap/norange:v1", insecure=True)
     part = dst.root / "tmp" / f"{layer.digest[7:]}.partial"
     part.write_bytes(b"garbage that is not a prefix")  # a stale partial: the server's 200 replaces it
-    send = reg_mod._Client._send
+    send = remote.Client._send
 
     def drop_range(self, method, url, headers=None, **kw):
         return send(self, method, url, headers={k: v for k, v in (headers or {}).items() if k != "Range"}, **kw)
 
-    monkeypatch.setattr(reg_mod._Client, "_send", drop_range)
+    monkeypatch.setattr(remote.Client, "_send", drop_range)
     got = pull(dst, f"{registry}/coldsnap/norange@{digest}", insecure=True)
     assert got.bytes_transferred == sum(blob_sizes(src, digest).values())
     dst.verify(dst.load(digest))
@@ -416,7 +416,7 @@ def test_bad_references(ref, src, dst):
     with pytest.raises(ColdSnapError) as e:
         pull(dst, ref, insecure=True, allow_unpinned=True)
     assert e.value.code == ErrorCode.INVALID_REQUEST
-    assert reg_mod.parse_remote("localhost:5000/a/b-c:v1.2@sha256:" + "0" * 64) == reg_mod.RemoteRef(
+    assert remote.parse_remote("localhost:5000/a/b-c:v1.2@sha256:" + "0" * 64) == remote.RemoteRef(
         "localhost:5000", "a/b-c", "v1.2", "sha256:" + "0" * 64)
 
 

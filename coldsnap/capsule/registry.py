@@ -1,8 +1,6 @@
-"""Capsules as OCI artifacts in real registries: push and pull through the OCI distribution API.
-
-Authentication goes through oras-py's token auth (bearer tokens; credentials from ~/.docker/config.json or
-COLDSNAP_REGISTRY_USER / COLDSNAP_REGISTRY_PASSWORD, sent as Basic where the registry challenges so). Blob bodies
-never pass whole through memory. push uploads missing blobs in chunks, then the stored manifest bytes unchanged,
+"""Capsules as OCI artifacts in real registries: push and pull through the OCI distribution API (spoken through
+coldsnap.capsule.remote: references, authentication, the registry's errors). Blob bodies never pass whole through
+memory. push uploads missing blobs in chunks, then the stored manifest bytes unchanged,
 so the registry's manifest digest is the local one. pull verifies the manifest (pinned by digest unless
 allow_unpinned), then streams only missing blobs into store/tmp/<hex>.partial, hashing, and checks digest and size
 before anything enters blobs/; an interrupted pull is resumed with a Range request. Per-blob fcntl locks
@@ -16,17 +14,13 @@ import hashlib
 import json
 import os
 import queue
-import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from http.cookiejar import DefaultCookiePolicy
 from pathlib import Path
 from typing import Callable
 
-import oras.auth
-import oras.container
 import requests
 
 from coldsnap.base.digests import (
@@ -45,6 +39,15 @@ from coldsnap.capsule import pieces, referrers, trust
 from coldsnap.capsule.bloblocks import blob_locks as _blob_locks
 from coldsnap.capsule.bloblocks import partial_path
 from coldsnap.capsule.growing import Growing
+from coldsnap.capsule.remote import (
+    MANIFEST_LIMIT,
+    Client,
+    RemoteRef,
+    parse_remote,
+    registry_error,
+    registry_said,
+    short_error,
+)
 from coldsnap.capsule.store import DIGEST_RE, CapsuleStore, Descriptor, manifest_annotations
 from coldsnap.contracts import CapsuleProfile, ColdSnapError, ErrorCode, WeightFile
 from coldsnap.contracts import capsule as mt
@@ -52,206 +55,11 @@ from coldsnap.contracts.parse import strict_json
 
 UPLOAD_CHUNK = 16 << 20  # PATCH size of a chunked upload
 READ_CHUNK = 1 << 20  # download read/hash/write granularity
-MANIFEST_LIMIT = 4 << 20
-CONNECT_TIMEOUT = 10
-READ_TIMEOUT = 300
 DOWNLOAD_ATTEMPTS = 3  # connection drops inside one pull are resumed this many times
-
-
-_REPO_RE = re.compile(r"^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*$")
-_TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
-_LOGIN = "log in (~/.docker/config.json) or set COLDSNAP_REGISTRY_USER and COLDSNAP_REGISTRY_PASSWORD"
-_ACCEPT = {"Accept": f"{mt.MANIFEST_MEDIA_TYPE}, {mt.INDEX_MEDIA_TYPE}"}
 
 
 def _corrupt(msg: str) -> ColdSnapError:
     return ColdSnapError(ErrorCode.CAPSULE_CORRUPT, msg)
-
-
-def _registry_error(msg: str) -> ColdSnapError:
-    return ColdSnapError(ErrorCode.REGISTRY, msg)
-
-
-# --- references -----------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class RemoteRef:
-    host: str
-    repository: str
-    tag: str | None
-    digest: str | None
-
-    @property
-    def name(self) -> str:
-        return f"{self.host}/{self.repository}"
-
-    @property
-    def tagged(self) -> str:
-        return self.name + (f":{self.tag}" if self.tag else "")
-
-    def __str__(self) -> str:
-        return self.tagged + (f"@{self.digest}" if self.digest else "")
-
-
-def parse_remote(ref: str) -> RemoteRef:
-    """HOST[:PORT]/REPO:TAG, HOST[:PORT]/REPO@sha256:…, or HOST[:PORT]/REPO:TAG@sha256:…"""
-    bad = f"registry reference {ref!r} must look like HOST[:PORT]/REPO:TAG or HOST[:PORT]/REPO@sha256:<64 hex>"
-    rest, at, pinned = ref.partition("@")
-    digest = pinned if at else None
-    if (digest is not None and not DIGEST_RE.match(digest)) or "/" not in rest:
-        raise ColdSnapError(ErrorCode.INVALID_REQUEST, bad)
-    host, path = rest.split("/", 1)
-    tag = None
-    if ":" in path.rsplit("/", 1)[-1]:
-        path, tag = path.rsplit(":", 1)
-    if not host or not _REPO_RE.match(path) or (tag is not None and not _TAG_RE.match(tag)):
-        raise ColdSnapError(ErrorCode.INVALID_REQUEST, bad)
-    return RemoteRef(host, path, tag, digest)
-
-
-# --- HTTP -----------------------------------------------------------------------------------------------------
-class _Session(requests.Session):
-    def request(self, method, url, **kw):  # requests has no session-wide timeout
-        kw.setdefault("timeout", (CONNECT_TIMEOUT, READ_TIMEOUT))
-        return super().request(method, url, **kw)
-
-
-class _Client:
-    """One repository on one registry, spoken to with oras' token auth (credentials, bearer tokens) and our own
-    requests and error handling (oras' Registry would retry "connection refused" for 83 s, and loads a JSON schema
-    validator a restore's start waits for)."""
-
-    def __init__(self, ref: RemoteRef, insecure: bool):
-        self.ref = ref
-        self.scheme = "http" if insecure else "https"
-        self.session = _Session()
-        self.session.cookies.set_policy(DefaultCookiePolicy(allowed_domains=[]))  # some registries set CSRF ones
-        self.auth = oras.auth.get_auth_backend("token", self.session, insecure)
-        self.static: dict[str, str] = {}
-        user, password = settings().registry_user, settings().registry_password
-        if user and password:
-            self.auth.set_basic_auth(user, password)
-        else:  # ~/.docker/config.json (auths, credsStore, credHelpers); unreadable means "no credentials"
-            with contextlib.suppress(Exception):
-                self.auth.load_configs(oras.container.Container(f"{ref.name}:x", registry=ref.host))
-        self.base = f"{self.scheme}://{ref.host}/v2/{ref.repository}"
-        self._ping()
-
-    def _creds(self) -> str | None:
-        return getattr(self.auth, "_basic_auth", None) or None
-
-    def _ping(self) -> None:
-        url = f"{self.scheme}://{self.ref.host}/v2/"
-        r = self._send("GET", url, auth=False)
-        if r.status_code == 401:
-            challenge = r.headers.get("Www-Authenticate", "")
-            if challenge.lower().startswith("basic"):
-                if not self._creds():
-                    raise self._denied(r)
-                self.static["Authorization"] = f"Basic {self._creds()}"
-                r = self._send("GET", url, auth=False)
-                if r.status_code in (401, 403):
-                    raise self._denied(r)
-            return  # Bearer: oras' TokenAuth answers the challenge per request
-        if r.status_code != 200:
-            raise _registry_error(f"{self.ref.host} does not speak the OCI distribution API (GET /v2/ answered "
-                                  f"{r.status_code})")
-
-    def _denied(self, r: requests.Response) -> ColdSnapError:
-        how = "the credentials were refused" if self._creds() else f"it needs credentials: {_LOGIN}"
-        return _registry_error(f"registry {self.ref.host} denied access to {self.ref.repository} ({r.status_code}): "
-                               f"{how}")
-
-    def _send(self, method: str, url: str, *, headers: dict | None = None, data=None, stream: bool = False,
-              auth: bool = True) -> requests.Response:
-        h = {**self.static, **(headers or {})}
-        try:
-            if not auth:
-                return self.session.request(method, url, headers=h, data=data, stream=stream)
-            r = self._answering_challenges(method, url, h, data, stream)
-            if r.status_code == 401 and getattr(self.auth, "token", None):
-                # a token kept from an earlier request may be scoped too narrowly (pull → push): drop it and
-                # answer the new challenge once
-                self.auth.token = None
-                r = self._answering_challenges(method, url, h, data, stream)
-            return r
-        except requests.exceptions.SSLError as e:
-            raise _registry_error(f"TLS with registry {self.ref.host} failed ({_short(e)}); for a plain-HTTP local "
-                                  "registry use insecure") from None
-        except requests.exceptions.ConnectionError as e:
-            raise _registry_error(f"cannot connect to registry {self.ref.host} over {self.scheme}: "
-                                  f"{_short(e)}") from None
-        except requests.exceptions.Timeout:
-            raise _registry_error(f"registry {self.ref.host} did not answer in time") from None
-        except ValueError as e:  # oras: "Cannot respond to request for authentication."
-            if "authentication" in str(e):
-                raise _registry_error(f"registry {self.ref.host} asked for authentication that could not be "
-                                      f"answered: {_LOGIN}") from None
-            raise
-
-    def _answering_challenges(self, method: str, url: str, headers: dict, data, stream: bool) -> requests.Response:
-        """The request with the token kept from the last challenge, if any; a 401 or 403 is answered (Basic
-        credentials, or a bearer token for the scope asked) and the request sent again; a 403 after that once
-        more with a fresh token. ValueError where a challenge cannot be answered."""
-        if isinstance(self.auth, oras.auth.TokenAuth) and self.auth.token is not None:
-            headers = {**headers, **self.auth.get_auth_header()}
-        r = self.session.request(method, url, headers=headers, data=data, stream=stream)
-        for refresh, answered in ((False, (401, 403)), (True, (403,))):
-            if r.status_code not in answered:
-                break
-            headers, changed = self.auth.authenticate_request(r, headers, refresh=refresh)
-            if not changed:
-                raise ValueError("Cannot respond to request for authentication.")
-            r.close()
-            r = self.session.request(method, url, headers=headers, data=data, stream=stream)
-        return r
-
-    def request(self, method: str, url: str, *, ok: tuple[int, ...], what: str, headers: dict | None = None,
-                data=None, stream: bool = False, not_found: ErrorCode | None = None) -> requests.Response:
-        r = self._send(method, url, headers=headers, data=data, stream=stream)
-        if r.status_code in ok:
-            return r
-        said = _errors(r)  # what the registry said, before the body goes
-        r.close()
-        if r.status_code in (401, 403):
-            raise self._denied(r)
-        if r.status_code == 404 and not_found:
-            raise ColdSnapError(not_found, f"{what}: not found in registry {self.ref.host}"
-                                + (f" (it said {said})" if said else ""))
-        raise self.refused(r, what, said)
-
-    def refused(self, r: requests.Response, what: str, said: str) -> ColdSnapError:
-        return _registry_error(f"{what}: registry {self.ref.host} answered {r.status_code} {said}".rstrip())
-
-    def manifest(self, ref: str, what: str) -> tuple[bytes, requests.Response]:
-        """A manifest (or index) by tag or digest, read up to one byte past MANIFEST_LIMIT."""
-        r = self.request("GET", f"{self.base}/manifests/{ref}", ok=(200,), what=what, headers=_ACCEPT,
-                         not_found=ErrorCode.CAPSULE_NOT_FOUND, stream=True)
-        with r:
-            return r.raw.read(MANIFEST_LIMIT + 1, decode_content=True), r
-
-    def location(self, r: requests.Response) -> str:
-        loc = r.headers.get("Location")
-        if not loc:
-            raise _registry_error(f"registry {self.ref.host} gave no upload location")
-        return loc if loc.startswith("http") else f"{self.scheme}://{self.ref.host}{loc}"
-
-
-def _short(e: Exception) -> str:
-    s = str(e)
-    for known in ("Connection refused", "Name or service not known", "Connection reset", "No route to host",
-                  "timed out", "Temporary failure in name resolution", "WRONG_VERSION_NUMBER",
-                  "CERTIFICATE_VERIFY_FAILED"):
-        if known in s:
-            return known.lower().replace("_", " ")
-    return s[:200]
-
-
-def _errors(r: requests.Response) -> str:
-    try:
-        errs = r.json().get("errors", [])
-        return "(" + "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errs) + ")" if errs else ""
-    except ValueError:
-        return ""
 
 
 # --- push -----------------------------------------------------------------------------------------------------
@@ -281,7 +89,7 @@ def _descriptors(manifest: dict, where: str) -> list[Descriptor]:
     return list(unique.values())
 
 
-def _upload_blob(client: _Client, path: Path, desc: Descriptor, progress: TransferProgress | None) -> int:
+def _upload_blob(client: Client, path: Path, desc: Descriptor, progress: TransferProgress | None) -> int:
     r = client.request("POST", f"{client.base}/blobs/uploads/", ok=(202,), what=f"starting upload of {desc.digest}",
                        headers={"Content-Length": "0"})
     url = client.location(r)
@@ -305,7 +113,7 @@ def _upload_blob(client: _Client, path: Path, desc: Descriptor, progress: Transf
         if r.status_code == 400 and "DIGEST_INVALID" in r.text:
             raise _corrupt(f"blob {desc.digest} in the store does not hash to its digest (the registry refused it)")
         if r.status_code != 201:
-            raise client.refused(r, f"finishing upload of {desc.digest}", _errors(r))
+            raise client.refused(r, f"finishing upload of {desc.digest}", registry_said(r))
         url = ""
     finally:
         if url:  # abandoned: let the registry drop the session (best effort)
@@ -343,7 +151,7 @@ def push(store: CapsuleStore, digest: str, ref: str, insecure: bool = False,
             raise _corrupt(f"blob {d.digest} of capsule {digest} is missing")
         if (size := path.stat().st_size) != d.size:
             raise _corrupt(f"blob {d.digest} of capsule {digest} is {size} bytes, its manifest says {d.size}")
-    client = _Client(remote, insecure)
+    client = Client(remote, insecure)
     sent, uploaded, present = 0, [], []
     for d in descs:
         r = client.request("HEAD", f"{client.base}/blobs/{d.digest}", ok=(200, 404), what=f"checking {d.digest}")
@@ -357,7 +165,7 @@ def push(store: CapsuleStore, digest: str, ref: str, insecure: bool = False,
                        headers={"Content-Type": manifest.get("mediaType", mt.MANIFEST_MEDIA_TYPE)})
     echoed = r.headers.get("Docker-Content-Digest")
     if echoed and echoed != digest:
-        raise _registry_error(f"registry {remote.host} stored the manifest as {echoed}, not {digest}: it rewrote "
+        raise registry_error(f"registry {remote.host} stored the manifest as {echoed}, not {digest}: it rewrote "
                               "the manifest")
     # a weights payload (pushed by digest beside its capsule) carries no signatures of its own
     is_payload = manifest.get("artifactType") == mt.PAYLOAD_ARTIFACT_TYPE
@@ -453,7 +261,7 @@ class _Sink:
             raise self.error
 
 
-def _download(client: _Client, desc: Descriptor, part: Path, progress: TransferProgress | None,
+def _download(client: Client, desc: Descriptor, part: Path, progress: TransferProgress | None,
               growing: Growing | None = None, durable: bool = True) -> tuple[int, int, bool]:
     """Bring part up to desc.size bytes, resuming what is there: (received, resumed, matches size and digest).
     growing: told how far the file is written, for a reader that follows it (any restart stops the reader).
@@ -469,7 +277,7 @@ def _download(client: _Client, desc: Descriptor, part: Path, progress: TransferP
     return received, resumed, ok
 
 
-def _download_into(client: _Client, desc: Descriptor, part: Path, progress: TransferProgress | None,
+def _download_into(client: Client, desc: Descriptor, part: Path, progress: TransferProgress | None,
                    growing: Growing | None, durable: bool = True) -> tuple[int, int, bool]:
     url = f"{client.base}/blobs/{desc.digest}"
     received = attempts = 0
@@ -524,8 +332,8 @@ def _download_into(client: _Client, desc: Descriptor, part: Path, progress: Tran
                     h = _hash_prefix(part, offset)  # what reached the file, exactly
                     attempts += 1
                     if attempts >= DOWNLOAD_ATTEMPTS:
-                        raise _registry_error(f"connection to {client.ref.host} broke while "
-                                            f"fetching {desc.digest} at byte {offset} ({_short(e)}); the partial "
+                        raise registry_error(f"connection to {client.ref.host} broke while "
+                                            f"fetching {desc.digest} at byte {offset} ({short_error(e)}); the partial "
                                             "download is kept and the next pull resumes it") from None
         ok = offset == desc.size and "sha256:" + h.hexdigest() == desc.digest
         if ok:
@@ -535,7 +343,7 @@ def _download_into(client: _Client, desc: Descriptor, part: Path, progress: Tran
     return received, resumed, ok
 
 
-def _download_by_fetcher(fetcher: pieces.Fetcher, client: _Client, desc: Descriptor, part: Path,
+def _download_by_fetcher(fetcher: pieces.Fetcher, client: Client, desc: Descriptor, part: Path,
                          progress: TransferProgress | None, growing: Growing,
                          durable: bool = True) -> tuple[int, bool] | None:
     """desc's blob streamed into a new partial file by a fetching process started ahead of it (pieces.Fetcher: a
@@ -585,7 +393,7 @@ def _download_by_fetcher(fetcher: pieces.Fetcher, client: _Client, desc: Descrip
         os.close(fd)
 
 
-def _fetch_blob(client: _Client, store: CapsuleStore, desc: Descriptor, progress: TransferProgress | None,
+def _fetch_blob(client: Client, store: CapsuleStore, desc: Descriptor, progress: TransferProgress | None,
                 growing: Growing | None = None, fetcher: pieces.Fetcher | None = None,
                 durable: bool = True) -> tuple[int, int]:
     """Bring one blob into its partial file, verified: by a fetching process started for it (a blob someone follows
@@ -610,11 +418,11 @@ def _fetch_blob(client: _Client, store: CapsuleStore, desc: Descriptor, progress
     return received, resumed
 
 
-def _fetch_pieces(client: _Client, store: CapsuleStore, desc: Descriptor, wf: WeightFile,
+def _fetch_pieces(client: Client, store: CapsuleStore, desc: Descriptor, wf: WeightFile,
                   progress: TransferProgress | None, arrivals: pieces.Arrivals | None = None) -> tuple[int, int] | None:
     """(received, resumed) of a blob fetched by pieces, or None when the registry does not answer ranges."""
     try:
-        return pieces.fetch_by_pieces(lambda: _Client(client.ref, client.scheme == "http"),
+        return pieces.fetch_by_pieces(lambda: Client(client.ref, client.scheme == "http"),
                                       f"{client.base}/blobs/{desc.digest}", partial_path(store, desc.digest),
                                       desc.size, wf, f"fetching blob {desc.digest}",
                                       (lambda done, total: progress(desc.digest, done, total)) if progress else None,
@@ -624,7 +432,7 @@ def _fetch_pieces(client: _Client, store: CapsuleStore, desc: Descriptor, wf: We
         return None
 
 
-def _the_capsule_listed(client: "_Client", listed: list) -> str | None:
+def _the_capsule_listed(client: "Client", listed: list) -> str | None:
     """The digest of the one ColdSnap capsule among an index's manifests (each fetched and hashed), or None when
     there is not exactly one (or the index lists too many to look at)."""
     digests = [d for d in listed if isinstance(d, str) and DIGEST_RE.match(d)]
@@ -665,7 +473,7 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
     if not remote.tag and not remote.digest:
         raise ColdSnapError(ErrorCode.INVALID_REQUEST, f"registry reference {ref!r} needs a :TAG or @digest")
     store.init()
-    client = _Client(remote, insecure)
+    client = Client(remote, insecure)
     # An index is accepted too, so that a tag naming one is answered for what it is, not as "not found".
     raw, r = client.manifest(str(remote.digest or remote.tag), f"capsule {remote}")
     if len(raw) > MANIFEST_LIMIT:
@@ -718,7 +526,7 @@ def pull(store: CapsuleStore, ref: str, insecure: bool = False, allow_unpinned: 
             if on_manifest is not None:
                 on_manifest(digest, manifest)
             # where the capsule came from and who signed it, asked beside its blobs (admission waits for both)
-            provenance = Soon(lambda: _provenance(_Client(client.ref, client.scheme == "http"), store, remote, digest),
+            provenance = Soon(lambda: _provenance(Client(client.ref, client.scheme == "http"), store, remote, digest),
                               "pull-provenance") if on_blobs is not None else None
             weights_missing = payload or any(not store.has_blob(d.digest) for d in descs if d not in own)
             # a restore uses these before the pull ends (on_blobs): their fsync waits for its first token
@@ -813,14 +621,14 @@ class _WeightsAhead:
     blobs come: by the pieces its profile pins (in the store, verified, before this starts), so that a restore's
     weights move beside its CRIU images instead of after them."""
 
-    def __init__(self, store: CapsuleStore, client: "_Client", manifest: dict, weights: list[Descriptor], progress,
+    def __init__(self, store: CapsuleStore, client: "Client", manifest: dict, weights: list[Descriptor], progress,
                  arrivals: pieces.Arrivals) -> None:
         self.fetched: _Fetched | None = None
         self.error: BaseException | None = None
 
         def run() -> None:
             try:
-                own = _Client(client.ref, client.scheme == "http")  # a session is not shared between threads
+                own = Client(client.ref, client.scheme == "http")  # a session is not shared between threads
                 with _blob_locks(store, [d.digest for d in weights]):
                     self.fetched = _fetch_missing(store, own, weights, progress, _weight_pins(store, manifest),
                                                   arrivals)
@@ -871,7 +679,7 @@ def _present_for(store: CapsuleStore, d: Descriptor, wf: WeightFile | None) -> b
 BLOB_STREAMS = 6  # blobs fetched at once (the CRIU images' layers side by side; a weights blob by pieces has its own)
 
 
-def _fetch_missing(store: CapsuleStore, client: "_Client", descs: list[Descriptor], progress,
+def _fetch_missing(store: CapsuleStore, client: "Client", descs: list[Descriptor], progress,
                    pins: dict[str, WeightFile] | None = None, arrivals: pieces.Arrivals | None = None,
                    sync_later: bool = False) -> _Fetched:
     """Fetch the blobs the store lacks, up to BLOB_STREAMS at once, then publish them once every one verified (a
@@ -894,7 +702,7 @@ def _fetch_missing(store: CapsuleStore, client: "_Client", descs: list[Descripto
         if not hasattr(local, "client"):
             with _clients_lock:
                 local.client = clients.pop() if clients else None
-            local.client = local.client or _Client(client.ref, client.scheme == "http")
+            local.client = local.client or Client(client.ref, client.scheme == "http")
         d, wf = item
         if wf is not None and pieces.wanted() and pieces.covers(wf, d.size) and \
                 (got_pieces := _fetch_pieces(local.client, store, d, wf, progress, arrivals)):
@@ -960,14 +768,14 @@ def _make_durable(store: CapsuleStore, digests: list[str], arrivals: pieces.Arri
 _clients_lock = threading.Lock()
 
 
-def _provenance(client: "_Client", store: CapsuleStore, remote: RemoteRef, digest: str) -> int:
+def _provenance(client: "Client", store: CapsuleStore, remote: RemoteRef, digest: str) -> int:
     """Where the capsule came from and who vouches for it (the restore policy's input); returns the signatures
     pulled."""
     trust.record(store, digest, "pull", remote.tagged)
     return referrers.pull(client, store, digest)
 
 
-def _pull_capsule(store: CapsuleStore, client: "_Client", remote: RemoteRef, raw: bytes, digest: str, manifest: dict,
+def _pull_capsule(store: CapsuleStore, client: "Client", remote: RemoteRef, raw: bytes, digest: str, manifest: dict,
                   artifact_type: str, progress, payload_result, t0: float, early: _Fetched,
                   pins: dict[str, WeightFile] | None = None, signatures: int | None = None,
                   arrivals: pieces.Arrivals | None = None) -> PullResult:

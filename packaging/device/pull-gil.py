@@ -19,7 +19,8 @@ from pathlib import Path
 
 import requests
 
-from coldsnap.capsule.registry import _Client, _download, parse_remote
+from coldsnap.capsule.registry import _download
+from coldsnap.capsule.remote import Client, parse_remote
 from coldsnap.capsule.store import Descriptor
 from coldsnap.flows.fetch import PULL_SWITCH_INTERVAL_S
 from coldsnap_bench.registry import LocalRegistry
@@ -57,7 +58,7 @@ def _case(reg: str, work: Path, descs: list[Descriptor], busy: int, interval: fl
             for p in parts:
                 p.unlink(missing_ok=True)
             t0 = time.monotonic()
-            threads = [threading.Thread(target=_download, args=(_Client(parse_remote(f"{reg}/gil@{d.digest}"), True),
+            threads = [threading.Thread(target=_download, args=(Client(parse_remote(f"{reg}/gil@{d.digest}"), True),
                                                                 d, p, None)) for d, p in zip(descs, parts)]
             for t in threads:
                 t.start()
