@@ -34,7 +34,7 @@ from coldsnap.base.digests import chunk_digest
 from coldsnap.base.files import WriteBehind
 from coldsnap.base.paths import settings
 from coldsnap.capsule import fetcher as fetching
-from coldsnap.capsule.fetcher import ATTEMPTS, BROKEN, FD_BATCH, NoRanges, fetch_piece
+from coldsnap.capsule.fetcher import ATTEMPTS, FD_BATCH, NoRanges, broken, fetch_piece
 from coldsnap.capsule.growing import Growing
 from coldsnap.contracts import ColdSnapError, ErrorCode, WeightFile
 
@@ -490,7 +490,7 @@ def fetch_by_pieces(new_client: Callable[[], object], url: str, part: Path, size
                     if good and arrivals is not None:
                         announce(i, offset, length)
                     return good
-                except BROKEN:
+                except broken():
                     if attempt == ATTEMPTS - 1:
                         raise ColdSnapError(ErrorCode.REGISTRY, f"{what}: the connection broke {ATTEMPTS} times "
                                             f"on the piece at byte {offset}; the pieces already here are kept and "
