@@ -172,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                                      description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--socket", type=int, required=True, help="the inherited socket the job comes on")
     args = parser.parse_args(argv)
+    import requests  # noqa: F401 - now, while no job is here yet (it is started ahead of its work)
+
     with socket.socket(fileno=args.socket) as sock:
         taken = take_job(sock)
     if taken is None:
