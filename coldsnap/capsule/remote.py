@@ -22,12 +22,11 @@ from coldsnap.contracts import capsule as mt
 MANIFEST_LIMIT = 4 << 20
 CONNECT_TIMEOUT = 10
 READ_TIMEOUT = 300
-
-
 _REPO_RE = re.compile(r"^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*$")
 _TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 _LOGIN = "log in (~/.docker/config.json) or set COLDSNAP_REGISTRY_USER and COLDSNAP_REGISTRY_PASSWORD"
 _ACCEPT = {"Accept": f"{mt.MANIFEST_MEDIA_TYPE}, {mt.INDEX_MEDIA_TYPE}"}
+
 
 def registry_error(msg: str) -> ColdSnapError:
     return ColdSnapError(ErrorCode.REGISTRY, msg)
